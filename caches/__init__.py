@@ -1,0 +1,1 @@
+"""Static-shape batched KV caches (full and ring) and the per-forward mask builder."""

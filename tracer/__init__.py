@@ -1,0 +1,9 @@
+"""mlx-tracer: compile-once LLM decode for MLX.
+
+The import package ``mlx_tracer`` is this folder (``tracer/``); its
+sub-packages ``mlx_tracer.caches`` (static-shape KV storage and per-forward
+masks) and ``mlx_tracer.adapters`` (what a model sees while it is traced) live
+in the top-level folders ``caches/`` and ``adapters/``.
+"""
+
+__version__ = "0.1.0"
