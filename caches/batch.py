@@ -1,0 +1,336 @@
+"""What the full and the ring cache share: buffers of a fixed shape, bucket
+rows, the mlx-lm cache protocol, and moving rows between batches.
+
+A cache owns ``keys [Bk, H, S, Dk]`` and ``values [Bk, H, S, Dv]`` whose shape
+does not change while it decodes: ``Bk`` is the batch-width bucket (rows
+``n..Bk-1`` are inert padding rows), ``S`` the capacity (full) or the window
+(ring). Row positions live in a :class:`~mlx_tracer.caches.rows.RowBook`.
+The two kinds differ only in how column-times map to physical columns; they
+implement the hooks at the bottom of :class:`StaticKVCache`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from .masks import MaskGeometry
+from .rows import RowBook
+
+
+@dataclass
+class RowSource:
+    """Rows of one join source, seen on that source's own timeline."""
+
+    keys: Optional[mx.array]  # [n, H, S_src, Dk] or None when empty
+    values: Optional[mx.array]  # [n, H, S_src, Dv]
+    rows: RowBook  # left_padding already clamped to what the buffer retains
+    col_of_time: Callable[[np.ndarray], np.ndarray]  # source time -> source column
+    batch: Optional["StaticKVCache"] = None  # the running batch it came from
+
+
+class StaticKVCache:
+    """Shared machinery of :class:`FullCache` and :class:`RingCache` (see module doc)."""
+
+    kind = "static"
+
+    def __init__(self, rows: RowBook, width: Optional[int] = None):
+        self.rows = rows
+        self.keys: Optional[mx.array] = None
+        self.values: Optional[mx.array] = None
+        self._width = max(width or 0, rows.n)
+        self._offset_cache = None
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def width(self) -> int:
+        """Batch-width bucket: rows in the buffers (live + padding)."""
+        return self.keys.shape[0] if self.keys is not None else self._width
+
+    @property
+    def n(self) -> int:
+        """Live rows."""
+        return self.rows.n
+
+    @property
+    def S(self) -> int:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def allocate(self, heads: int, k_dim: int, v_dim: Optional[int] = None, dtype=mx.float32):
+        """Create the zeroed buffers now (a compiled step needs them before its first trace)."""
+        v_dim = k_dim if v_dim is None else v_dim
+        self.keys = mx.zeros((self.width, heads, self.S, k_dim), dtype=dtype)
+        self.values = mx.zeros((self.width, heads, self.S, v_dim), dtype=dtype)
+        return self
+
+    def _check_update(self, keys: mx.array, values: mx.array):
+        if keys.ndim != 4 or values.ndim != 4:
+            raise ValueError(
+                f"keys/values must be [batch, kv_heads, L, head_dim], got {tuple(keys.shape)} and {tuple(values.shape)}"
+            )
+        B, H, L, _ = keys.shape
+        if values.shape[:3] != keys.shape[:3]:
+            raise ValueError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} disagree on batch/heads/length")
+        if B != self.width:
+            raise ValueError(
+                f"update has {B} rows but the cache holds {self.width} (live {self.n} in bucket {self.width}); "
+                "pass one row per bucket row"
+            )
+        if self.keys is not None:
+            want = (self.keys.shape[1], self.keys.shape[3], self.values.shape[3])
+            got = (H, keys.shape[3], values.shape[3])
+            if want != got:
+                raise ValueError(
+                    f"update has (kv_heads, k_dim, v_dim) = {got}, the cache was built for {want}: "
+                    "one cache per attention layer"
+                )
+            if keys.dtype != self.keys.dtype or values.dtype != self.values.dtype:
+                raise ValueError(
+                    f"update dtype {keys.dtype}/{values.dtype} differs from the cache's {self.keys.dtype}: "
+                    "cast the model or allocate the cache with the model's dtype"
+                )
+        elif keys.dtype != values.dtype:
+            raise ValueError(f"keys dtype {keys.dtype} differs from values dtype {values.dtype}")
+        return L
+
+    # ----------------------------------------------------------- mlx-lm protocol
+    @property
+    def offset(self) -> mx.array:
+        """Per-row RoPE offsets ``[Bk]`` int32 (padding rows: 0)."""
+        out = np.zeros(self.width, dtype=np.int32)
+        out[: self.n] = self.rows.offsets
+        return mx.array(out)
+
+    @property
+    def left_padding(self) -> mx.array:
+        out = np.zeros(self.width, dtype=np.int32)
+        out[: self.n] = self.rows.left_padding
+        return mx.array(out)
+
+    @property
+    def state(self):
+        return self.keys, self.values
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+
+    def bytes_for(self, tokens: int) -> int:
+        """Bytes one row holds for ``tokens`` more positions (capped at the window for rings)."""
+        if self.keys is None:
+            return 0
+        per_col = self.keys.shape[1] * (self.keys.shape[3] * self.keys.itemsize + self.values.shape[3] * self.values.itemsize)
+        return per_col * self._cap_tokens(int(tokens))
+
+    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False, **kwargs):
+        """The mask of the update of ``N`` tokens that comes next (mlx-lm calls this first)."""
+        return self.geometry(N, window_size).mask()
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        """Write ``keys``/``values`` ``[Bk, H, L, D]`` and return what the layer attends over."""
+        L = self._check_update(keys, values)
+        if self.keys is None:
+            self.allocate(keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
+        inputs = self.step_inputs(L)
+        k_att, v_att, self.keys, self.values = self.apply_step(self.keys, self.values, keys, values, inputs)
+        self.advance(L)
+        return k_att, v_att
+
+    def is_decode(self, L: int) -> bool:
+        """Whether an update of ``L`` tokens is a decode write (else a window)."""
+        return L == 1 and self.rows.pending is None
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
+        self.rows.prepare(left_padding, lengths, right_padding, empty=self.rows.time == 0)
+
+    # ------------------------------------------------------------- adopt / views
+    def adopt(self, keys: mx.array, values: mx.array):
+        """Take ownership of buffers a compiled step returned (same shapes, no column moves)."""
+        if self.keys is None or keys.shape != self.keys.shape or values.shape != self.values.shape:
+            have = None if self.keys is None else (tuple(self.keys.shape), tuple(self.values.shape))
+            raise ValueError(f"adopt needs buffers shaped {have}, got {tuple(keys.shape)} / {tuple(values.shape)}")
+        if keys.dtype != self.keys.dtype:
+            raise ValueError(f"adopt needs dtype {self.keys.dtype}, got {keys.dtype}")
+        self.keys, self.values = keys, values
+
+    def temporal_view(self, i: int) -> Tuple[mx.array, mx.array]:
+        """Row ``i``'s valid keys and values ``[1, H, n, D]`` in temporal order."""
+        i = self.rows.check_row(i)
+        start = max(int(self.rows.left_padding[i]), self._retained_start())
+        stop = self.rows.time - int(self.rows.right_padding[i])
+        if self.keys is None or stop <= start:
+            return None, None
+        cols = mx.array(self._col_mapper()(np.arange(start, stop)).astype(np.int32))
+        return mx.take(self.keys[i : i + 1], cols, axis=2), mx.take(self.values[i : i + 1], cols, axis=2)
+
+    def extract(self, i: int):
+        """Row ``i`` as a fresh, owned serial mlx-lm cache."""
+        i = self.rows.check_row(i)
+        if self.rows.pending is not None:
+            raise ValueError("cannot extract a row while a prepared prompt is pending: call finalize() first")
+        k, v = self.temporal_view(i)
+        return self._serial(k if k is None else mx.contiguous(k), v if v is None else mx.contiguous(v), int(self.rows.offsets[i]))
+
+    # ------------------------------------------------------------ moving rows
+    def filter(self, keep: Sequence[int], width: Optional[int] = None):
+        """Keep only rows ``keep`` (in that order), in place."""
+        keep = [self.rows.check_row(int(k)) for k in keep]
+        src = self._as_source()
+        src = RowSource(
+            None if src.keys is None else src.keys[mx.array(keep, dtype=mx.int32)] if keep else src.keys[:0],
+            None if src.values is None else src.values[mx.array(keep, dtype=mx.int32)] if keep else src.values[:0],
+            src.rows.select(keep),
+            src.col_of_time,
+            self,
+        )
+        self._assemble([src], width, **self._filter_kwargs())
+
+    def extend(self, other, width: Optional[int] = None):
+        """Append the rows of ``other`` (a batch of the same kind or a serial cache), in place."""
+        self._assemble([self._as_source(), self._source_of(other)], width)
+
+    @classmethod
+    def join(cls, sources: Sequence, width: Optional[int] = None, **kwargs):
+        """A new batch of the rows of ``sources`` (batches or serial caches), in
+        order. Sources are read, never modified."""
+        if not sources:
+            raise ValueError("join needs at least one source cache")
+        proto = cls._prototype(sources, **kwargs)
+        proto._assemble([proto._source_of(s) for s in sources], width)
+        return proto
+
+    @classmethod
+    def merge(cls, caches: Sequence, width: Optional[int] = None, **kwargs):
+        """mlx-lm's ``merge``: a batch from serial caches, left-padded to the longest."""
+        return cls.join(caches, width=width, **kwargs)
+
+    def _source_of(self, other) -> RowSource:
+        if isinstance(other, StaticKVCache):
+            if type(other) is not type(self):
+                raise ValueError(f"cannot join a {type(other).__name__} into a {type(self).__name__}")
+            self._check_compatible(other)
+            if other.rows.pending is not None:
+                raise ValueError("cannot join a batch with a prepared prompt pending: call finalize() first")
+            return other._as_source()
+        return self._serial_source(other)
+
+    def _as_source(self) -> RowSource:
+        rows = self.rows.copy()
+        rows.left_padding = np.maximum(rows.left_padding, self._retained_start())
+        keys = None if self.keys is None else self.keys[: self.n]
+        values = None if self.values is None else self.values[: self.n]
+        return RowSource(keys, values, rows, self._col_mapper(), self)
+
+    def _assemble(self, sources: List[RowSource], width: Optional[int], **target):
+        """Rebuild this cache's buffers from ``sources`` right-aligned on a new timeline."""
+        if any(s.rows.pending is not None for s in sources):
+            raise ValueError("cannot move rows while a prepared prompt is pending: call finalize() first")
+        n = sum(s.rows.n for s in sources)
+        width = n if width is None else int(width)
+        if width < n:
+            raise ValueError(f"bucket {width} exceeded: {n} live rows; pass a larger width")
+        time = self._target_time(sources, **target)
+        col_times = self._target_col_times(time)  # [S] new column -> new time
+        parts_k, parts_v, books = [], [], []
+        proto = next((s for s in sources if s.keys is not None), None)
+        for s in sources:
+            delta = time - s.rows.time
+            book = s.rows.shifted(delta)
+            books.append(book)
+            if proto is None or s.rows.n == 0:
+                continue
+            if s.keys is None:
+                H, Dk, Dv, dt = proto.keys.shape[1], proto.keys.shape[3], proto.values.shape[3], proto.keys.dtype
+                parts_k.append(mx.zeros((s.rows.n, H, self.S, Dk), dt))
+                parts_v.append(mx.zeros((s.rows.n, H, self.S, Dv), dt))
+                continue
+            src_cols = s.col_of_time(col_times - delta)
+            src_cols = np.clip(src_cols, 0, s.keys.shape[2] - 1).astype(np.int32)
+            idx = mx.array(src_cols)
+            parts_k.append(mx.take(s.keys, idx, axis=2))
+            parts_v.append(mx.take(s.values, idx, axis=2))
+        self.rows = RowBook.concat(books) if books else self.rows.select([])
+        self.rows.time = time
+        if proto is None:
+            self.keys = self.values = None
+            self._width = width
+            return
+        if width > n:
+            H, Dk, Dv, dt = proto.keys.shape[1], proto.keys.shape[3], proto.values.shape[3], proto.keys.dtype
+            parts_k.append(mx.zeros((width - n, H, self.S, Dk), dt))
+            parts_v.append(mx.zeros((width - n, H, self.S, Dv), dt))
+        self.keys = mx.concatenate(parts_k, axis=0) if len(parts_k) > 1 else parts_k[0]
+        self.values = mx.concatenate(parts_v, axis=0) if len(parts_v) > 1 else parts_v[0]
+        self._width = width
+
+    def resize(self, width: int):
+        """Move the live rows into a buffer of bucket width ``width``."""
+        if width == self.width:
+            return
+        self.filter(list(range(self.n)), width=width)
+
+    # ------------------------------------------------------------------- hooks
+    def _cap_tokens(self, tokens: int) -> int:
+        return tokens
+
+    def _retained_start(self) -> int:
+        return 0
+
+    def _col_mapper(self) -> Callable[[np.ndarray], np.ndarray]:  # pragma: no cover - abstract
+        """Column-time -> physical column, for the buffers as they are now."""
+        raise NotImplementedError
+
+    def _target_col_times(self, time: int) -> np.ndarray:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _target_time(self, sources: List[RowSource], **target) -> int:  # pragma: no cover
+        raise NotImplementedError
+
+    def _filter_kwargs(self) -> dict:
+        return {}
+
+    def _check_compatible(self, other):
+        pass
+
+    def geometry(self, L: int, window_size: Optional[int] = None) -> MaskGeometry:  # pragma: no cover
+        """Mask inputs of the next update of ``L`` tokens."""
+        raise NotImplementedError
+
+    def step_inputs(self, L: int) -> dict:  # pragma: no cover - abstract
+        """int32 arrays that place the next update of ``L`` tokens in the buffers."""
+        raise NotImplementedError
+
+    def apply_step(self, kbuf, vbuf, keys, values, inputs: dict):  # pragma: no cover - abstract
+        """``(keys_to_attend, values_to_attend, new_kbuf, new_vbuf)``: pure in its
+        array arguments, so it runs eagerly or inside a compiled step."""
+        raise NotImplementedError
+
+    def advance(self, L: int):  # pragma: no cover - abstract
+        """Host bookkeeping after an update of ``L`` tokens was applied."""
+        raise NotImplementedError
+
+    def _serial(self, keys, values, offset):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _serial_source(self, cache) -> RowSource:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @classmethod
+    def _prototype(cls, sources, **kwargs) -> "StaticKVCache":  # pragma: no cover
+        raise NotImplementedError
+
+    def _live(self) -> mx.array:
+        live = np.zeros(self.width, dtype=bool)
+        live[: self.n] = True
+        return mx.array(live)
+
+    def _first_valid(self) -> mx.array:
+        fv = np.zeros(self.width, dtype=np.int32)
+        fv[: self.n] = self.rows.left_padding
+        return mx.array(fv)

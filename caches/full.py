@@ -1,0 +1,168 @@
+"""FullCache: full-attention KV storage with a fixed capacity per bucket.
+
+The batched counterpart of mlx-lm's ``BatchKVCache`` whose buffers do not
+grow per token: ``keys/values [Bk, H, C, D]`` with ``C`` taken from a small
+set of capacity buckets (256, 512, ...). Column ``c`` holds column-time ``c``;
+a row's tokens are the columns ``[left_padding[r], time)``. Writing past the
+capacity moves the cache to the next bucket: one reallocation, counted in
+``regrows``, never per token.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache
+
+from .batch import RowSource, StaticKVCache
+from .masks import MaskGeometry, full_columns
+from .rows import RowBook
+from .writes import write_columns
+
+DEFAULT_CAPACITIES = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def capacity_bucket(tokens: int, capacities: Sequence[int] = DEFAULT_CAPACITIES) -> int:
+    """Smallest capacity bucket holding ``tokens`` columns."""
+    for c in capacities:
+        if c >= tokens:
+            return c
+    raise ValueError(
+        f"{tokens} positions exceed the largest capacity bucket {capacities[-1]}: "
+        f"pass capacities=(..., {1 << max(tokens - 1, 1).bit_length()}) or use a shorter prompt"
+    )
+
+
+class FullCache(StaticKVCache):
+    """Full-attention batch cache of fixed capacity.
+
+    State (``self.rows``, a RowBook): ``offsets[r]`` = tokens of row r (its
+    RoPE offset), ``left_padding[r]`` = first valid column, ``time`` = the
+    write column shared by all rows, ``right_padding[r]`` = prompt padding
+    written after row r's tokens and rolled out by ``finalize``.
+    Invariant: ``offsets[r] == time - right_padding[r] - left_padding[r]``
+    (outside ``prepare(left_padding=...)``, where offsets start negative as in
+    mlx-lm) and ``time <= capacity``.
+    """
+
+    kind = "full"
+
+    def __init__(
+        self,
+        left_padding: Sequence[int] = (),
+        *,
+        width: Optional[int] = None,
+        capacity: Optional[int] = None,
+        capacities: Sequence[int] = DEFAULT_CAPACITIES,
+    ):
+        super().__init__(RowBook.padded(left_padding), width)
+        self.capacities = tuple(sorted(capacities))
+        self.capacity = capacity or self.capacities[0]
+        self.regrows = 0
+
+    @property
+    def S(self) -> int:
+        return self.capacity
+
+    # -------------------------------------------------------------- capacity
+    def reserve(self, L: int):
+        """Make room for ``L`` more columns, moving to a larger bucket if needed."""
+        need = self.rows.time + L
+        if need <= self.capacity:
+            return False
+        new = capacity_bucket(need, self.capacities)
+        if self.keys is not None:
+            pad = [(0, 0), (0, 0), (0, new - self.capacity), (0, 0)]
+            self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
+        self.capacity = new
+        self.regrows += 1
+        return True
+
+    # ------------------------------------------------------------------ steps
+    def geometry(self, L: int, window_size: Optional[int] = None) -> MaskGeometry:
+        self.reserve(L)
+        T = self.rows.time
+        q = T + mx.arange(L, dtype=mx.int32)
+        return MaskGeometry(full_columns(self.capacity), q, q, self._first_valid(), self._live(), window_size)
+
+    def step_inputs(self, L: int) -> dict:
+        self.reserve(L)
+        return {"write": mx.array([self.rows.time], dtype=mx.int32)}
+
+    def apply_step(self, kbuf, vbuf, keys, values, inputs):
+        kbuf = write_columns(kbuf, keys, inputs["write"])
+        vbuf = write_columns(vbuf, values, inputs["write"])
+        return kbuf, vbuf, kbuf, vbuf
+
+    def advance(self, L: int):
+        valid = self.rows.consume(L)
+        self.rows.right_padding = self.rows.right_padding + (L - valid)
+
+    def finalize(self):
+        """Roll each row right by its pending prompt padding so rows end at ``time``."""
+        rp = self.rows.right_padding
+        if self.rows.pending is not None and rp.any() and self.keys is not None:
+            shift = np.zeros(self.width, dtype=np.int64)
+            shift[: self.n] = rp
+            cols = (np.arange(self.capacity)[None, :] - shift[:, None]) % self.capacity  # [Bk, C]
+            idx = mx.array(cols.astype(np.int32))[:, None, :, None]
+            self.keys = mx.take_along_axis(self.keys, idx, axis=2)
+            self.values = mx.take_along_axis(self.values, idx, axis=2)
+        self.rows.left_padding = self.rows.left_padding + rp
+        self.rows.right_padding = np.zeros_like(rp)
+        self.rows.pending = None
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int, bypass: bool = False) -> int:
+        return self.rows.unconsume(n)
+
+    def size(self) -> int:
+        return self.rows.time
+
+    # ------------------------------------------------------------ moving rows
+    def _col_mapper(self):
+        return _identity
+
+    def _target_col_times(self, time):
+        return np.arange(self.capacity)
+
+    def _target_time(self, sources: List[RowSource], capacity: Optional[int] = None) -> int:
+        top = max(s.rows.time for s in sources)
+        pads = [lp + top - s.rows.time for s in sources for lp in s.rows.left_padding.tolist()]
+        time = top - (min(pads) if pads else top)
+        self.capacity = max(capacity or 0, capacity_bucket(time + 1, self.capacities))
+        return time
+
+    def _serial(self, keys, values, offset):
+        cache = KVCache()
+        if keys is not None:
+            cache.keys, cache.values = keys, values
+            cache.offset = keys.shape[2]
+        return cache
+
+    def _serial_source(self, cache) -> RowSource:
+        if not isinstance(cache, KVCache):
+            raise ValueError(
+                f"FullCache can join FullCache batches or mlx-lm KVCache, not {type(cache).__name__}"
+            )
+        n = cache.offset if cache.keys is not None else 0
+        keys = None if cache.keys is None else cache.keys[..., :n, :]
+        values = None if cache.values is None else cache.values[..., :n, :]
+        if keys is not None and keys.shape[0] != 1:
+            raise ValueError(f"a serial KVCache must hold one row, this one holds {keys.shape[0]}")
+        return RowSource(keys, values, RowBook([n], [0], n), _identity)
+
+    @classmethod
+    def _prototype(cls, sources, capacities: Sequence[int] = DEFAULT_CAPACITIES, **_):
+        for s in sources:
+            if isinstance(s, FullCache):
+                return cls(capacities=s.capacities)
+        return cls(capacities=capacities)
+
+
+def _identity(times):
+    return times

@@ -1,0 +1,220 @@
+"""RingCache: sliding-window KV storage written in place.
+
+The batched counterpart of mlx-lm's ``BatchRotatingKVCache`` with buffers of
+the window's size from the start: ``keys/values [Bk, H, W, D]``. A decode
+writes one column at ``head`` and the ring wraps; a window step of ``L``
+tokens attends over the ring in temporal order followed by the new keys
+(``W + L`` columns, since query 0 still needs the ``W - 1`` keys before it)
+and then commits the newest ``W`` tokens of each row back into the ring, in
+temporal order, so that each row's newest token lands on the same column.
+Column layouts match mlx-lm's, so attention sums the live keys in the same
+order and gives the same bits.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import RotatingKVCache
+
+from .batch import RowSource, StaticKVCache
+from .full import _identity
+from .masks import MaskGeometry, ring_decode_columns, ring_window_columns
+from .rows import RowBook
+from .writes import ring_window, write_columns
+
+
+class RingCache(StaticKVCache):
+    """Sliding-window batch cache of ``W = max_size`` columns.
+
+    State: ``self.rows`` (a RowBook: per-row ``offsets`` = absolute positions,
+    evicted tokens included; ``left_padding`` = first valid column-time;
+    ``time`` = the shared column-time of the next write) and ``head``, the
+    column the next decode writes. Column ``c`` holds column-time
+    ``time - 1 - ((head - 1 - c) mod W)``; times before ``time - W`` are gone.
+    Invariant: each row's valid tokens are the times
+    ``[max(left_padding[r], time - W), time)``; rows never hold prompt padding
+    at their end (a window step realigns them as it commits).
+    """
+
+    kind = "ring"
+
+    def __init__(self, max_size: int, left_padding: Sequence[int] = (), *, width: Optional[int] = None):
+        if max_size < 1:
+            raise ValueError(f"ring window must be >= 1, got {max_size}")
+        super().__init__(RowBook.padded(left_padding), width)
+        self.max_size = int(max_size)
+        self.head = 0
+
+    @property
+    def S(self) -> int:
+        return self.max_size
+
+    @property
+    def wrapped(self) -> bool:
+        """Whether the ring has evicted columns (mlx-lm: ``_offset >= max_size``)."""
+        return self.rows.time >= self.max_size
+
+    # ------------------------------------------------------------------ steps
+    def geometry(self, L: int, window_size: Optional[int] = None) -> MaskGeometry:
+        W, T = self.max_size, self.rows.time
+        window = min(W, window_size or W)
+        if self.is_decode(L):
+            head = mx.array(self.head, dtype=mx.int32)
+            return MaskGeometry(
+                ring_decode_columns(T, head, W),
+                mx.array([T], dtype=mx.int32),
+                mx.array([self.head], dtype=mx.int32),
+                self._first_valid(),
+                self._live(),
+                window,
+            )
+        q = T + mx.arange(L, dtype=mx.int32)
+        return MaskGeometry(
+            ring_window_columns(T, W, L), q, W + mx.arange(L, dtype=mx.int32), self._first_valid(), self._live(), window
+        )
+
+    def step_inputs(self, L: int) -> dict:
+        if self.is_decode(L):
+            return {"write": mx.array([self.head], dtype=mx.int32)}
+        W, T = self.max_size, self.rows.time
+        shift = np.zeros(self.width, dtype=np.int32)
+        if self.rows.pending is not None:
+            shift[: self.n] = L - np.minimum(self.rows.pending, L)
+        return {
+            "head": mx.array(self.head, dtype=mx.int32),
+            "shift": mx.array(shift),
+            "first": mx.array(max(W - T, L), dtype=mx.int32),
+        }
+
+    def apply_step(self, kbuf, vbuf, keys, values, inputs):
+        if "write" in inputs:
+            kbuf = write_columns(kbuf, keys, inputs["write"])
+            vbuf = write_columns(vbuf, values, inputs["write"])
+            return kbuf, vbuf, kbuf, vbuf
+        k_att, kbuf = ring_window(kbuf, keys, inputs["head"], inputs["shift"], inputs["first"])
+        v_att, vbuf = ring_window(vbuf, values, inputs["head"], inputs["shift"], inputs["first"])
+        return k_att, v_att, kbuf, vbuf
+
+    def advance(self, L: int):
+        W, T = self.max_size, self.rows.time
+        if self.is_decode(L):
+            self.rows.consume(1)
+            self.head = (self.head + 1) % W
+            return
+        valid = self.rows.consume(L)
+        self.rows.left_padding = np.maximum(self.rows.left_padding, T - W) + (L - valid)
+        self.head = 0 if T + L >= W else T + L
+
+    def finalize(self):
+        """Rows are realigned at every window step; this ends the prepared prompt."""
+        self.rows.pending = None
+
+    def is_trimmable(self) -> bool:
+        return not self.wrapped
+
+    def trim(self, n: int, bypass: bool = False) -> int:
+        """Drop the last ``n`` tokens. Refused once the ring has wrapped (they
+        evicted older tokens) unless ``bypass`` (speculative rollback of the
+        newest tips: the window then holds ``W - n`` tokens until refilled)."""
+        if self.wrapped and not bypass:
+            raise ValueError(
+                f"ring of window {self.max_size} has wrapped (time {self.rows.time}): its newest tokens evicted "
+                "older ones and cannot be trimmed; pass bypass=True to drop speculative tips anyway"
+            )
+        self.rows.left_padding = np.maximum(self.rows.left_padding, self.rows.time - self.max_size)
+        n = self.rows.unconsume(n)
+        self.head = (self.head - n) % self.max_size
+        return n
+
+    def size(self) -> int:
+        return min(self.rows.time, self.max_size)
+
+    # ------------------------------------------------------------ moving rows
+    def _cap_tokens(self, tokens: int) -> int:
+        return min(tokens, self.max_size)
+
+    def _retained_start(self) -> int:
+        return max(0, self.rows.time - self.max_size)
+
+    def _col_mapper(self):
+        head, time, W = self.head, self.rows.time, self.max_size
+        return lambda times: (head - (time - np.asarray(times))) % W
+
+    def _target_col_times(self, time):
+        c = np.arange(self.max_size)
+        return time - 1 - ((self.head - 1 - c) % self.max_size)
+
+    def _target_time(self, sources: List[RowSource]) -> int:
+        W = self.max_size
+        batches = [s.batch for s in sources]
+        if all(b is not None and b.wrapped for b in batches) and len({b.head for b in batches}) == 1:
+            # Same physical rotation everywhere: keep the columns where they are.
+            self.head = batches[0].head
+            return max(s.rows.time for s in sources)
+        # Otherwise lay every row out in temporal order, right-aligned.
+        time = max(min(s.rows.time, W) for s in sources)
+        self.head = time % W
+        return time
+
+    def _check_compatible(self, other):
+        if other.max_size != self.max_size:
+            raise ValueError(f"cannot join rings of different windows ({self.max_size} and {other.max_size})")
+
+    def _serial(self, keys, values, offset):
+        cache = RotatingKVCache(max_size=self.max_size)
+        if keys is not None:
+            cache.keys, cache.values = keys, values
+            cache._idx = keys.shape[2]  # temporal order: the write head sits at the end
+        cache.offset = offset
+        return cache
+
+    def _serial_source(self, cache) -> RowSource:
+        if not isinstance(cache, RotatingKVCache):
+            raise ValueError(
+                f"RingCache can join RingCache batches or mlx-lm RotatingKVCache, not {type(cache).__name__}"
+            )
+        if cache.max_size != self.max_size:
+            raise ValueError(
+                f"cannot join rings of different windows ({self.max_size} and {cache.max_size}): "
+                "one RingCache per window size"
+            )
+        if cache.keep:
+            raise ValueError(
+                f"RotatingKVCache(keep={cache.keep}) keeps sink tokens, which RingCache does not support; "
+                "build the serial cache with keep=0 (what the models' make_cache uses)"
+            )
+        n = min(cache.offset, cache.max_size) if cache.keys is not None else 0
+        keys = values = None
+        if cache.keys is not None:
+            if cache.keys.shape[0] != 1:
+                raise ValueError(f"a serial RotatingKVCache must hold one row, this one holds {cache.keys.shape[0]}")
+            keys = _serial_temporal(cache, cache.keys)[..., -n:, :] if n else cache.keys[..., :0, :]
+            values = _serial_temporal(cache, cache.values)[..., -n:, :] if n else cache.values[..., :0, :]
+        return RowSource(keys, values, RowBook([cache.offset], [0], n), _identity)
+
+    @classmethod
+    def _prototype(cls, sources, max_size: Optional[int] = None, **_):
+        sizes = {s.max_size for s in sources if hasattr(s, "max_size")}
+        if max_size is not None:
+            sizes.add(max_size)
+        if len(sizes) != 1:
+            raise ValueError(
+                f"cannot merge rings of different windows {sorted(sizes)}: one RingCache per window size"
+                if sizes
+                else "RingCache.merge needs ring sources (or max_size=)"
+            )
+        return cls(sizes.pop())
+
+
+def _serial_temporal(cache: RotatingKVCache, v: mx.array) -> mx.array:
+    """A serial mlx-lm ring's buffer in temporal order (keep=0). Reads mlx-lm
+    0.32's ``_idx`` (its write head): the one private field this needs."""
+    idx = cache._idx
+    if idx == v.shape[2]:
+        return v
+    if idx < cache.offset:
+        return mx.concatenate([v[..., idx:, :], v[..., :idx, :]], axis=2)
+    return v[..., :idx, :]

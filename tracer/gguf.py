@@ -1,0 +1,347 @@
+"""Load a llama-architecture GGUF file as mlx-lm's llama ``Model`` plus tokenizer.
+
+``mx.load`` reads GGUF natively: Q4_0/Q4_1/Q8_0 tensors come back as MLX
+affine-quantized triples (``weight`` packed in uint32, ``scales``, ``biases``;
+group size 32), other tensors as plain arrays. This module
+
+* maps llama.cpp tensor names onto mlx-lm's llama module tree, quantizing each
+  layer with the bits / group size read off its triple, so the model runs on
+  MLX's quantized matmul with the file's weights as they are;
+* undoes llama.cpp's row permutation of ``attn_q`` / ``attn_k`` (made for its
+  interleaved RoPE), so mlx-lm's default half-split RoPE is correct;
+* builds a byte-level BPE ``tokenizers.Tokenizer`` from the ``tokenizer.ggml.*``
+  metadata, wrapped as a transformers fast tokenizer (for the chat template)
+  and then as mlx-lm's ``TokenizerWrapper``.
+
+:func:`dequantize_model` turns the quantized layers back into float ones.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Dict, Tuple, Union
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_map_with_path
+
+__all__ = [
+    "load_gguf", "read_gguf", "build_model", "build_tokenizer", "convert_weights",
+    "model_args_from_metadata", "unpermute_rope_rows", "dequantize_model",
+]
+
+GGUF_MAGIC = b"GGUF"
+
+# llama.cpp token types (tokenizer.ggml.token_type).
+_TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+
+# tokenizer.ggml.pre values whose pre-tokenizer is "every digit alone, then
+# GPT-2 byte level" (llama.cpp groups these together).
+_PRE_DIGITS_GPT2 = {"smollm", "starcoder", "refact", "codeshell"}
+_PRE_GPT2 = {"gpt2", "default", "gpt-2"}
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|scales|biases|bias)$")
+_TOP_RE = re.compile(r"^([a-z_]+)\.(weight|scales|biases|bias)$")
+
+
+# ----------------------------------------------------------------- reading --
+
+def read_gguf(path: Union[str, Path]) -> Tuple[Dict[str, mx.array], dict]:
+    """``(weights, metadata)`` of a GGUF file, with clear errors for bad files."""
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(
+            f"GGUF file {p} does not exist. Fetch the default model with "
+            f"`mlx-tracer fetch` (or `./dev setup`), or pass an existing .gguf file."
+        )
+    if not p.is_file():
+        raise ValueError(f"{p} is not a file; expected a .gguf model file.")
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ValueError(
+            f"{p} is not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r}). "
+            f"Pass a .gguf model file, or an mlx-lm model folder to mlx-lm's loader."
+        )
+    try:
+        weights, meta = mx.load(str(p), return_metadata=True)
+    except Exception as e:  # MLX raises RuntimeError/ValueError on bad data
+        raise ValueError(
+            f"{p} could not be read as GGUF ({e}); it is probably truncated or "
+            f"corrupt. Delete it and fetch it again (`mlx-tracer fetch`)."
+        ) from e
+    return weights, meta
+
+
+def _meta(meta: dict, key: str, default=None):
+    """A scalar metadata value as a Python number/str/bool."""
+    v = meta.get(key, default)
+    if isinstance(v, mx.array):
+        v = v.item()
+    return v
+
+
+# ------------------------------------------------------------- model args --
+
+def model_args_from_metadata(meta: dict, weights: Dict[str, mx.array], path="GGUF"):
+    """mlx-lm llama ``ModelArgs`` from ``llama.*`` metadata."""
+    from mlx_lm.models.llama import ModelArgs
+
+    arch = _meta(meta, "general.architecture")
+    if arch != "llama":
+        raise ValueError(
+            f"{path}: architecture {arch!r} is not supported; only 'llama' GGUF "
+            f"files (e.g. SmolLM2, TinyLlama-style BPE models) can be loaded."
+        )
+    if "rope_freqs.weight" in weights:
+        raise ValueError(f"{path}: llama3-style rope_freqs scaling is not supported.")
+
+    def need(key):
+        v = _meta(meta, f"llama.{key}")
+        if v is None:
+            raise ValueError(f"{path}: metadata llama.{key} is missing; the file is incomplete.")
+        return v
+
+    hidden = int(need("embedding_length"))
+    n_heads = int(need("attention.head_count"))
+    n_kv = int(_meta(meta, "llama.attention.head_count_kv", n_heads))
+    head_dim = int(_meta(meta, "llama.attention.key_length", hidden // n_heads))
+    rope_dim = int(_meta(meta, "llama.rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        raise ValueError(f"{path}: partial RoPE ({rope_dim} of {head_dim} dims) is not supported.")
+    scaling = None
+    s_type = _meta(meta, "llama.rope.scaling.type", "none")
+    if s_type == "linear":
+        scaling = {"type": "linear", "factor": float(_meta(meta, "llama.rope.scaling.factor"))}
+    elif s_type not in (None, "none"):
+        raise ValueError(f"{path}: RoPE scaling {s_type!r} is not supported.")
+    vocab = _meta(meta, "llama.vocab_size")
+    if vocab is None:
+        vocab = weights["token_embd.weight"].shape[0]
+    return ModelArgs(
+        model_type="llama",
+        hidden_size=hidden,
+        num_hidden_layers=int(need("block_count")),
+        intermediate_size=int(need("feed_forward_length")),
+        num_attention_heads=n_heads,
+        num_key_value_heads=n_kv,
+        head_dim=head_dim,
+        rms_norm_eps=float(_meta(meta, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        vocab_size=int(vocab),
+        max_position_embeddings=_meta(meta, "llama.context_length"),
+        rope_theta=float(_meta(meta, "llama.rope.freq_base", 10000.0)),
+        rope_traditional=False,
+        rope_scaling=scaling,
+        tie_word_embeddings="output.weight" not in weights,
+        attention_bias=any(k.endswith(".attn_q.bias") for k in weights),
+        mlp_bias=any(k.endswith(".ffn_up.bias") for k in weights),
+    )
+
+
+# ----------------------------------------------------------------- weights --
+
+def unpermute_rope_rows(w: mx.array, n_heads: int) -> mx.array:
+    """Undo llama.cpp's q/k row permutation along axis 0.
+
+    llama.cpp's converter reorders each head's rows from HF's half-split
+    layout ``[h, half, i]`` to the interleaved ``[h, i, half]``. So within a
+    head of ``d`` rows, HF row ``j`` is GGUF row ``2 * (j % (d/2)) + j // (d/2)``.
+    Works on any array whose axis 0 is the output dim (packed weights,
+    scales, biases alike).
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_heads):
+        raise ValueError(f"{rows} rows cannot be split into {n_heads} heads of even size")
+    half = rows // n_heads // 2
+    rest = tuple(w.shape[1:])
+    return w.reshape(n_heads, half, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
+
+
+def _mlx_name(key: str) -> str:
+    m = _BLOCK_RE.match(key)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    m = _TOP_RE.match(key)
+    if m and m.group(1) in _TOP_NAMES:
+        return f"{_TOP_NAMES[m.group(1)]}.{m.group(2)}"
+    raise KeyError(key)
+
+
+def convert_weights(weights: Dict[str, mx.array], args, path="GGUF") -> Dict[str, mx.array]:
+    """GGUF tensors renamed to mlx-lm llama names, q/k rows un-permuted."""
+    out, unknown = {}, []
+    for key, value in weights.items():
+        try:
+            name = _mlx_name(key)
+        except KeyError:
+            unknown.append(key)
+            continue
+        if ".attn_q." in key:
+            value = unpermute_rope_rows(value, args.num_attention_heads)
+        elif ".attn_k." in key:
+            value = unpermute_rope_rows(value, args.num_key_value_heads)
+        out[name] = value
+    if unknown:
+        raise ValueError(f"{path}: unexpected tensors for a llama model: {sorted(unknown)[:8]}")
+    return out
+
+
+def _quantize_like(model: nn.Module, weights: Dict[str, mx.array]) -> None:
+    """Swap each layer that has ``scales`` in ``weights`` for a quantized one
+    whose bits / group size match the packed triple."""
+
+    def predicate(path, module):
+        scales = weights.get(f"{path}.scales")
+        if scales is None or not hasattr(module, "to_quantized"):
+            return False
+        in_dim = module.weight.shape[1]
+        packed = weights[f"{path}.weight"]
+        bits = packed.shape[1] * 32 // in_dim
+        group = in_dim // scales.shape[1]
+        if bits * in_dim != packed.shape[1] * 32 or group * scales.shape[1] != in_dim:
+            raise ValueError(f"{path}: packed shape {packed.shape} does not fit {in_dim} inputs")
+        return {"group_size": group, "bits": bits, "mode": "affine"}
+
+    nn.quantize(model, class_predicate=predicate)
+
+
+def build_model(weights: Dict[str, mx.array], meta: dict, path="GGUF"):
+    """mlx-lm llama ``Model`` holding the GGUF weights (quantized as stored)."""
+    from mlx_lm.models.llama import Model
+
+    args = model_args_from_metadata(meta, weights, path)
+    converted = convert_weights(weights, args, path)
+    model = Model(args)
+    _quantize_like(model, converted)
+    try:
+        model.load_weights(list(converted.items()), strict=True)
+    except ValueError as e:
+        raise ValueError(f"{path}: weights do not fit the llama model built from its metadata: {e}") from e
+    model.eval()
+    mx.eval(model.parameters())
+    return model
+
+
+def dequantize_model(model: nn.Module, dtype=mx.float32) -> nn.Module:
+    """Replace quantized Linear/Embedding layers by float ones, in place.
+
+    Each weight is ``mx.dequantize`` of its triple with scales and biases cast
+    to float32 first, then cast to ``dtype``. Returns ``model``.
+    """
+
+    def to_float(q):
+        return mx.dequantize(
+            q.weight, q.scales.astype(mx.float32), q.biases.astype(mx.float32),
+            group_size=q.group_size, bits=q.bits, mode=q.mode,
+        ).astype(dtype)
+
+    def swap(_, m):
+        if isinstance(m, nn.QuantizedLinear):
+            new = nn.Linear(m.scales.shape[1] * m.group_size, m.weight.shape[0], bias="bias" in m)
+            if "bias" in m:
+                new.bias = m.bias
+        elif isinstance(m, nn.QuantizedEmbedding):
+            new = nn.Embedding(m.num_embeddings, m.dims)
+        else:
+            return m
+        new.weight = to_float(m)
+        return new
+
+    leaves = tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module)
+    model.update_modules(leaves)
+    mx.eval(model.parameters())
+    return model
+
+
+# --------------------------------------------------------------- tokenizer --
+
+def build_tokenizer(meta: dict, path="GGUF"):
+    """mlx-lm ``TokenizerWrapper`` from ``tokenizer.ggml.*`` metadata."""
+    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from tokenizers import pre_tokenizers as pre
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    kind = _meta(meta, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(
+            f"{path}: tokenizer model {kind!r} is not supported; only byte-level "
+            f"BPE ('gpt2') vocabularies are."
+        )
+    pre_kind = _meta(meta, "tokenizer.ggml.pre", "default")
+    # ByteLevel with use_regex applies GPT-2's split regex before mapping bytes.
+    byte_level = pre.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre_kind in _PRE_DIGITS_GPT2:
+        pre_tok = pre.Sequence([pre.Digits(individual_digits=True), byte_level])
+    elif pre_kind in _PRE_GPT2:
+        pre_tok = byte_level
+    else:
+        raise ValueError(f"{path}: BPE pre-tokenizer {pre_kind!r} is not supported.")
+
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    types = np.array(meta.get("tokenizer.ggml.token_type", mx.ones(len(tokens))))
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                               fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tok
+    tok.decoder = decoders.ByteLevel()
+    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                    for i in np.nonzero(types == _TOKEN_USER_DEFINED)[0]])
+    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                            for i in np.nonzero(types == _TOKEN_CONTROL)[0]])
+
+    def token(key):
+        i = _meta(meta, key)
+        return None if i is None or i >= len(tokens) else tokens[int(i)]
+
+    bos, eos = token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id")
+    if _meta(meta, "tokenizer.ggml.add_bos_token", False) and bos is not None:
+        bos_id = int(_meta(meta, "tokenizer.ggml.bos_token_id"))
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=bos,
+        eos_token=eos,
+        unk_token=token("tokenizer.ggml.unknown_token_id"),
+        pad_token=token("tokenizer.ggml.padding_token_id"),
+        chat_template=_meta(meta, "tokenizer.chat_template"),
+        clean_up_tokenization_spaces=False,
+    )
+    stop_ids = [int(_meta(meta, k)) for k in
+                ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                 "tokenizer.ggml.eom_token_id") if _meta(meta, k) is not None]
+    return TokenizerWrapper(hf, BPEStreamingDetokenizer, eos_token_ids=stop_ids)
+
+
+# -------------------------------------------------------------------- main --
+
+def load_gguf(path: Union[str, Path]):
+    """``(model, tokenizer)`` from a llama GGUF file, ready for mlx-lm's
+    ``generate`` / ``stream_generate``. Quantized layers stay quantized."""
+    p = Path(path)
+    weights, meta = read_gguf(p)
+    model = build_model(weights, meta, path=p)
+    tokenizer = build_tokenizer(meta, path=p)
+    return model, tokenizer
+
