@@ -87,7 +87,8 @@ def read_gguf(path: Union[str, Path]) -> Tuple[Dict[str, mx.array], dict]:
     except Exception as e:  # MLX raises RuntimeError/ValueError on bad data
         raise ValueError(
             f"{p} could not be read as GGUF ({e}); it is probably truncated or "
-            f"corrupt. Delete it and fetch it again (`mlx-tracer fetch`)."
+            f"corrupt (or uses a tensor type MLX cannot load). For the default "
+            f"model, delete it and fetch it again (`mlx-tracer fetch`)."
         ) from e
     return weights, meta
 
@@ -110,7 +111,7 @@ def model_args_from_metadata(meta: dict, weights: Dict[str, mx.array], path="GGU
     if arch != "llama":
         raise ValueError(
             f"{path}: architecture {arch!r} is not supported; only 'llama' GGUF "
-            f"files (e.g. SmolLM2, TinyLlama-style BPE models) can be loaded."
+            f"files (e.g. SmolLM2) can be loaded."
         )
     if "rope_freqs.weight" in weights:
         raise ValueError(f"{path}: llama3-style rope_freqs scaling is not supported.")
@@ -298,6 +299,8 @@ def build_tokenizer(meta: dict, path="GGUF"):
     else:
         raise ValueError(f"{path}: BPE pre-tokenizer {pre_kind!r} is not supported.")
 
+    if "tokenizer.ggml.tokens" not in meta or "tokenizer.ggml.merges" not in meta:
+        raise ValueError(f"{path}: tokenizer.ggml.tokens/merges metadata is missing.")
     tokens = list(meta["tokenizer.ggml.tokens"])
     merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
     types = np.array(meta.get("tokenizer.ggml.token_type", mx.ones(len(tokens))))
