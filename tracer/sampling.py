@@ -1,0 +1,92 @@
+"""Token sampling inside the compiled step, with per-row settings.
+
+Every row of a batch carries its own temperature, top-k, top-p, min-p and
+PRNG key, as ``[Bk]`` arrays: requests with different settings share one
+trace. The filters follow mlx-lm's ``make_sampler`` order of meaning (they are
+applied to the unscaled log-probabilities, then the temperature scales what
+is left); the draw is Gumbel-max with the row's own key, so a request's
+samples depend on its seed and its logits only, not on which rows it shares
+the batch with. Temperature 0 is greedy (argmax).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampler. ``temperature=0`` is greedy; ``top_k=0``,
+    ``top_p=1`` and ``min_p=0`` switch their filter off."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    top_k: int = 0
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+GREEDY = SamplingParams()
+
+
+def initial_key(seed: Optional[int]) -> np.ndarray:
+    """A row's PRNG key ``[2] uint32`` from its seed (a fresh random one if None)."""
+    if seed is None:
+        seed = int(np.random.default_rng().integers(0, 2**63))
+    return np.array(mx.random.key(seed)).astype(np.uint32)
+
+
+def sampler_inputs(params: Sequence[SamplingParams], keys: Sequence[np.ndarray], width: int) -> dict:
+    """The per-row sampler arrays of a step of bucket ``width`` (padding rows greedy)."""
+    pad = width - len(params)
+    params = list(params) + [GREEDY] * pad
+    keys = list(keys) + [np.zeros(2, np.uint32)] * pad
+    return {
+        "temperature": mx.array([p.temperature for p in params], dtype=mx.float32),
+        "top_k": mx.array([p.top_k for p in params], dtype=mx.int32),
+        "top_p": mx.array([p.top_p for p in params], dtype=mx.float32),
+        "min_p": mx.array([p.min_p for p in params], dtype=mx.float32),
+        "keys": mx.array(np.stack(keys).astype(np.uint32)),
+    }
+
+
+def sample(logprobs: mx.array, s: dict):
+    """Tokens ``[B]`` and next keys ``[B, 2]`` from normalized ``logprobs [B, V]``."""
+    B, V = logprobs.shape
+    srt = mx.sort(logprobs, axis=-1)[:, ::-1]  # [B, V] descending
+    k = mx.where(s["top_k"] > 0, mx.minimum(s["top_k"], V), V) - 1  # [B]
+    kth = mx.take_along_axis(srt, k[:, None], axis=-1)  # [B, 1]
+    p = mx.exp(srt)
+    before = mx.cumsum(p, axis=-1) - p  # probability mass ranked above each token
+    n_p = mx.sum(before < s["top_p"][:, None], axis=-1)  # [B] >= 1
+    pth = mx.take_along_axis(srt, mx.maximum(n_p - 1, 0)[:, None], axis=-1)  # [B, 1]
+    mth = srt[:, :1] + mx.log(mx.maximum(s["min_p"], 1e-30))[:, None]  # [B, 1]
+    keep = logprobs >= mx.maximum(mx.maximum(kth, pth), mth)
+    scaled = mx.where(keep, logprobs / mx.maximum(s["temperature"], 1e-6)[:, None], -mx.inf)
+    draws: List[mx.array] = []
+    next_keys: List[mx.array] = []
+    for r in range(B):
+        nxt, use = mx.random.split(s["keys"][r])
+        draws.append(mx.argmax(scaled[r] + mx.random.gumbel((V,), key=use)))
+        next_keys.append(nxt)
+    sampled = mx.stack(draws)
+    tokens = mx.where(s["temperature"] > 0, sampled, mx.argmax(logprobs, axis=-1))
+    return tokens.astype(mx.int32), mx.stack(next_keys)
