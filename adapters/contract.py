@@ -65,9 +65,11 @@ def layer_windows(model) -> List[Optional[int]]:
     return windows
 
 
-def new_caches(windows: Sequence[Optional[int]], width: int, capacities: Sequence[int] = DEFAULT_CAPACITIES) -> List[StaticKVCache]:
-    """Empty static caches (buffers allocated lazily) for ``width`` rows."""
-    return [FullCache(width=width, capacities=capacities) if w is None else RingCache(w, width=width) for w in windows]
+def new_caches(windows: Sequence[Optional[int]], width: int, capacities: Sequence[int] = DEFAULT_CAPACITIES, rows: int = 0) -> List[StaticKVCache]:
+    """Static caches (buffers allocated lazily) of bucket ``width`` holding
+    ``rows`` empty live rows."""
+    pad = [0] * rows
+    return [FullCache(pad, width=width, capacities=capacities) if w is None else RingCache(w, pad, width=width) for w in windows]
 
 
 def probe_layout(model, capacities: Sequence[int] = DEFAULT_CAPACITIES) -> Tuple[List[LayerLayout], int]:
@@ -95,9 +97,13 @@ def probe_layout(model, capacities: Sequence[int] = DEFAULT_CAPACITIES) -> Tuple
     return layouts, out.shape[-1]
 
 
-def allocate_caches(layouts: Sequence[LayerLayout], width: int, capacity: Optional[int] = None, capacities: Sequence[int] = DEFAULT_CAPACITIES) -> List[StaticKVCache]:
-    """Zeroed static caches for ``width`` rows, ready for a compiled step."""
-    caches = new_caches([l.window for l in layouts], width, capacities)
+def allocate_caches(
+    layouts: Sequence[LayerLayout], width: int, capacity: Optional[int] = None,
+    capacities: Sequence[int] = DEFAULT_CAPACITIES, rows: int = 0,
+) -> List[StaticKVCache]:
+    """Zeroed static caches of bucket ``width`` with ``rows`` empty live rows,
+    ready for a compiled step."""
+    caches = new_caches([l.window for l in layouts], width, capacities, rows)
     for c, l in zip(caches, layouts):
         if capacity is not None and isinstance(c, FullCache):
             c.capacity = capacity

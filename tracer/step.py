@@ -85,9 +85,10 @@ class CompiledModel:
         self._fns: Dict[tuple, object] = {}
 
     # --------------------------------------------------------------- caches
-    def new_caches(self, width: int, capacity: Optional[int] = None) -> List[StaticKVCache]:
-        """Empty, allocated static caches for one batch of bucket ``width``."""
-        return allocate_caches(self.layouts, width, capacity, self.capacities)
+    def new_caches(self, width: int, rows: int = 0, capacity: Optional[int] = None) -> List[StaticKVCache]:
+        """Allocated static caches for one batch of bucket ``width`` holding
+        ``rows`` empty live rows."""
+        return allocate_caches(self.layouts, width, capacity, self.capacities, rows)
 
     # ---------------------------------------------------------------- traces
     @property

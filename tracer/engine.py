@@ -1,0 +1,283 @@
+"""The compile-once decode loop: continuous batching over static caches.
+
+An ``Engine`` owns a :class:`CompiledModel`, one running batch (a static cache
+per layer, in a batch-width bucket) and a queue of requests. Each
+:meth:`Engine.step`:
+
+1. admits queued requests: their prompts (all but the last token) are
+   prefilled together through compiled window steps of static chunk lengths
+   (right-padded tails), then joined into the running batch;
+2. runs one compiled decode step over the running batch (the newcomers' input
+   is their last prompt token, as in mlx-lm), and reads the tokens back;
+3. retires rows that hit a stop token or their token budget (filtering them
+   out, moving to a smaller bucket when one fits).
+
+Once the buckets and lengths in use are traced, steps replay traces: nothing
+retraces while requests come and go.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Deque, Iterable, List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .caches import DEFAULT_CAPACITIES, FullCache
+from .caches.batch import StaticKVCache
+from .sampling import GREEDY, SamplingParams, initial_key, sampler_inputs
+from .step import DEFAULT_BUCKETS, CompiledModel, bucket_for
+
+DEFAULT_PREFILL_CHUNKS = (16, 64, 256)
+
+
+@dataclass
+class Request:
+    uid: int
+    prompt: List[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop_ids: frozenset
+    key: np.ndarray
+    tokens: List[int] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+
+    @property
+    def next_input(self) -> int:
+        return self.tokens[-1] if self.tokens else self.prompt[-1]
+
+
+@dataclass
+class TokenEvent:
+    """One generated token of one request."""
+
+    uid: int
+    token: int
+    logprob: float
+    finish_reason: Optional[str]  # None, "stop" or "length"
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    host_s: float = 0.0  # graph build + dispatch of decode steps, before evaluation
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    joins: int = 0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def host_ms_per_step(self) -> float:
+        return 1e3 * self.host_s / self.steps if self.steps else 0.0
+
+
+class Engine:
+    """Continuous batching over one compiled model.
+
+    Args:
+        model: an mlx-lm model (or a ready :class:`CompiledModel`).
+        buckets: batch-width buckets; the running batch always sits in the
+            smallest one that holds its rows.
+        prefill_chunks: static window lengths for prefill; a prompt is cut in
+            chunks of the largest, and its tail padded to the smallest that fits.
+        capacities: capacity buckets of full-attention caches.
+    """
+
+    def __init__(
+        self,
+        model,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+        prefill_chunks: Sequence[int] = DEFAULT_PREFILL_CHUNKS,
+        capacities: Sequence[int] = DEFAULT_CAPACITIES,
+    ):
+        self.compiled = model if isinstance(model, CompiledModel) else CompiledModel(model, capacities)
+        self.buckets = tuple(sorted(buckets))
+        self.prefill_chunks = tuple(sorted(prefill_chunks))
+        if min(self.prefill_chunks) < 2:
+            raise ValueError("prefill chunks must be >= 2 tokens (1-token steps are decode steps)")
+        self.queue: Deque[Request] = deque()
+        self.rows: List[Request] = []
+        self.caches: Optional[List[StaticKVCache]] = None
+        self.stats = EngineStats()
+        self._uids = itertools.count()
+
+    # ------------------------------------------------------------- requests
+    @property
+    def vocab_size(self) -> int:
+        return self.compiled.vocab_size
+
+    @property
+    def max_positions(self) -> Optional[int]:
+        """Longest prompt + generation a row can hold (None: ring layers only)."""
+        has_full = any(l.window is None for l in self.compiled.layouts)
+        return self.compiled.capacities[-1] if has_full else None
+
+    def add(
+        self,
+        prompt: Sequence[int],
+        max_tokens: int = 256,
+        sampling: SamplingParams = GREEDY,
+        stop_ids: Iterable[int] = (),
+    ) -> int:
+        """Queue a request; returns its uid. Validates before touching any state."""
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError("empty prompt: give at least one token")
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        limit = self.max_positions
+        if limit is not None:
+            need = self._padded_prefill(len(prompt) - 1) + 1 + max_tokens
+            if len(prompt) + max_tokens > limit or need > limit:
+                raise ValueError(
+                    f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} exceed the largest capacity bucket "
+                    f"{limit}: shorten the prompt, lower max_tokens or pass larger capacities"
+                )
+        uid = next(self._uids)
+        self.queue.append(Request(uid, prompt, int(max_tokens), sampling, frozenset(stop_ids), initial_key(sampling.seed)))
+        return uid
+
+    def has_work(self) -> bool:
+        return bool(self.queue or self.rows)
+
+    def _padded_prefill(self, n: int) -> int:
+        big = self.prefill_chunks[-1]
+        full, tail = divmod(n, big)
+        return full * big + (bucket_for(tail, self.prefill_chunks) if tail else 0)
+
+    # ----------------------------------------------------------------- loop
+    def step(self) -> List[TokenEvent]:
+        """Admit what fits, run one decode step, retire finished rows."""
+        self._admit()
+        if not self.rows:
+            return []
+        events = self._decode()
+        self._retire()
+        return events
+
+    def run(self) -> Iterable[TokenEvent]:
+        while self.has_work():
+            yield from self.step()
+
+    # --------------------------------------------------------------- admit
+    def _admit(self):
+        room = self.buckets[-1] - len(self.rows)
+        if not self.queue or room <= 0:
+            return
+        new = [self.queue.popleft() for _ in range(min(room, len(self.queue)))]
+        caches = self._prefill(new)
+        width = bucket_for(len(self.rows) + len(new), self.buckets)
+        if self.caches is None:
+            for c in caches:
+                c.resize(width)
+            self.caches = caches
+        else:
+            for c, n in zip(self.caches, caches):
+                c.extend(n, width=width)
+            self.stats.joins += 1
+        self.rows += new
+
+    def _prefill(self, reqs: List[Request]) -> List[StaticKVCache]:
+        """Caches of ``reqs`` holding all but their last prompt token."""
+        t0 = time.perf_counter()
+        width = bucket_for(len(reqs), self.buckets)
+        caches = self.compiled.new_caches(width, rows=len(reqs))
+        lengths = [len(r.prompt) - 1 for r in reqs]
+        top = max(lengths)
+        if top == 0:
+            return caches
+        padded = self._padded_prefill(top)
+        tokens = np.zeros((width, padded), dtype=np.int32)
+        for i, r in enumerate(reqs):
+            tokens[i, : lengths[i]] = r.prompt[:-1]
+        for c in caches:
+            c.prepare(lengths=lengths, right_padding=[padded - n for n in lengths])
+        done = 0
+        while done < padded:
+            L = min(self.prefill_chunks[-1], padded - done)
+            self.compiled.step(caches, mx.array(tokens[:, done : done + L]))
+            done += L
+        for c in caches:
+            c.finalize()
+        mx.eval([c.state for c in caches])
+        self.stats.prefill_tokens += sum(lengths)
+        self.stats.prefill_s += time.perf_counter() - t0
+        return caches
+
+    # -------------------------------------------------------------- decode
+    def _decode(self) -> List[TokenEvent]:
+        t0 = time.perf_counter()
+        width = self.caches[0].width
+        inputs = np.zeros((width, 1), dtype=np.int32)
+        inputs[: len(self.rows), 0] = [r.next_input for r in self.rows]
+        greedy = all(r.sampling.greedy for r in self.rows)
+        sampler = None if greedy else sampler_inputs([r.sampling for r in self.rows], [r.key for r in self.rows], width)
+        out = self.compiled.step(self.caches, mx.array(inputs), sampler)
+        t1 = time.perf_counter()
+        mx.eval(out["tokens"], out["logprobs"], [c.state for c in self.caches])
+        tokens = out["tokens"].tolist()
+        logprobs = out["logprobs"].tolist()
+        if not greedy:
+            keys = np.array(out["keys"])
+            for i, r in enumerate(self.rows):
+                r.key = keys[i]
+        events = []
+        for i, r in enumerate(self.rows):
+            tok = int(tokens[i])
+            r.tokens.append(tok)
+            r.logprobs.append(float(logprobs[i]))
+            if tok in r.stop_ids:
+                r.finish_reason = "stop"
+            elif len(r.tokens) >= r.max_tokens:
+                r.finish_reason = "length"
+            events.append(TokenEvent(r.uid, tok, float(logprobs[i]), r.finish_reason))
+        self.stats.steps += 1
+        self.stats.decode_tokens += len(self.rows)
+        self.stats.host_s += t1 - t0
+        self.stats.decode_s += time.perf_counter() - t0
+        return events
+
+    def _retire(self):
+        keep = [i for i, r in enumerate(self.rows) if r.finish_reason is None]
+        if len(keep) == len(self.rows):
+            return
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.caches = None
+            return
+        width = bucket_for(len(keep), self.buckets)
+        for c in self.caches:
+            c.filter(keep, width=width)
+
+    # -------------------------------------------------------------- warmup
+    def warmup(self, buckets: Optional[Sequence[int]] = None, prefill: bool = True) -> dict:
+        """Trace the decode step (and prefill windows) ahead of time for each
+        bucket, on scratch caches. Returns ``{trace: milliseconds}``."""
+        before = dict(self.compiled.trace_ms)
+        for b in buckets or self.buckets:
+            caches = self.compiled.new_caches(b)
+            if prefill:
+                for L in self.prefill_chunks:
+                    scratch = self.compiled.new_caches(b)
+                    self.compiled.step(scratch, mx.zeros((b, L), dtype=mx.int32))
+                    mx.eval([c.state for c in scratch])
+            out = self.compiled.step(caches, mx.zeros((b, 1), dtype=mx.int32))
+            mx.eval(out["tokens"], [c.state for c in caches])
+        return {k: v for k, v in self.compiled.trace_ms.items() if k not in before}
