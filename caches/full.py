@@ -2,7 +2,7 @@
 
 The batched counterpart of mlx-lm's ``BatchKVCache`` whose buffers do not
 grow per token: ``keys/values [Bk, H, C, D]`` with ``C`` taken from a small
-set of capacity buckets (256, 512, ...). Column ``c`` holds column-time ``c``;
+set of capacity buckets (64, 128, 256, ...). Column ``c`` holds column-time ``c``;
 a row's tokens are the columns ``[left_padding[r], time)``. Writing past the
 capacity moves the cache to the next bucket: one reallocation, counted in
 ``regrows``, never per token.
@@ -21,7 +21,7 @@ from .masks import MaskGeometry, full_columns
 from .rows import RowBook
 from .writes import write_columns
 
-DEFAULT_CAPACITIES = (256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+DEFAULT_CAPACITIES = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 def capacity_bucket(tokens: int, capacities: Sequence[int] = DEFAULT_CAPACITIES) -> int:
@@ -101,16 +101,19 @@ class FullCache(StaticKVCache):
         self.rows.right_padding = self.rows.right_padding + (L - valid)
 
     def finalize(self):
-        """Roll each row right by its pending prompt padding so rows end at ``time``."""
-        rp = self.rows.right_padding
-        if self.rows.pending is not None and rp.any() and self.keys is not None:
+        """Roll each row right by its pending prompt padding so rows end at
+        ``time``, and drop the padding columns every row shares (one gather)."""
+        rp, lp = self.rows.right_padding, self.rows.left_padding
+        strip = int(min(lp + rp)) if self.n else 0
+        if (rp.any() or strip) and self.keys is not None:
             shift = np.zeros(self.width, dtype=np.int64)
-            shift[: self.n] = rp
+            shift[: self.n] = rp - strip
             cols = (np.arange(self.capacity)[None, :] - shift[:, None]) % self.capacity  # [Bk, C]
             idx = mx.array(cols.astype(np.int32))[:, None, :, None]
             self.keys = mx.take_along_axis(self.keys, idx, axis=2)
             self.values = mx.take_along_axis(self.values, idx, axis=2)
-        self.rows.left_padding = self.rows.left_padding + rp
+        self.rows.left_padding = lp + rp - strip
+        self.rows.time -= strip
         self.rows.right_padding = np.zeros_like(rp)
         self.rows.pending = None
 

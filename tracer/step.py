@@ -21,6 +21,7 @@ prefill tails padded to the chunk, speculative verify windows).
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -112,6 +113,7 @@ class CompiledModel:
         sampler: Optional[dict] = None,
         return_logits: bool = False,
         last: Optional[mx.array] = None,
+        eager: bool = False,
     ) -> dict:
         """Run one compiled step over ``caches`` (one per layer, in lockstep).
 
@@ -119,7 +121,9 @@ class CompiledModel:
         greedy). A decode returns ``tokens``/``logprobs`` ``[Bk]`` (and
         ``keys``); a window step returns nothing unless ``return_logits``
         (then ``logits [Bk, V]`` at each row's ``last`` query index). The
-        caches adopt the new buffers and advance.
+        caches adopt the new buffers and advance. ``eager=True`` returns the
+        uncompiled, unevaluated outputs and leaves the caches as they were
+        (to inspect the graph).
         """
         if len(caches) != len(self.layouts):
             raise ValueError(f"expected {len(self.layouts)} layer caches, got {len(caches)}")
@@ -139,21 +143,20 @@ class CompiledModel:
             geoms.append({"col_times": g.col_times, "query_times": g.query_times, "own_cols": g.own_cols, "first_valid": g.first_valid, "live": g.live})
             inputs.append(rep.step_inputs(L))
         kind = "decode" if decode else "window"
-        if decode:
-            sampler_kind = "greedy" if sampler is None else "sample"
-        else:
-            sampler_kind = "none"
+        sampler_kind = ("greedy" if sampler is None else "sample") if decode else "none"
         key = TraceKey(kind, tokens.shape[0], L, capacity, sampler_kind, return_logits)
-        fn = self._compiled(kind, sampler_kind, return_logits)
         kv = [(c.keys, c.values) for c in caches]
         extra = {}
         if sampler is not None:
             extra["sampler"] = sampler
         if return_logits and not decode:
             extra["last"] = mx.full((tokens.shape[0],), L - 1, dtype=mx.int32) if last is None else last
+        args = (tokens, reps[0].offset, geoms, inputs, kv, extra)
+        if eager:
+            return self._forward(kind, sampler_kind, return_logits, *args)
         n_before = self.traces[key]
         t0 = time.perf_counter()
-        out = fn(tokens, reps[0].offset, geoms, inputs, kv, extra)
+        out = self._compiled(kind, sampler_kind, return_logits)(*args)
         if self.traces[key] != n_before:
             self.trace_ms[key] = (time.perf_counter() - t0) * 1e3
         del kv
@@ -162,21 +165,32 @@ class CompiledModel:
             c.advance(L)
         return out
 
+    def export_decode_graph(self, path: str, width: int = 1) -> Counter:
+        """Write the decode step's graph (bucket ``width``) as DOT; returns op counts."""
+        caches = self.new_caches(width, rows=width)
+        out = self.step(caches, mx.zeros((width, 1), dtype=mx.int32), eager=True)
+        mx.export_to_dot(path, out["tokens"], *[a for kv in out["kv"] for a in kv])
+        with open(path) as f:
+            return Counter(m.group(1) for m in re.finditer(r'label ="([A-Za-z_]+)', f.read()))
+
     def _compiled(self, kind: str, sampler_kind: str, logits: bool):
         sig = (kind, sampler_kind, logits)
         if sig not in self._fns:
 
             def forward(tokens, offsets, geoms, inputs, kv, extra):
+                self._count(kind, sampler_kind, logits, tokens, kv)  # runs only while tracing
                 return self._forward(kind, sampler_kind, logits, tokens, offsets, geoms, inputs, kv, extra)
 
             self._fns[sig] = mx.compile(forward, inputs=self.model.state)
         return self._fns[sig]
 
-    def _forward(self, kind, sampler_kind, want_logits, tokens, offsets, geoms, inputs, kv, extra):
-        # Runs only while tracing: the counter counts traces.
+    def _count(self, kind, sampler_kind, want_logits, tokens, kv):
         Bk, L = tokens.shape
         capacity = next((kv[i][0].shape[2] for i in self._first_layer if self.families[self._family_of[i]][0] == "full"), None)
         self.traces[TraceKey(kind, Bk, L, capacity, sampler_kind, want_logits)] += 1
+
+    def _forward(self, kind, sampler_kind, want_logits, tokens, offsets, geoms, inputs, kv, extra):
+        Bk, L = tokens.shape
         masks = [
             FamilyMasks(MaskGeometry(window=None if fam[1] is None else fam[1], **g), L)
             for fam, g in zip(self.families, geoms)

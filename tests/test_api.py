@@ -1,0 +1,171 @@
+"""The decode-loop API on tiny models: continuous batching, stop handling,
+mlx-lm-style entry points, local mlx-lm model directories."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_tracer import Generator, batch_generate, generate, stream_generate
+from mlx_tracer.engine import Engine
+
+from .tiny_models import VOCAB, tiny_model
+
+
+class IdTokenizer:
+    """A stand-in tokenizer for tiny models: token ids are their own text."""
+
+    eos_token_ids = {0}
+    has_chat_template = False
+    bos_token = None
+
+    class _Detok:
+        """Like mlx-lm's streaming detokenizers: last_segment is the unread text."""
+
+        def __init__(self):
+            self.reset()
+
+        def reset(self):
+            self._unread = ""
+
+        def add_token(self, t):
+            self._unread += f"<{t}>"
+
+        def finalize(self):
+            pass
+
+        @property
+        def last_segment(self):
+            out, self._unread = self._unread, ""
+            return out
+
+    detokenizer = _Detok()
+
+    def encode(self, text, add_special_tokens=True):
+        return [int(x) for x in text.split()]
+
+    def decode(self, ids):
+        return "".join(f"<{t}>" for t in ids)
+
+
+def solo_tokens(model, prompt, n):
+    eng = Engine(model, buckets=(1,))
+    eng.add(prompt, max_tokens=n)
+    return [ev.token for ev in eng.run()]
+
+
+@pytest.mark.parametrize("name", ["llama_mixed", "gemma3_text"])
+def test_continuous_batching_equals_solo_runs_without_retracing(name):
+    model = tiny_model(name)
+    rng = np.random.default_rng(3)
+    plan = [(0, 5, 30), (0, 12, 20), (3, 7, 25), (9, 1, 12), (15, 30, 18), (15, 2, 9), (22, 11, 14)]  # (arrival step, prompt len, max tokens)
+    prompts = [rng.integers(1, VOCAB, size=n).tolist() for _, n, _ in plan]
+    eng = Engine(model, buckets=(1, 2, 4, 8), prefill_chunks=(16,))
+    uids, got, step = {}, {}, 0
+    while step < 200 and (eng.has_work() or len(uids) < len(plan)):
+        for j, (at, _, m) in enumerate(plan):
+            if at == step:
+                uids[eng.add(prompts[j], max_tokens=m)] = j
+        for ev in eng.step():
+            got.setdefault(uids[ev.uid], []).append(ev.token)
+        step += 1
+    for j, (_, _, m) in enumerate(plan):
+        assert got[j] == solo_tokens(model, prompts[j], m), f"request {j} differs from its solo run"
+    traces = eng.compiled.traces
+    assert all(n == 1 for n in traces.values()), traces
+    assert eng.stats.joins >= 3
+
+
+def test_generator_streams_text_and_honours_stop_strings_and_tokens():
+    model = tiny_model("llama")
+    gen = Generator(model, IdTokenizer())
+    full = gen.generate("1 2 3", max_tokens=12)
+    toks = [int(x) for x in full.strip("<>").split("><")]
+    assert len(toks) == 12
+    # a stop string in the middle of the stream ends the request there
+    stop = f"<{toks[4]}>"
+    first = full.index(stop)
+    uid = gen.submit("1 2 3", max_tokens=12, stop=[stop])
+    events = [ev for ev in gen.events()]
+    assert "".join(ev.text for ev in events) == full[:first]
+    assert events[-1].finish_reason == "stop"
+    assert gen.result(uid).text == full[:first]
+    # a stop token ends it and is not part of the text
+    out = gen.batch_generate(["1 2 3"], max_tokens=12, stop_tokens=[toks[2]])[0]
+    assert out.finish_reason == "stop" and out.tokens == toks[:2]
+    assert not gen.engine.has_work()
+
+
+def test_mlx_lm_style_functions_reuse_one_compiled_loop():
+    model, tok = tiny_model("qwen3"), IdTokenizer()
+    a = generate(model, tok, [1, 2, 3], max_tokens=6)
+    b = "".join(ev.text for ev in stream_generate(model, tok, [1, 2, 3], max_tokens=6))
+    outs = batch_generate(model, tok, [[1, 2, 3], [4, 5], [6]], max_tokens=[6, 3, 4], stop_tokens=())
+    assert a == b == outs[0].text
+    assert [len(o.tokens) for o in outs] == [6, 3, 4]
+    from mlx_tracer.api import _generator_for
+
+    traces = _generator_for(model, tok).traces
+    assert all(n == 1 for n in traces.values())
+
+
+def test_cancel_removes_a_request_without_harming_others():
+    model = tiny_model("llama")
+    want = solo_tokens(model, [5, 6, 7], 10)
+    eng = Engine(model, buckets=(1, 2, 4))
+    keep = eng.add([5, 6, 7], max_tokens=10)
+    drop = eng.add([9, 9], max_tokens=10)
+    queued = eng.add([4], max_tokens=10)
+    got = []
+    for i, ev in enumerate(eng.run()):
+        if ev.uid == keep:
+            got.append(ev.token)
+        if i == 3:
+            eng.cancel(drop)
+            eng.cancel(queued)
+    assert got == want
+    assert eng.finished[drop].finish_reason == "stop"
+    with pytest.raises(KeyError):
+        eng.cancel(12345)
+
+
+def test_local_mlx_lm_model_directory(tmp_path):
+    """Generator.load of a directory goes through mlx_lm.load (offline)."""
+    from mlx.utils import tree_flatten
+
+    from .tiny_models import _config
+
+    model = tiny_model("llama")
+    cfg = _config("llama")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    tok_json = {
+        "version": "1.0",
+        "model": {"type": "WordLevel", "vocab": {str(i): i for i in range(VOCAB)}, "unk_token": "0"},
+        "pre_tokenizer": {"type": "Whitespace"},
+        "decoder": None,
+        "added_tokens": [],
+    }
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tok_json))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "0"}))
+    gen = Generator.load(tmp_path, chat=False)
+    out = gen.batch_generate([[1, 2, 3]], max_tokens=8)[0]
+    assert out.tokens == solo_tokens(model, [1, 2, 3], 8)[: len(out.tokens)]
+
+
+def test_bad_paths_are_clear(tmp_path):
+    with pytest.raises(FileNotFoundError, match="mlx-tracer fetch"):
+        Generator.load(tmp_path / "missing.gguf")
+    bad = tmp_path / "corrupt.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(ValueError, match="corrupt|truncated"):
+        Generator.load(bad)
+    gen = Generator(tiny_model("llama"), IdTokenizer())
+    with pytest.raises(ValueError, match="empty prompt"):
+        gen.submit("")
+    with pytest.raises(ValueError, match="max_tokens must be > 0"):
+        gen.submit("1 2", max_tokens=0)
+    assert not gen.engine.has_work()

@@ -1,0 +1,87 @@
+"""SmolLM2-135M-Instruct end to end through the compiled loop, against
+mlx-lm's own stream_generate and batch_generate (greedy, token for token)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_tracer import Generator
+from mlx_tracer.model_store import is_valid_model_file, resolve_model
+
+pytestmark = pytest.mark.model
+
+SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+FRANCE = "What is the capital of France? Answer in one sentence."
+
+
+@pytest.fixture(scope="module")
+def smol():
+    path = resolve_model() if _present() else None
+    if path is None:
+        pytest.skip("SmolLM2 GGUF not present: run `mlx-tracer fetch` (or ./dev setup)")
+    return Generator.load(path, system=SYSTEM)
+
+
+def _present():
+    try:
+        return is_valid_model_file(resolve_model())
+    except FileNotFoundError:
+        return False
+
+
+def chat_ids(gen, text):
+    return gen.encode(text)
+
+
+def test_france_answer_matches_mlx_lm_stream_generate(smol):
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    prompt = chat_ids(smol, FRANCE)
+    ref = []
+    for r in stream_generate(smol.model, smol.tokenizer, prompt, max_tokens=40, sampler=make_sampler(0.0)):
+        if r.finish_reason != "stop":
+            ref.append(r.token)
+    uid = smol.submit(FRANCE, max_tokens=40)
+    for _ in smol.events():
+        pass
+    out = smol.result(uid)
+    assert "Paris" in out.text, out.text
+    assert out.tokens == ref
+    assert out.text.strip() == "The capital of France is Paris."
+
+
+def test_four_prompts_match_mlx_lm_batch_generate(smol):
+    from mlx_lm import batch_generate
+
+    texts = [FRANCE, "Name three colors.", "Write a haiku about the sea.", "Hi"]
+    prompts = [chat_ids(smol, t) for t in texts]
+    assert len({len(p) for p in prompts}) == 4  # different lengths: left padding in the batch
+    ref = batch_generate(smol.model, smol.tokenizer, prompts, max_tokens=24, return_token_ids=True)
+    before = dict(smol.traces)
+    outs = smol.batch_generate(prompts, max_tokens=24)
+    for o, want in zip(outs, ref.token_ids):
+        assert o.tokens == want
+    new = {k: n for k, n in smol.traces.items() if n != before.get(k, 0)}
+    assert all(n == 1 for n in smol.traces.values()), smol.traces
+    assert {k.width for k in new if k.kind == "decode"} <= {1, 2, 4}
+
+
+def test_continuous_batching_on_smollm2_equals_solo_runs(smol):
+    texts = ["Name three colors.", "What is 2+2?", "Say hello in French."]
+    solo = [smol.batch_generate([t], max_tokens=10)[0].tokens for t in texts]
+    uids = {smol.submit(texts[0], max_tokens=10): 0}
+    got, step = {}, 0
+    for ev in smol.events():
+        got.setdefault(uids[ev.uid], []).append(ev.token)
+        step += 1
+        if step == 3:
+            uids[smol.submit(texts[1], max_tokens=10)] = 1
+        if step == 7:
+            uids[smol.submit(texts[2], max_tokens=10)] = 2
+    for j in range(3):
+        toks = got[j][:-1] if got[j][-1] in smol.tokenizer.eos_token_ids else got[j]
+        assert toks == solo[j], f"request {j}"
+    for u in uids:
+        smol.result(u)
+    assert all(n == 1 for n in smol.traces.values())
