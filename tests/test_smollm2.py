@@ -57,9 +57,9 @@ def test_four_prompts_match_mlx_lm_batch_generate(smol):
     texts = [FRANCE, "Name three colors.", "Write a haiku about the sea.", "Hi"]
     prompts = [chat_ids(smol, t) for t in texts]
     assert len({len(p) for p in prompts}) == 4  # different lengths: left padding in the batch
-    ref = batch_generate(smol.model, smol.tokenizer, prompts, max_tokens=24, return_token_ids=True)
+    ref = batch_generate(smol.model, smol.tokenizer, prompts, max_tokens=16, return_token_ids=True)
     before = dict(smol.traces)
-    outs = smol.batch_generate(prompts, max_tokens=24)
+    outs = smol.batch_generate(prompts, max_tokens=16)
     for o, want in zip(outs, ref.token_ids):
         assert o.tokens == want
     new = {k: n for k, n in smol.traces.items() if n != before.get(k, 0)}
@@ -69,16 +69,16 @@ def test_four_prompts_match_mlx_lm_batch_generate(smol):
 
 def test_continuous_batching_on_smollm2_equals_solo_runs(smol):
     texts = ["Name three colors.", "What is 2+2?", "Say hello in French."]
-    solo = [smol.batch_generate([t], max_tokens=10)[0].tokens for t in texts]
-    uids = {smol.submit(texts[0], max_tokens=10): 0}
+    solo = [smol.batch_generate([t], max_tokens=8)[0].tokens for t in texts]
+    uids = {smol.submit(texts[0], max_tokens=8): 0}
     got, step = {}, 0
     for ev in smol.events():
         got.setdefault(uids[ev.uid], []).append(ev.token)
         step += 1
         if step == 3:
-            uids[smol.submit(texts[1], max_tokens=10)] = 1
+            uids[smol.submit(texts[1], max_tokens=8)] = 1
         if step == 7:
-            uids[smol.submit(texts[2], max_tokens=10)] = 2
+            uids[smol.submit(texts[2], max_tokens=8)] = 2
     for j in range(3):
         toks = got[j][:-1] if got[j][-1] in smol.tokenizer.eos_token_ids else got[j]
         assert toks == solo[j], f"request {j}"

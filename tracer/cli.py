@@ -78,7 +78,7 @@ def _generate(args) -> int:
 def _trace(args) -> int:
     gen = _load(args)
     buckets = args.buckets or gen.engine.buckets
-    _warm(gen, buckets)
+    _warm(gen, buckets, prefill=args.prefill)
     print(f"{'kind':<7} {'bucket':>6} {'L':>4} {'capacity':>8} {'sampler':<7} {'traces':>6} {'ms':>8}")
     for key, n in sorted(gen.traces.items(), key=lambda kv: (kv[0].kind, kv[0].width, kv[0].length)):
         ms = gen.engine.compiled.trace_ms.get(key, float("nan"))
@@ -120,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("trace", help="trace the buckets, print trace counts and times")
     model_args(t)
+    t.add_argument("--prefill", action="store_true", help="also trace the prefill windows")
     t.add_argument("--dot", help="write the decode graph of the smallest bucket as DOT to this file")
     t.add_argument("--top-ops", type=int, default=12, help="op counts to print with --dot")
     t.set_defaults(func=_trace, chat=None, system=None)

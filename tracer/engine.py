@@ -32,7 +32,7 @@ from .caches.batch import StaticKVCache
 from .sampling import GREEDY, SamplingParams, initial_key, sampler_inputs
 from .step import DEFAULT_BUCKETS, CompiledModel, bucket_for
 
-DEFAULT_PREFILL_CHUNKS = (16, 64, 256)
+DEFAULT_PREFILL_CHUNKS = (8, 32, 128, 512)
 
 
 @dataclass
@@ -92,8 +92,13 @@ class Engine:
         model: an mlx-lm model (or a ready :class:`CompiledModel`).
         buckets: batch-width buckets; the running batch always sits in the
             smallest one that holds its rows.
-        prefill_chunks: static window lengths for prefill; a prompt is cut in
-            chunks of the largest, and its tail padded to the smallest that fits.
+        prefill_chunks: static window lengths for prefill; a prompt is cut
+            greedily into the largest chunks that fit, and a tail shorter than
+            the smallest chunk is padded to it.
+        batched_prefill: prefill newcomers together in one padded batch
+            (default on GPUs). On the CPU, quantized matmuls do not reuse
+            weights across rows, so each newcomer is prefilled alone (no
+            padding waste) and all are joined at once.
         capacities: capacity buckets of full-attention caches.
     """
 
@@ -103,7 +108,9 @@ class Engine:
         buckets: Sequence[int] = DEFAULT_BUCKETS,
         prefill_chunks: Sequence[int] = DEFAULT_PREFILL_CHUNKS,
         capacities: Sequence[int] = DEFAULT_CAPACITIES,
+        batched_prefill: Optional[bool] = None,
     ):
+        self.batched_prefill = mx.default_device() == mx.gpu if batched_prefill is None else batched_prefill
         self.compiled = model if isinstance(model, CompiledModel) else CompiledModel(model, capacities)
         self.buckets = tuple(sorted(buckets))
         self.prefill_chunks = tuple(sorted(prefill_chunks))
@@ -158,10 +165,20 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self.queue or self.rows)
 
+    def _prefill_windows(self, n: int) -> List[int]:
+        """Window lengths covering ``n`` prompt tokens: greedy largest chunks,
+        a short tail padded to the smallest chunk."""
+        out = []
+        for c in reversed(self.prefill_chunks):
+            while n >= c:
+                out.append(c)
+                n -= c
+        if n:
+            out.append(self.prefill_chunks[0])
+        return out
+
     def _padded_prefill(self, n: int) -> int:
-        big = self.prefill_chunks[-1]
-        full, tail = divmod(n, big)
-        return full * big + (bucket_for(tail, self.prefill_chunks) if tail else 0)
+        return sum(self._prefill_windows(n))
 
     # ----------------------------------------------------------------- loop
     def step(self) -> List[TokenEvent]:
@@ -183,16 +200,13 @@ class Engine:
         if not self.queue or room <= 0:
             return
         new = [self.queue.popleft() for _ in range(min(room, len(self.queue)))]
-        caches = self._prefill(new)
+        groups = [new] if self.batched_prefill else [[r] for r in new]
+        prefilled = [self._prefill(g) for g in groups]
         width = bucket_for(len(self.rows) + len(new), self.buckets)
-        if self.caches is None:
-            for c in caches:
-                c.resize(width)
-            self.caches = caches
-        else:
-            for c, n in zip(self.caches, caches):
-                c.extend(n, width=width)
+        if self.caches is not None:
             self.stats.joins += 1
+            prefilled.insert(0, self.caches)
+        self.caches = [type(layer[0]).join(layer, width=width) for layer in zip(*prefilled)]
         self.rows += new
 
     def _prefill(self, reqs: List[Request]) -> List[StaticKVCache]:
@@ -204,15 +218,15 @@ class Engine:
         top = max(lengths)
         if top == 0:
             return caches
-        padded = self._padded_prefill(top)
+        windows = self._prefill_windows(top)
+        padded = sum(windows)
         tokens = np.zeros((width, padded), dtype=np.int32)
         for i, r in enumerate(reqs):
             tokens[i, : lengths[i]] = r.prompt[:-1]
         for c in caches:
             c.prepare(lengths=lengths, right_padding=[padded - n for n in lengths])
         done = 0
-        while done < padded:
-            L = min(self.prefill_chunks[-1], padded - done)
+        for L in windows:
             self.compiled.step(caches, mx.array(tokens[:, done : done + L]))
             done += L
         for c in caches:
@@ -287,16 +301,16 @@ class Engine:
 
     # -------------------------------------------------------------- warmup
     def warmup(self, buckets: Optional[Sequence[int]] = None, prefill: bool = True) -> dict:
-        """Trace the decode step (and prefill windows) ahead of time for each
-        bucket, on scratch caches. Returns ``{trace: milliseconds}``."""
+        """Trace ahead of time on scratch caches, per bucket: the decode step
+        (evaluated once, so MLX's kernel JIT is done too) and, with
+        ``prefill``, the prefill windows (traced only: evaluating a long
+        window costs a real forward). Returns ``{trace: milliseconds}``."""
         before = dict(self.compiled.trace_ms)
         for b in buckets or self.buckets:
-            caches = self.compiled.new_caches(b)
             if prefill:
                 for L in self.prefill_chunks:
-                    scratch = self.compiled.new_caches(b)
-                    self.compiled.step(scratch, mx.zeros((b, L), dtype=mx.int32))
-                    mx.eval([c.state for c in scratch])
+                    self.compiled.step(self.compiled.new_caches(b), mx.zeros((b, L), dtype=mx.int32))
+            caches = self.compiled.new_caches(b)
             out = self.compiled.step(caches, mx.zeros((b, 1), dtype=mx.int32))
             mx.eval(out["tokens"], [c.state for c in caches])
         return {k: v for k, v in self.compiled.trace_ms.items() if k not in before}
