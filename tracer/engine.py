@@ -207,6 +207,7 @@ class Engine:
             self.stats.joins += 1
             prefilled.insert(0, self.caches)
         self.caches = [type(layer[0]).join(layer, width=width) for layer in zip(*prefilled)]
+        mx.eval([c.state for c in self.caches])  # the join's copies belong to admission, not to decode
         self.rows += new
 
     def _prefill(self, reqs: List[Request]) -> List[StaticKVCache]:
