@@ -169,3 +169,23 @@ def test_bad_paths_are_clear(tmp_path):
     with pytest.raises(ValueError, match="max_tokens must be > 0"):
         gen.submit("1 2", max_tokens=0)
     assert not gen.engine.has_work()
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_mixed"])
+def test_request_continues_from_an_mlx_lm_prompt_cache(name):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = tiny_model(name)
+    context, prompt = list(range(10, 40)), [7, 8, 9]
+    want = solo_tokens(model, context + prompt, 12)
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([context]), cache=cache))
+    offsets = [c.offset for c in cache]
+    eng = Engine(model, buckets=(1, 2))
+    other = eng.add([3, 4], max_tokens=12)  # joins the same batch, prefilled from tokens
+    uid = eng.add(prompt, max_tokens=12, cache=cache)
+    got = [ev.token for ev in eng.run() if ev.uid == uid]
+    assert got == want
+    assert [c.offset for c in cache] == offsets  # the caller's caches are only read
+    with pytest.raises(ValueError, match="cache has 1 layers"):
+        eng.add(prompt, cache=cache[:1])

@@ -27,7 +27,7 @@ from typing import Deque, Dict, Iterable, List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .caches import DEFAULT_CAPACITIES, FullCache
+from .caches import DEFAULT_CAPACITIES, FullCache, RingCache
 from .caches.batch import StaticKVCache
 from .sampling import GREEDY, SamplingParams, initial_key, sampler_inputs
 from .step import DEFAULT_BUCKETS, CompiledModel, bucket_for
@@ -43,6 +43,7 @@ class Request:
     sampling: SamplingParams
     stop_ids: frozenset
     key: np.ndarray
+    cache: Optional[list] = None  # serial mlx-lm caches holding context before the prompt
     tokens: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
     finish_reason: Optional[str] = None
@@ -140,8 +141,14 @@ class Engine:
         max_tokens: int = 256,
         sampling: SamplingParams = GREEDY,
         stop_ids: Iterable[int] = (),
+        cache: Optional[Sequence] = None,
     ) -> int:
-        """Queue a request; returns its uid. Validates before touching any state."""
+        """Queue a request; returns its uid. Validates before touching any state.
+
+        ``cache``: optional serial mlx-lm caches (one per layer, as from
+        ``make_prompt_cache`` after a forward) holding context that precedes
+        ``prompt``; the request continues from them instead of prefilling it.
+        """
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError("empty prompt: give at least one token")
@@ -150,17 +157,36 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        context = self._check_context(cache)
         limit = self.max_positions
         if limit is not None:
-            need = self._padded_prefill(len(prompt) - 1) + 1 + max_tokens
-            if len(prompt) + max_tokens > limit or need > limit:
+            need = context + self._padded_prefill(len(prompt) - 1) + 1 + max_tokens
+            if need > limit:
                 raise ValueError(
                     f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} exceed the largest capacity bucket "
                     f"{limit}: shorten the prompt, lower max_tokens or pass larger capacities"
                 )
         uid = next(self._uids)
-        self.queue.append(Request(uid, prompt, int(max_tokens), sampling, frozenset(stop_ids), initial_key(sampling.seed)))
+        self.queue.append(
+            Request(uid, prompt, int(max_tokens), sampling, frozenset(stop_ids), initial_key(sampling.seed), list(cache) if cache else None)
+        )
         return uid
+
+    def _check_context(self, cache) -> int:
+        """Positions held by a request's starting caches (validated)."""
+        if not cache:
+            return 0
+        from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+        layouts = self.compiled.layouts
+        if len(cache) != len(layouts):
+            raise ValueError(f"cache has {len(cache)} layers, the model has {len(layouts)}")
+        for i, (c, l) in enumerate(zip(cache, layouts)):
+            ok = type(c) is KVCache if l.window is None else type(c) is RotatingKVCache and c.max_size == l.window
+            if not ok:
+                want = "KVCache" if l.window is None else f"RotatingKVCache(max_size={l.window})"
+                raise ValueError(f"cache layer {i}: expected {want}, got {type(c).__name__}")
+        return max(int(c.offset) for c in cache)
 
     def has_work(self) -> bool:
         return bool(self.queue or self.rows)
@@ -200,7 +226,9 @@ class Engine:
         if not self.queue or room <= 0:
             return
         new = [self.queue.popleft() for _ in range(min(room, len(self.queue)))]
-        groups = [new] if self.batched_prefill else [[r] for r in new]
+        fresh = [r for r in new if r.cache is None]
+        groups = ([fresh] if self.batched_prefill and fresh else [[r] for r in fresh]) + [[r] for r in new if r.cache is not None]
+        new = [r for g in groups for r in g]  # row order = join order
         prefilled = [self._prefill(g) for g in groups]
         width = bucket_for(len(self.rows) + len(new), self.buckets)
         if self.caches is not None:
@@ -214,7 +242,7 @@ class Engine:
         """Caches of ``reqs`` holding all but their last prompt token."""
         t0 = time.perf_counter()
         width = bucket_for(len(reqs), self.buckets)
-        caches = self.compiled.new_caches(width, rows=len(reqs))
+        caches = self._start_caches(reqs, width)
         lengths = [len(r.prompt) - 1 for r in reqs]
         top = max(lengths)
         if top == 0:
@@ -235,6 +263,19 @@ class Engine:
         mx.eval([c.state for c in caches])
         self.stats.prefill_tokens += sum(lengths)
         self.stats.prefill_s += time.perf_counter() - t0
+        return caches
+
+    def _start_caches(self, reqs: List[Request], width: int) -> List[StaticKVCache]:
+        if reqs[0].cache is None:
+            return self.compiled.new_caches(width, rows=len(reqs))
+        serial, reqs[0].cache = reqs[0].cache, None  # converted once; the caller's caches are only read
+        caches = []
+        for s, layout in zip(serial, self.compiled.layouts):
+            kind = FullCache if layout.window is None else RingCache
+            c = kind.join([s], width=width, capacities=self.compiled.capacities)
+            if c.keys is None:
+                c.allocate(layout.kv_heads, layout.k_dim, layout.v_dim, layout.dtype)
+            caches.append(c)
         return caches
 
     # -------------------------------------------------------------- decode
