@@ -91,6 +91,39 @@ def _trace(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from . import bench
+
+    if args.tokens <= 0 or args.runs <= 0:
+        raise ValueError("--tokens and --runs must be > 0")
+    _log("measuring this machine (copy bandwidth, fp32 GEMM) ...")
+    machine = bench.Machine.measure()
+    bw = ", ".join(f"{size >> 20} MB {gbps:.1f}" for size, gbps in sorted(machine.copy_gbps.items()))
+    _log(f"  copy GB/s by size: {bw}; fp32 GEMM {machine.gemm_gflops:.1f} GFLOP/s")
+    print(bench.HEADER, flush=True)
+    rows = []
+    for name in args.models:
+        model, label = bench.load_bench_model(name, args.model)
+        _log(f"{label}: buckets {list(args.buckets)}, contexts {list(args.contexts)}, {args.tokens} tokens x {args.runs} runs")
+        rows += bench.bench_model(model, label, args.buckets, args.contexts, args.tokens, args.runs, machine, log=lambda s: print(s, flush=True))
+    steady = None
+    if args.steady_steps:
+        _log(f"steady state: {args.steady_steps} decode steps on a ring model ...")
+        steady = bench.steady_state(steps=args.steady_steps)
+        print(
+            f"steady state ({steady['model']}): step {steady['step_early']}: {steady['tps_early']:.1f} tok/s, "
+            f"step {steady['step_late']}: {steady['tps_late']:.1f} tok/s ({steady['late_over_early']:.3f}x), "
+            f"traces {steady['traces_at_early']} -> {steady['traces_at_end']}"
+        )
+    if args.json:
+        bench.write_json(args.json, machine, rows, steady, {"tokens": args.tokens, "runs": args.runs})
+        _log(f"wrote {args.json}")
+    if args.plot:
+        bench.plot(args.plot, rows)
+        _log(f"wrote {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlx-tracer", description="Compile-once LLM decode for MLX.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -124,6 +157,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dot", help="write the decode graph of the smallest bucket as DOT to this file")
     t.add_argument("--top-ops", type=int, default=12, help="op counts to print with --dot")
     t.set_defaults(func=_trace, chat=None, system=None)
+    b = sub.add_parser("bench", help="stock mlx-lm decode vs the compiled loop: table, JSON, plot")
+    b.add_argument("--models", type=lambda t: tuple(x for x in t.split(",") if x), default=("smollm2", "llama-h64", "llama-h256"),
+                   help="comma-separated: smollm2, llama-h64, llama-h256 (random 4-layer llamas of that width)")
+    b.add_argument("--model", help="the GGUF / mlx-lm directory used for 'smollm2' (default: the fetched SmolLM2)")
+    b.add_argument("--buckets", type=_ints, default=(1, 2, 4, 8))
+    b.add_argument("--contexts", type=_ints, default=(128, 1024))
+    b.add_argument("--tokens", type=int, default=32, help="decode tokens per run")
+    b.add_argument("--runs", type=int, default=3, help="timed runs per system (median)")
+    b.add_argument("--steady-steps", type=int, default=2000, help="steady-state check length (0: skip)")
+    b.add_argument("--json", help="write the results as JSON")
+    b.add_argument("--plot", help="write tokens/s vs bucket as PNG")
+    b.set_defaults(func=_bench)
     return p
 
 

@@ -120,6 +120,8 @@ class Engine:
         self.queue: Deque[Request] = deque()
         self.rows: List[Request] = []
         self.finished: Dict[int, Request] = {}  # until the caller pops them
+        self._inflight: Optional[dict] = None  # a dispatched decode step not yet read
+        self._last_read = 0.0
         self.caches: Optional[List[StaticKVCache]] = None
         self.stats = EngineStats()
         self._uids = itertools.count()
@@ -208,11 +210,22 @@ class Engine:
 
     # ----------------------------------------------------------------- loop
     def step(self) -> List[TokenEvent]:
-        """Admit what fits, run one decode step, retire finished rows."""
-        self._admit()
-        if not self.rows:
-            return []
-        events = self._decode()
+        """Emit the tokens of one decode step.
+
+        Steps are pipelined as in mlx-lm: while step t's tokens are read back
+        and processed on the host, step t+1 (fed by step t's tokens on the
+        device) is already computing. The pipeline drains before newcomers
+        are admitted; rows that finish at step t are filtered out of step t+1.
+        """
+        if self._inflight is None:
+            self._admit()
+            if not self.rows:
+                return []
+            self._inflight = self._dispatch(None)
+        cur, self._inflight = self._inflight, None
+        if self._may_continue():
+            self._inflight = self._dispatch(cur)
+        events = self._read(cur)
         self._retire()
         return events
 
@@ -279,19 +292,39 @@ class Engine:
         return caches
 
     # -------------------------------------------------------------- decode
-    def _decode(self) -> List[TokenEvent]:
+    def _may_continue(self) -> bool:
+        """Whether to dispatch the next step before reading the current one."""
+        if self.queue and len(self.rows) < self.buckets[-1]:
+            return False  # drain first: newcomers are admitted between steps
+        return any(len(r.tokens) + 1 < r.max_tokens for r in self.rows)
+
+    def _dispatch(self, prev: Optional[dict]) -> dict:
+        """Build and start one decode step; its inputs come from the host, or
+        from the previous step's outputs on the device (``prev``)."""
         t0 = time.perf_counter()
         width = self.caches[0].width
-        inputs = np.zeros((width, 1), dtype=np.int32)
-        inputs[: len(self.rows), 0] = [r.next_input for r in self.rows]
         greedy = all(r.sampling.greedy for r in self.rows)
-        sampler = None if greedy else sampler_inputs([r.sampling for r in self.rows], [r.key for r in self.rows], width)
-        out = self.compiled.step(self.caches, mx.array(inputs), sampler)
-        t1 = time.perf_counter()
-        mx.eval(out["tokens"], out["logprobs"], [c.state for c in self.caches])
+        if prev is None:
+            inputs = np.zeros((width, 1), dtype=np.int32)
+            inputs[: len(self.rows), 0] = [r.next_input for r in self.rows]
+            inputs = mx.array(inputs)
+            keys = None if greedy else [r.key for r in self.rows]
+        else:
+            inputs = prev["tokens"][:, None]
+            keys = prev.get("keys")
+        sampler = None if greedy else sampler_inputs([r.sampling for r in self.rows], keys, width)
+        out = self.compiled.step(self.caches, inputs, sampler)
+        out["host_s"] = time.perf_counter() - t0  # graph build + dispatch
+        out["t0"] = t0
+        # (on the CPU, async_eval waits while MLX's task queue is full: that is not host time)
+        mx.async_eval(out["tokens"], out["logprobs"], out.get("keys", out["tokens"]), [c.state for c in self.caches])
+        return out
+
+    def _read(self, out: dict) -> List[TokenEvent]:
+        """Wait for a dispatched step and turn its tokens into events."""
         tokens = out["tokens"].tolist()
         logprobs = out["logprobs"].tolist()
-        if not greedy:
+        if "keys" in out:
             keys = np.array(out["keys"])
             for i, r in enumerate(self.rows):
                 r.key = keys[i]
@@ -305,10 +338,12 @@ class Engine:
             elif len(r.tokens) >= r.max_tokens:
                 r.finish_reason = "length"
             events.append(TokenEvent(r.uid, tok, float(logprobs[i]), r.finish_reason))
+        now = time.perf_counter()
         self.stats.steps += 1
         self.stats.decode_tokens += len(self.rows)
-        self.stats.host_s += t1 - t0
-        self.stats.decode_s += time.perf_counter() - t0
+        self.stats.host_s += out["host_s"]
+        self.stats.decode_s += now - max(out["t0"], self._last_read)
+        self._last_read = now
         return events
 
     def cancel(self, uid: int, reason: str = "stop"):
@@ -335,11 +370,18 @@ class Engine:
                 self.finished[r.uid] = r
         self.rows = [self.rows[i] for i in keep]
         if not keep:
-            self.caches = None
+            self.caches = self._inflight = None
             return
         width = bucket_for(len(keep), self.buckets)
         for c in self.caches:
             c.filter(keep, width=width)
+        if self._inflight is not None:  # the step in flight computed finished rows too: drop them
+            idx = mx.array(keep, dtype=mx.int32)
+            for name in ("tokens", "logprobs", "keys"):
+                if name in self._inflight:
+                    x = self._inflight[name][idx]
+                    pad = [(0, width - len(keep))] + [(0, 0)] * (x.ndim - 1)
+                    self._inflight[name] = mx.pad(x, pad) if width > len(keep) else x
 
     # -------------------------------------------------------------- warmup
     def warmup(self, buckets: Optional[Sequence[int]] = None, prefill: bool = True) -> dict:

@@ -54,17 +54,20 @@ def initial_key(seed: Optional[int]) -> np.ndarray:
     return np.array(mx.random.key(seed)).astype(np.uint32)
 
 
-def sampler_inputs(params: Sequence[SamplingParams], keys: Sequence[np.ndarray], width: int) -> dict:
-    """The per-row sampler arrays of a step of bucket ``width`` (padding rows greedy)."""
+def sampler_inputs(params: Sequence[SamplingParams], keys, width: int) -> dict:
+    """The per-row sampler arrays of a step of bucket ``width`` (padding rows
+    greedy). ``keys``: one ``[2]`` key per live row, or a ``[width, 2]``
+    device array (a previous step's output)."""
     pad = width - len(params)
     params = list(params) + [GREEDY] * pad
-    keys = list(keys) + [np.zeros(2, np.uint32)] * pad
+    if not isinstance(keys, mx.array):
+        keys = mx.array(np.stack(list(keys) + [np.zeros(2, np.uint32)] * pad).astype(np.uint32))
     return {
         "temperature": mx.array([p.temperature for p in params], dtype=mx.float32),
         "top_k": mx.array([p.top_k for p in params], dtype=mx.int32),
         "top_p": mx.array([p.top_p for p in params], dtype=mx.float32),
         "min_p": mx.array([p.min_p for p in params], dtype=mx.float32),
-        "keys": mx.array(np.stack(keys).astype(np.uint32)),
+        "keys": keys,
     }
 
 
