@@ -1,0 +1,48 @@
+"""Seconds-long smoke runs of the benchmark harness, so it cannot rot.
+Speed itself is measured by `mlx-tracer bench` and benchmarks/, not here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from mlx_tracer import bench
+from mlx_tracer.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_steady_state_adds_no_traces():
+    r = bench.steady_state(steps=300, window=32, hidden=32, probe=40)
+    # decode + the prompt's prefill window traced once before step 40; the ring
+    # then wraps 9 times without another trace
+    assert r["traces_at_early"] == r["traces_at_end"] == 2
+    assert r["tps_early"] > 0 and r["tps_late"] > 0
+
+
+def test_bench_command_writes_table_json_and_plot(tmp_path, capsys):
+    out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
+    rc = main([
+        "bench", "--models", "llama-h32", "--buckets", "1,2", "--contexts", "16", "--tokens", "3", "--runs", "1",
+        "--steady-steps", "60", "--json", str(out_json), "--plot", str(out_png),
+    ])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "stock tok/s" in table and "llama 4x32" in table and "steady state" in table
+    data = json.loads(out_json.read_text())
+    assert [r["bucket"] for r in data["rows"]] == [1, 2]
+    assert all(r["stock_tps"] > 0 and r["tracer_tps"] > 0 and r["traces"] == 1 for r in data["rows"])
+    assert out_png.stat().st_size > 1000
+
+
+def test_pytest_benchmark_suite_runs_in_smoke_mode():
+    env = dict(os.environ, BENCH_SMOKE="1")
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "benchmarks", "-q", "--benchmark-disable", "-p", "no:cacheprovider"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "4 passed" in r.stdout
