@@ -2,7 +2,7 @@
 
 The batched counterpart of mlx-lm's ``BatchKVCache`` whose buffers do not
 grow per token: ``keys/values [Bk, H, C, D]`` with ``C`` taken from a small
-set of capacity buckets (64, 128, 256, ...). Column ``c`` holds column-time ``c``;
+set of capacity buckets (64, 128, 192, 256, 384, ...). Column ``c`` holds column-time ``c``;
 a row's tokens are the columns ``[left_padding[r], time)``. Writing past the
 capacity moves the cache to the next bucket: one reallocation, counted in
 ``regrows``, never per token.
@@ -21,7 +21,9 @@ from .masks import MaskGeometry, full_columns
 from .rows import RowBook
 from .writes import write_columns
 
-DEFAULT_CAPACITIES = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+# Attention runs over the whole buffer, so the ladder is finer than powers of
+# two (at most 1.5x the live columns): one more trace per rung, ~30 ms each.
+DEFAULT_CAPACITIES = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)
 
 
 def capacity_bucket(tokens: int, capacities: Sequence[int] = DEFAULT_CAPACITIES) -> int:

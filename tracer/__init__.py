@@ -8,6 +8,11 @@ in the top-level folders ``caches/`` and ``adapters/``.
 
 __version__ = "0.1.0"
 
+# First, before anything imports mlx: bind MLX's CPU matmuls to a fast BLAS.
+from . import blas as _blas
+
+_blas.activate()
+
 from .api import Completion, GenerationEvent, Generator, batch_generate, generate, load, stream_generate
 from .engine import Engine
 from .sampling import SamplingParams

@@ -242,11 +242,12 @@ def build_model(weights: Dict[str, mx.array], meta: dict, path="GGUF"):
     return model
 
 
-def dequantize_model(model: nn.Module, dtype=mx.float32) -> nn.Module:
+def dequantize_model(model: nn.Module, dtype=mx.float32, select=None) -> nn.Module:
     """Replace quantized Linear/Embedding layers by float ones, in place.
 
     Each weight is ``mx.dequantize`` of its triple with scales and biases cast
-    to float32 first, then cast to ``dtype``. Returns ``model``.
+    to float32 first, then cast to ``dtype``. ``select(path)`` (optional)
+    chooses which layers, by module path. Returns ``model``.
     """
 
     def to_float(q):
@@ -255,7 +256,9 @@ def dequantize_model(model: nn.Module, dtype=mx.float32) -> nn.Module:
             group_size=q.group_size, bits=q.bits, mode=q.mode,
         ).astype(dtype)
 
-    def swap(_, m):
+    def swap(path, m):
+        if select is not None and not select(path):
+            return m
         if isinstance(m, nn.QuantizedLinear):
             new = nn.Linear(m.scales.shape[1] * m.group_size, m.weight.shape[0], bias="bias" in m)
             if "bias" in m:
