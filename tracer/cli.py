@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 
@@ -26,8 +27,10 @@ def _load(args):
     t0 = time.perf_counter()
     _log(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
     kwargs = {"buckets": args.buckets} if getattr(args, "buckets", None) else {}
-    gen = Generator.load(args.model, chat=getattr(args, "chat", None), system=getattr(args, "system", None), **kwargs)
-    _log(f"loaded in {time.perf_counter() - t0:.1f} s")
+    gen = Generator.load(
+        args.model, weights=args.weights, chat=getattr(args, "chat", None), system=getattr(args, "system", None), log=_log, **kwargs
+    )
+    _log(f"loaded in {time.perf_counter() - t0:.1f} s (weights: {gen.weights})")
     return gen
 
 
@@ -124,6 +127,46 @@ def _bench(args) -> int:
     return 0
 
 
+def _info(args) -> int:
+    import os
+    import tempfile
+
+    import mlx.core as mx
+    from importlib import metadata
+
+    from . import blas, bench, model_store
+    from .weights import available_memory
+
+    gpu = "metal" if mx.metal.is_available() else ("cuda" if getattr(mx, "cuda", None) and mx.cuda.is_available() else "none")
+    print(f"backend      {mx.default_device()} (mlx {mx.__version__}, mlx-lm {metadata.version('mlx-lm')}); GPU: {gpu}")
+    st = blas.status()
+    print(f"BLAS         {st.note}")
+    print(f"             cblas_sgemm from {st.library}")
+    m = bench.Machine.measure()
+    rate = "fast" if m.gemm_gflops > 10 else "reference-class"
+    print(f"             measured fp32 GEMM 8x4096x4096: {m.gemm_gflops:.1f} GFLOP/s ({rate}); "
+          f"copy {m.bandwidth(1 << 20):.1f} GB/s at 1 MB, {m.bandwidth(256 << 20):.1f} GB/s at 256 MB")
+    mem = available_memory()
+    print(f"memory       {mem / 2**30:.1f} GiB available" if mem else "memory       unknown")
+    path = model_store.default_model_path()
+    ok = model_store.is_valid_model_file(path)
+    print(f"model        {path} ({'present' if ok else 'missing: run mlx-tracer fetch'})")
+    store = model_store.cache_dir() / "formats.json"
+    choices = json.loads(store.read_text()) if store.exists() else {}
+    if choices:
+        for key, v in choices.items():
+            ms = ", ".join(f"{f} {t['1']:.0f}/{t['4']:.0f}" for f, t in v["ms"].items())
+            print(f"weights      {v['format']} for {key.split('|')[0]} [{'|'.join(key.split('|')[3:])}] (ms/step at B=1/4: {ms})")
+    else:
+        print("weights      auto not measured yet (the first `mlx-tracer generate` measures and caches it)")
+    kdir = os.path.join(os.environ.get("TMPDIR", tempfile.gettempdir()), "mlx", mx.__version__, "cpu")
+    files = [os.path.join(kdir, f) for f in os.listdir(kdir)] if os.path.isdir(kdir) else []
+    size = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
+    print(f"kernel cache {kdir}: {len(files)} files, {size / 2**20:.1f} MB (MLX's CPU JIT, kept between runs)")
+    print("traces       per process (mx.compile keeps none on disk); `mlx-tracer trace` lists them")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mlx-tracer", description="Compile-once LLM decode for MLX.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -136,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     def model_args(q):
         q.add_argument("--model", help="a GGUF file or a local mlx-lm model directory (default: SmolLM2, fetched on first use)")
         q.add_argument("--buckets", type=_ints, help="batch-width buckets, e.g. 1,2,4,8")
+        q.add_argument("--weights", default="auto", choices=("auto", "as-is", "float32", "float32-blocks"),
+                       help="weight format (auto: the fastest on this machine, measured once and cached)")
 
     g = sub.add_parser("generate", help="generate text with the compiled decode loop")
     g.add_argument("prompts", nargs="+", help="one or more prompts (several run as one batch)")
@@ -157,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dot", help="write the decode graph of the smallest bucket as DOT to this file")
     t.add_argument("--top-ops", type=int, default=12, help="op counts to print with --dot")
     t.set_defaults(func=_trace, chat=None, system=None)
+    i = sub.add_parser("info", help="backend, BLAS in use and its measured GEMM rate, weight format, caches")
+    i.set_defaults(func=_info)
+
     b = sub.add_parser("bench", help="stock mlx-lm decode vs the compiled loop: table, JSON, plot")
     b.add_argument("--models", type=lambda t: tuple(x for x in t.split(",") if x), default=("smollm2", "llama-h64", "llama-h256"),
                    help="comma-separated: smollm2, llama-h64, llama-h256 (random 4-layer llamas of that width)")
