@@ -23,7 +23,7 @@ needs_model = pytest.mark.skipif(not _present(), reason="SmolLM2 GGUF not presen
 @pytest.mark.model
 @needs_model
 def test_generate_prints_the_answer_and_a_summary():
-    r = run("generate", "What is the capital of France? Answer in one sentence.", "--max-tokens", "16")
+    r = run("generate", "What is the capital of France? Answer in one sentence.", "--max-tokens", "16", "--weights", "as-is")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "decode:" in r.stderr and "tok/s" in r.stderr and "traces:" in r.stderr
@@ -32,11 +32,11 @@ def test_generate_prints_the_answer_and_a_summary():
 @pytest.mark.model
 @needs_model
 def test_generate_batch_and_trace_with_dot(tmp_path):
-    r = run("generate", "Hi", "Name a color.", "--max-tokens", "4", "--buckets", "1,2")
+    r = run("generate", "Hi", "Name a color.", "--max-tokens", "4", "--buckets", "1,2", "--weights", "as-is")
     assert r.returncode == 0, r.stderr
     assert "[0]" in r.stdout and "[1]" in r.stdout
     dot = tmp_path / "decode.dot"
-    r = run("trace", "--buckets", "1", "--dot", str(dot))
+    r = run("trace", "--buckets", "1", "--dot", str(dot), "--weights", "as-is")
     assert r.returncode == 0, r.stderr
     assert "decode       1    1" in r.stdout
     assert dot.exists() and "QuantizedMatmul" in r.stdout

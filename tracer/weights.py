@@ -9,7 +9,8 @@ quantized embedding/head kept). ``auto``:
 * on the CPU: ``as-is`` and ``float32`` (or ``float32-blocks`` when fp32
   weights would take more than half of the available RAM) are each timed on
   one decode step at batch 1 and 4, and the faster (geometric mean of ms per
-  token) wins. The decision is
+  token) wins if it beats ``as-is`` by more than 10% (it costs up to 4x the
+  memory). The decision is
   cached per model file, MLX version, BLAS and core count in
   ``<cache dir>/formats.json``, so it is measured once, not guessed. With
   MLX's reference BLAS ``as-is`` wins (its fp32 GEMM is slow); with the fast
@@ -134,6 +135,8 @@ def choose_format(model, source: Optional[Path], reload, log=lambda s: None) -> 
         del m
     score = {f: statistics.geometric_mean([v[1] / 1, v[4] / 4]) for f, v in timings.items()}  # ms per token
     fmt = min(score, key=score.get)
+    if score[fmt] > score["as-is"] / 1.1:  # 4x the memory is worth it only when clearly faster
+        fmt = "as-is"
     if key is not None:
         known[key] = {"format": fmt, "ms": timings}
         store.parent.mkdir(parents=True, exist_ok=True)
