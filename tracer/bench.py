@@ -58,12 +58,13 @@ def random_llama(hidden: int, layers: int = 4, vocab: int = 1024, window: Option
     return model
 
 
-def load_bench_model(name: str, path: Optional[str] = None):
+def load_bench_model(name: str, path: Optional[str] = None, weights: str = "as-is", log=lambda s: None):
     """``(model, label)`` for a bench model name (``smollm2``, ``llama-h<N>``)."""
     if name == "smollm2":
         from .api import load
 
-        return load(path)[0], "SmolLM2-135M Q4_1"
+        model = load(path, weights=weights, log=log)[0]
+        return model, f"SmolLM2-135M {model.mlx_tracer_weights}"
     if name.startswith("llama-h"):
         h = int(name[len("llama-h") :])
         return random_llama(h), f"llama 4x{h} fp32 (random)"
@@ -224,9 +225,15 @@ class BenchRow:
     tracer_roofline_pct: float
     stock_runs: List[float] = field(default_factory=list)
     tracer_runs: List[float] = field(default_factory=list)
+    baseline_tps: Optional[float] = None  # stock mlx-lm as a user runs it: reference BLAS, weights as loaded
+    baseline_runs: List[float] = field(default_factory=list)
+
+    @property
+    def speedup(self) -> Optional[float]:
+        return None if not self.baseline_tps else self.tracer_tps / self.baseline_tps
 
 
-def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[int], tokens: int, runs: int, machine: Machine, log: Callable[[str], None] = lambda s: None) -> List[BenchRow]:
+def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[int], tokens: int, runs: int, machine: Machine, on_row: Callable[["BenchRow"], None] = lambda r: None) -> List[BenchRow]:
     compiled = CompiledModel(model)
     costs = model_costs(model, compiled.layouts)
     rows = []
@@ -258,23 +265,60 @@ def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[in
                 sum(n for k, n in compiled.traces.items() if k.width == B and k.kind == "decode"),
                 max(warm.values(), default=float("nan")), peak, roof, 100 * t / roof, s_runs, t_runs,
             )
-            log(format_row(row))
+            on_row(row)
             rows.append(row)
     return rows
 
 
 HEADER = (
-    f"{'model':<26} {'B':>2} {'ctx':>5} {'stock tok/s':>11} {'tracer tok/s':>12} {'ratio':>6} "
-    f"{'host ms s/t':>12} {'traces':>6} {'trace ms':>8} {'peak MB':>8} {'roofline':>8}"
+    f"{'model':<26} {'B':>2} {'ctx':>5} {'as-run':>7} {'stock':>7} {'tracer':>7} {'vs as-run':>9} {'vs stock':>8} "
+    f"{'host ms s/t':>11} {'traces':>6} {'trace ms':>8} {'peak MB':>7} {'roofline':>8}"
 )
+UNITS = "(tok/s: as-run = stock mlx-lm with MLX's reference BLAS and weights as loaded; stock = same process and weights as tracer)"
 
 
 def format_row(r: BenchRow) -> str:
+    base = f"{r.baseline_tps:>7.1f}" if r.baseline_tps else f"{'-':>7}"
+    up = f"{r.speedup:>8.2f}x" if r.speedup else f"{'-':>9}"
     return (
-        f"{r.model:<26} {r.bucket:>2} {r.context:>5} {r.stock_tps:>11.1f} {r.tracer_tps:>12.1f} {r.ratio:>5.2f}x "
-        f"{r.stock_host_ms:>5.1f}/{r.tracer_host_ms:<6.2f} {r.traces:>6} {r.first_trace_ms:>8.0f} {r.peak_mb:>8.0f} "
+        f"{r.model:<26} {r.bucket:>2} {r.context:>5} {base} {r.stock_tps:>7.1f} {r.tracer_tps:>7.1f} {up} {r.ratio:>7.2f}x "
+        f"{r.stock_host_ms:>5.1f}/{r.tracer_host_ms:<5.2f} {r.traces:>6} {r.first_trace_ms:>8.0f} {r.peak_mb:>7.0f} "
         f"{r.tracer_roofline_pct:>7.1f}%"
     )
+
+
+def baseline(names: Sequence[str], path: Optional[str], buckets, contexts, tokens: int, runs: int) -> Dict[tuple, List[float]]:
+    """Stock mlx-lm as a user runs it (MLX's reference BLAS, weights as loaded),
+    in a subprocess, since the BLAS binding is fixed per process.
+    Returns ``{(model name, B, C): [tok/s per run]}``."""
+    import os
+    import subprocess
+    import sys
+
+    spec = json.dumps({"names": list(names), "path": path, "buckets": list(buckets), "contexts": list(contexts), "tokens": tokens, "runs": runs})
+    env = dict(os.environ, MLX_TRACER_BLAS="0")
+    r = subprocess.run([sys.executable, "-m", "mlx_tracer.bench", spec], capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise RuntimeError(f"baseline run failed: {r.stderr[-2000:]}")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    return {(m, b, c): v for m, b, c, v in out}
+
+
+def _baseline_main(spec: dict):
+    from . import blas
+
+    assert not blas.status().fast, "the baseline must run on MLX's reference BLAS"
+    out = []
+    for name in spec["names"]:
+        model, _ = load_bench_model(name, spec["path"], weights="as-is")
+        layouts = CompiledModel(model).layouts
+        for C in spec["contexts"]:
+            ctx = synthetic_context(model, layouts, C)
+            for B in spec["buckets"]:
+                first = [(7 * i + 3) % model.args.vocab_size for i in range(B)]
+                stock_decode(model, [ctx] * B, first, 4)
+                out.append([name, B, C, [stock_decode(model, [ctx] * B, first, spec["tokens"]) for _ in range(spec["runs"])]])
+    print(json.dumps(out))
 
 
 def steady_state(steps: int = 2000, window: int = 256, hidden: int = 64, probe: int = 100) -> dict:
@@ -316,6 +360,8 @@ def plot(path: str, rows: List[BenchRow]):
     for ax, (m, c) in zip(axes[0], groups):
         rs = sorted((r for r in rows if r.model == m and r.context == c), key=lambda r: r.bucket)
         b = [r.bucket for r in rs]
+        if any(r.baseline_tps for r in rs):
+            ax.plot(b, [r.baseline_tps or float("nan") for r in rs], "^:", color="gray", label="stock mlx-lm, as run")
         ax.plot(b, [r.stock_tps for r in rs], "o-", label="stock mlx-lm")
         ax.plot(b, [r.tracer_tps for r in rs], "s-", label="mlx-tracer")
         ax.set_xscale("log", base=2)
@@ -328,3 +374,9 @@ def plot(path: str, rows: List[BenchRow]):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+if __name__ == "__main__":  # python -m mlx_tracer.bench '<spec>': the baseline worker
+    import sys
+
+    _baseline_main(json.loads(sys.argv[1]))

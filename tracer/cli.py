@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 
@@ -95,20 +96,33 @@ def _trace(args) -> int:
 
 
 def _bench(args) -> int:
-    from . import bench
+    from . import bench, blas
 
     if args.tokens <= 0 or args.runs <= 0:
         raise ValueError("--tokens and --runs must be > 0")
+    _log(f"BLAS: {blas.status().note}")
     _log("measuring this machine (copy bandwidth, fp32 GEMM) ...")
     machine = bench.Machine.measure()
     bw = ", ".join(f"{size >> 20} MB {gbps:.1f}" for size, gbps in sorted(machine.copy_gbps.items()))
     _log(f"  copy GB/s by size: {bw}; fp32 GEMM {machine.gemm_gflops:.1f} GFLOP/s")
+    base = {}
+    if args.baseline:
+        _log("stock mlx-lm as a user runs it (reference BLAS, weights as loaded), in a subprocess ...")
+        base = bench.baseline(args.models, args.model, args.buckets, args.contexts, args.tokens, args.runs)
+    print(bench.UNITS)
     print(bench.HEADER, flush=True)
     rows = []
     for name in args.models:
-        model, label = bench.load_bench_model(name, args.model)
+        model, label = bench.load_bench_model(name, args.model, weights=args.weights, log=_log)
         _log(f"{label}: buckets {list(args.buckets)}, contexts {list(args.contexts)}, {args.tokens} tokens x {args.runs} runs")
-        rows += bench.bench_model(model, label, args.buckets, args.contexts, args.tokens, args.runs, machine, log=lambda s: print(s, flush=True))
+
+        def attach(row, name=name):
+            runs = base.get((name, row.bucket, row.context))
+            if runs:
+                row.baseline_runs, row.baseline_tps = runs, statistics.median(runs)
+            print(bench.format_row(row), flush=True)
+
+        rows += bench.bench_model(model, label, args.buckets, args.contexts, args.tokens, args.runs, machine, on_row=attach)
     steady = None
     if args.steady_steps:
         _log(f"steady state: {args.steady_steps} decode steps on a ring model ...")
@@ -119,7 +133,7 @@ def _bench(args) -> int:
             f"traces {steady['traces_at_early']} -> {steady['traces_at_end']}"
         )
     if args.json:
-        bench.write_json(args.json, machine, rows, steady, {"tokens": args.tokens, "runs": args.runs})
+        bench.write_json(args.json, machine, rows, steady, {"tokens": args.tokens, "runs": args.runs, "blas": blas.status().note})
         _log(f"wrote {args.json}")
     if args.plot:
         bench.plot(args.plot, rows)
@@ -214,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--tokens", type=int, default=32, help="decode tokens per run")
     b.add_argument("--runs", type=int, default=3, help="timed runs per system (median)")
     b.add_argument("--steady-steps", type=int, default=2000, help="steady-state check length (0: skip)")
+    b.add_argument("--weights", default="auto", choices=("auto", "as-is", "float32", "float32-blocks"),
+                   help="weight format of the stock and tracer systems (the as-run baseline keeps them as loaded)")
+    b.add_argument("--no-baseline", dest="baseline", action="store_false",
+                   help="skip the as-run baseline (a subprocess on MLX's reference BLAS)")
     b.add_argument("--json", help="write the results as JSON")
     b.add_argument("--plot", help="write tokens/s vs bucket as PNG")
     b.set_defaults(func=_bench)
