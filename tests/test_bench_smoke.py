@@ -31,10 +31,11 @@ def test_bench_command_writes_table_json_and_plot(tmp_path, capsys):
     ])
     assert rc == 0
     table = capsys.readouterr().out
-    assert "stock tok/s" in table and "llama 4x32" in table and "steady state" in table
+    assert "as-run" in table and "tracer" in table and "llama 4x32" in table and "steady state" in table
     data = json.loads(out_json.read_text())
     assert [r["bucket"] for r in data["rows"]] == [1, 2]
-    assert all(r["stock_tps"] > 0 and r["tracer_tps"] > 0 and r["traces"] == 1 for r in data["rows"])
+    assert all(r["stock_tps"] > 0 and r["tracer_tps"] > 0 and r["baseline_tps"] > 0 and r["traces"] == 1 for r in data["rows"])
+    assert data["steady_state"]["step_early"] < data["steady_state"]["step_late"] == 60
     assert out_png.stat().st_size > 1000
 
 

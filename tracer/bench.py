@@ -321,9 +321,10 @@ def _baseline_main(spec: dict):
     print(json.dumps(out))
 
 
-def steady_state(steps: int = 2000, window: int = 256, hidden: int = 64, probe: int = 100) -> dict:
+def steady_state(steps: int = 2000, window: int = 256, hidden: int = 64, probe: Optional[int] = None) -> dict:
     """Decode tokens/s of a ring model around step ``probe`` and around step
     ``steps``: no drift from retraces or growing buffers."""
+    probe = probe or min(100, steps // 4)
     engine = Engine(random_llama(hidden, window=window), buckets=(1,))
     engine.warmup(prefill=False)
     engine.add([1, 2, 3], max_tokens=steps + probe)
