@@ -189,7 +189,7 @@ class StaticKVCache:
             src.col_of_time,
             self,
         )
-        self._assemble([src], width, **self._filter_kwargs())
+        self._assemble([src], width)
 
     def extend(self, other, width: Optional[int] = None):
         """Append the rows of ``other`` (a batch of the same kind or a serial cache), in place."""
@@ -265,15 +265,12 @@ class StaticKVCache:
             H, Dk, Dv, dt = proto.keys.shape[1], proto.keys.shape[3], proto.values.shape[3], proto.keys.dtype
             parts_k.append(mx.zeros((width - n, H, self.S, Dk), dt))
             parts_v.append(mx.zeros((width - n, H, self.S, Dv), dt))
-        self.keys = mx.concatenate(parts_k, axis=0) if len(parts_k) > 1 else parts_k[0]
-        self.values = mx.concatenate(parts_v, axis=0) if len(parts_v) > 1 else parts_v[0]
+        # Row-major buffers: mx.take lays its output out gathered-axis-first, and
+        # a buffer in that layout is copied by every later attention (measured:
+        # +40% per decode step at 1024 columns); in-place writes keep the layout.
+        self.keys = mx.contiguous(mx.concatenate(parts_k, axis=0) if len(parts_k) > 1 else parts_k[0])
+        self.values = mx.contiguous(mx.concatenate(parts_v, axis=0) if len(parts_v) > 1 else parts_v[0])
         self._width = width
-
-    def resize(self, width: int):
-        """Move the live rows into a buffer of bucket width ``width``."""
-        if width == self.width:
-            return
-        self.filter(list(range(self.n)), width=width)
 
     # ------------------------------------------------------------------- hooks
     def _cap_tokens(self, tokens: int) -> int:
@@ -291,9 +288,6 @@ class StaticKVCache:
 
     def _target_time(self, sources: List[RowSource], **target) -> int:  # pragma: no cover
         raise NotImplementedError
-
-    def _filter_kwargs(self) -> dict:
-        return {}
 
     def _check_compatible(self, other):
         pass

@@ -2,7 +2,7 @@
 
 The batched counterpart of mlx-lm's ``BatchKVCache`` whose buffers do not
 grow per token: ``keys/values [Bk, H, C, D]`` with ``C`` taken from a small
-set of capacity buckets (64, 128, 192, 256, 384, ...). Column ``c`` holds column-time ``c``;
+ladder of capacity buckets (64, 128, ..., 512, 576, 640, ...). Column ``c`` holds column-time ``c``;
 a row's tokens are the columns ``[left_padding[r], time)``. Writing past the
 capacity moves the cache to the next bucket: one reallocation, counted in
 ``regrows``, never per token.
@@ -21,9 +21,20 @@ from .masks import MaskGeometry, full_columns
 from .rows import RowBook
 from .writes import write_columns
 
-# Attention runs over the whole buffer, so the ladder is finer than powers of
-# two (at most 1.5x the live columns): one more trace per rung, ~30 ms each.
-DEFAULT_CAPACITIES = (64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)
+def capacity_ladder(smallest: int = 64, largest: int = 32768, per_octave: int = 8) -> tuple:
+    """Capacity buckets: multiples of 64 below 512, then ``per_octave`` rungs
+    per doubling, so a buffer is at most 1 + 1/per_octave times its live
+    columns (attention runs over the whole buffer: on the CPU a decode step's
+    attention over 1536 columns costs about twice that over 1025). Each rung
+    costs one trace (~50 ms) and one copy when crossed."""
+    out, c = [], smallest
+    while c < largest:
+        out.append(c)
+        c += max(64, (1 << (c.bit_length() - 1)) // per_octave)
+    return tuple(out) + (largest,)
+
+
+DEFAULT_CAPACITIES = capacity_ladder()
 
 
 def capacity_bucket(tokens: int, capacities: Sequence[int] = DEFAULT_CAPACITIES) -> int:
@@ -112,8 +123,8 @@ class FullCache(StaticKVCache):
             shift[: self.n] = rp - strip
             cols = (np.arange(self.capacity)[None, :] - shift[:, None]) % self.capacity  # [Bk, C]
             idx = mx.array(cols.astype(np.int32))[:, None, :, None]
-            self.keys = mx.take_along_axis(self.keys, idx, axis=2)
-            self.values = mx.take_along_axis(self.values, idx, axis=2)
+            self.keys = mx.contiguous(mx.take_along_axis(self.keys, idx, axis=2))  # row-major: see batch._assemble
+            self.values = mx.contiguous(mx.take_along_axis(self.values, idx, axis=2))
         self.rows.left_padding = lp + rp - strip
         self.rows.time -= strip
         self.rows.right_padding = np.zeros_like(rp)

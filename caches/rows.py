@@ -74,10 +74,6 @@ class RowBook:
             None if self.pending is None else self.pending.copy(),
         )
 
-    def lengths(self) -> np.ndarray:
-        """Columns each row holds on the timeline (valid tokens, before eviction)."""
-        return self.time - self.right_padding - self.left_padding
-
     def check_row(self, i: int) -> int:
         if not isinstance(i, (int, np.integer)) or not 0 <= i < self.n:
             raise IndexError(f"row {i} is not a live row: the batch has {self.n} live rows (0..{self.n - 1})")

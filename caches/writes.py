@@ -40,4 +40,6 @@ def ring_window(buf: mx.array, new: mx.array, head: mx.array, shift: mx.array, f
     src = mx.arange(W, dtype=mx.int32)[None, :] + (first - shift[:, None])  # [B, W]
     src = mx.clip(src, 0, W + L - 1)
     ring = mx.take_along_axis(attend, src[:, None, :, None], axis=2)  # [B, H, W, D]
-    return attend, ring
+    # row-major, as the buffers are everywhere else: gathers lay their output out
+    # gathered-axis-first, which would make every later decode copy the ring
+    return attend, mx.contiguous(ring)

@@ -16,6 +16,7 @@ one compiled loop per model, so repeated calls do not retrace.
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Sequence, Union
@@ -65,7 +66,7 @@ def load(path: Optional[Union[str, Path]] = None, progress: bool = True, weights
     from .weights import apply_format, check_format, choose_format
 
     check_format(weights)
-    if path is None and not model_store.os.environ.get(model_store.ENV_MODEL):
+    if path is None and not os.environ.get(model_store.ENV_MODEL):
         target = model_store.default_model_path()
         if not model_store.is_valid_model_file(target):
             model_store.fetch_default_model(progress=progress)
@@ -129,7 +130,8 @@ class _Live:
     prompt_tokens: int
     text: _TextStream
     completion: Optional[Completion] = None
-    pieces: List[str] = field(default_factory=list)
+    tokens: List[int] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
 
 
 class Generator:
@@ -224,11 +226,11 @@ class Generator:
                 if hit and reason is None:
                     reason = "stop"
                     self.engine.cancel(ev.uid)
-                live.pieces.append(delta)
+                if not stop_token:  # a stop token ends the request and is not part of it
+                    live.tokens.append(ev.token)
+                    live.logprobs.append(ev.logprob)
                 if reason is not None:
-                    req = self.engine.finished.pop(ev.uid)
-                    toks = req.tokens[:-1] if stop_token else req.tokens
-                    live.completion = Completion(ev.uid, live.text.text, toks, req.logprobs, reason, live.prompt_tokens)
+                    live.completion = Completion(ev.uid, live.text.text, live.tokens, live.logprobs, reason, live.prompt_tokens)
                 yield GenerationEvent(ev.uid, ev.token, delta, ev.logprob, reason)
 
     def result(self, uid: int) -> Completion:

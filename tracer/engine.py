@@ -22,7 +22,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Deque, Dict, Iterable, List, Optional, Sequence
+from typing import Deque, Iterable, List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -119,7 +119,6 @@ class Engine:
             raise ValueError("prefill chunks must be >= 2 tokens (1-token steps are decode steps)")
         self.queue: Deque[Request] = deque()
         self.rows: List[Request] = []
-        self.finished: Dict[int, Request] = {}  # until the caller pops them
         self._inflight: Optional[dict] = None  # a dispatched decode step not yet read
         self._last_read = 0.0
         self.caches: Optional[List[StaticKVCache]] = None
@@ -162,7 +161,8 @@ class Engine:
         context = self._check_context(cache)
         limit = self.max_positions
         if limit is not None:
-            need = context + self._padded_prefill(len(prompt) - 1) + 1 + max_tokens
+            # + 1: the pipelined loop may compute one speculative step past the last token
+            need = context + self._padded_prefill(len(prompt) - 1) + 1 + max_tokens + 1
             if need > limit:
                 raise ValueError(
                     f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} exceed the largest capacity bucket "
@@ -346,28 +346,24 @@ class Engine:
         self._last_read = now
         return events
 
-    def cancel(self, uid: int, reason: str = "stop"):
+    def cancel(self, uid: int, reason: str = "stop") -> Request:
         """Finish a request now (queued or running): its row leaves the batch."""
         for r in list(self.queue):
             if r.uid == uid:
                 self.queue.remove(r)
                 r.finish_reason = reason
-                self.finished[uid] = r
-                return
+                return r
         for r in self.rows:
             if r.uid == uid:
                 r.finish_reason = r.finish_reason or reason
                 self._retire()
-                return
+                return r
         raise KeyError(f"no queued or running request {uid}")
 
     def _retire(self):
         keep = [i for i, r in enumerate(self.rows) if r.finish_reason is None]
         if len(keep) == len(self.rows):
             return
-        for r in self.rows:
-            if r.finish_reason is not None:
-                self.finished[r.uid] = r
         self.rows = [self.rows[i] for i in keep]
         if not keep:
             self.caches = self._inflight = None

@@ -94,6 +94,7 @@ class CompiledModel:
     # ---------------------------------------------------------------- traces
     @property
     def trace_count(self) -> int:
+        """Traces made so far, all keys together."""
         return sum(self.traces.values())
 
     @contextlib.contextmanager
