@@ -148,7 +148,7 @@ def tracer_decode(engine: Engine, contexts: list, first: List[int], tokens: int)
 # ---------------------------------------------------------------- roofline
 @dataclass
 class Machine:
-    copy_gbps: Dict[int, float]  # read+write bandwidth of a copy, by buffer bytes (cache .. DRAM)
+    copy_gbps: Dict[int, float]  # memory bandwidth by working-set bytes (cache .. DRAM), see measure()
     gemm_gflops: float  # fp32 GEMM rate (8 x 4096 x 4096)
 
     @staticmethod
@@ -162,11 +162,18 @@ class Machine:
 
     @classmethod
     def measure(cls) -> "Machine":
+        """Bandwidth per working-set size: the faster of a copy (read + write)
+        and a BLAS GEMV over a matrix of that size (a read stream, as decode
+        reads its weights); and the fp32 GEMM rate."""
         bw = {}
         for mb in (1, 4, 16, 64, 256):
             x = mx.random.uniform(shape=(mb * 1024 * 1024 // 4,))
-            mx.eval(x)
-            bw[mb << 20] = 2 * x.nbytes / cls._median_s(lambda: mx.eval(x + 1.0), 7) / 1e9
+            n = int((mb * 1024 * 1024 // 4) ** 0.5)
+            w, v = mx.random.normal((n, n)), mx.random.normal((1, n))
+            mx.eval(x, w, v)
+            copy = 2 * x.nbytes / cls._median_s(lambda: mx.eval(x + 1.0), 7)
+            read = w.nbytes / cls._median_s(lambda: mx.eval(v @ w), 7)
+            bw[mb << 20] = max(copy, read) / 1e9
         a, b = mx.random.normal((8, 4096)), mx.random.normal((4096, 4096))
         mx.eval(a, b, a @ b)
         return cls(bw, 2 * 8 * 4096 * 4096 / cls._median_s(lambda: mx.eval(a @ b), 3) / 1e9)

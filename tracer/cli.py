@@ -101,10 +101,10 @@ def _bench(args) -> int:
     if args.tokens <= 0 or args.runs <= 0:
         raise ValueError("--tokens and --runs must be > 0")
     _log(f"BLAS: {blas.status().note}")
-    _log("measuring this machine (copy bandwidth, fp32 GEMM) ...")
+    _log("measuring this machine (memory bandwidth by size, fp32 GEMM) ...")
     machine = bench.Machine.measure()
     bw = ", ".join(f"{size >> 20} MB {gbps:.1f}" for size, gbps in sorted(machine.copy_gbps.items()))
-    _log(f"  copy GB/s by size: {bw}; fp32 GEMM {machine.gemm_gflops:.1f} GFLOP/s")
+    _log(f"  bandwidth GB/s by size: {bw}; fp32 GEMM {machine.gemm_gflops:.1f} GFLOP/s")
     base = {}
     if args.baseline:
         _log("stock mlx-lm as a user runs it (reference BLAS, weights as loaded), in a subprocess ...")
@@ -159,7 +159,7 @@ def _info(args) -> int:
     m = bench.Machine.measure()
     rate = "fast" if m.gemm_gflops > 10 else "reference-class"
     print(f"             measured fp32 GEMM 8x4096x4096: {m.gemm_gflops:.1f} GFLOP/s ({rate}); "
-          f"copy {m.bandwidth(1 << 20):.1f} GB/s at 1 MB, {m.bandwidth(256 << 20):.1f} GB/s at 256 MB")
+          f"bandwidth {m.bandwidth(1 << 20):.1f} GB/s at 1 MB, {m.bandwidth(256 << 20):.1f} GB/s at 256 MB")
     mem = available_memory()
     print(f"memory       {mem / 2**30:.1f} GiB available" if mem else "memory       unknown")
     path = model_store.default_model_path()
