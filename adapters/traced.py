@@ -73,7 +73,3 @@ class TracedCache:
 
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False, **kwargs):
         return self.masks.get(N, window_size)
-
-    @property
-    def state(self):
-        return self.keys, self.values

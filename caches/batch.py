@@ -42,7 +42,6 @@ class StaticKVCache:
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None
         self._width = max(width or 0, rows.n)
-        self._offset_cache = None
 
     # ------------------------------------------------------------------ shape
     @property

@@ -194,24 +194,14 @@ def resolve_model(path: Optional[Union[str, Path]] = None) -> Path:
     Raises ``FileNotFoundError`` naming the missing path and saying how to get
     the model.
     """
-    if path is not None and str(path) != "":
-        p = Path(path).expanduser()
-        if not p.exists():
-            raise FileNotFoundError(
-                f"Model path {p} does not exist. Pass a .gguf file or an mlx-lm "
-                f"model folder. {FETCH_HINT}"
-            )
-        return p
     env = os.environ.get(ENV_MODEL)
-    if env:
+    if path is not None and str(path) != "":
+        p, missing = Path(path).expanduser(), "Model path {p} does not exist. Pass a .gguf file or an mlx-lm model folder."
+    elif env:
         p = Path(env).expanduser()
-        if not p.exists():
-            raise FileNotFoundError(
-                f"MLX_TRACER_MODEL points to {p}, which does not exist. "
-                f"Unset it to use the default model, or fix the path. {FETCH_HINT}"
-            )
-        return p
-    p = default_model_path()
+        missing = "MLX_TRACER_MODEL points to {p}, which does not exist. Unset it to use the default model, or fix the path."
+    else:
+        p, missing = default_model_path(), "Default model not found at {p}."
     if not p.exists():
-        raise FileNotFoundError(f"Default model not found at {p}. {FETCH_HINT}")
+        raise FileNotFoundError(f"{missing.format(p=p)} {FETCH_HINT}")
     return p
