@@ -12,7 +12,7 @@ import pytest
 
 from mlx_tracer import bench
 from mlx_tracer.model_store import is_valid_model_file, resolve_model
-from mlx_tracer.step import CompiledModel
+from mlx_tracer.runtime.step import CompiledModel
 
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"
 TOKENS = 4 if SMOKE else 32

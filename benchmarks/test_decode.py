@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mlx_tracer import bench
-from mlx_tracer.engine import Engine
+from mlx_tracer.runtime.engine import Engine
 
 from .conftest import BUCKETS, CONTEXT, MODELS, TOKENS
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mlx_tracer import Generator, batch_generate, generate, stream_generate
-from mlx_tracer.engine import Engine
+from mlx_tracer.runtime.engine import Engine
 
 from .tiny_models import VOCAB, tiny_model
 

@@ -12,9 +12,9 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, QuantizedKVCach
 
 from mlx_tracer.adapters import UnsupportedModel
 from mlx_tracer.caches import FullCache, RingCache
-from mlx_tracer.engine import Engine
-from mlx_tracer.sampling import SamplingParams, sampler_inputs
-from mlx_tracer.step import CompiledModel, NewTraceError, TraceKey, bucket_for
+from mlx_tracer.runtime.engine import Engine
+from mlx_tracer.runtime.sampling import SamplingParams, sampler_inputs
+from mlx_tracer.runtime.step import CompiledModel, NewTraceError, TraceKey, bucket_for
 
 from .tiny_models import FAMILIES, SLIDE, VOCAB, tiny_model
 
@@ -193,7 +193,7 @@ def test_sampling_is_reproducible_with_a_seed_and_temperature_zero_is_greedy():
 
 
 def test_sampling_filters_restrict_the_support():
-    from mlx_tracer.sampling import sample
+    from mlx_tracer.runtime.sampling import sample
 
     logits = mx.array([[0.0, 3.0, 2.9, 1.0, -1.0]] * 4)
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
@@ -203,7 +203,7 @@ def test_sampling_filters_restrict_the_support():
         SamplingParams(temperature=1.0, min_p=0.5, seed=3),
         SamplingParams(temperature=5.0, seed=4),
     ]
-    from mlx_tracer.sampling import initial_key
+    from mlx_tracer.runtime.sampling import initial_key
 
     s = sampler_inputs(params, [initial_key(p.seed) for p in params], 4)
     seen = [set() for _ in params]

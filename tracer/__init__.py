@@ -14,9 +14,9 @@ from . import blas as _blas
 _blas.activate()
 
 from .api import Completion, GenerationEvent, Generator, batch_generate, generate, load, stream_generate
-from .engine import Engine
-from .sampling import SamplingParams
-from .step import CompiledModel, TraceKey
+from .runtime.engine import Engine
+from .runtime.sampling import SamplingParams
+from .runtime.step import CompiledModel, TraceKey
 
 __all__ = [
     "CompiledModel",

@@ -24,9 +24,9 @@ from typing import Dict, Iterator, List, Optional, Sequence, Union
 import mlx.core as mx
 
 from .caches import DEFAULT_CAPACITIES
-from .engine import DEFAULT_PREFILL_CHUNKS, Engine
-from .sampling import SamplingParams
-from .step import DEFAULT_BUCKETS
+from .runtime.engine import DEFAULT_PREFILL_CHUNKS, Engine
+from .runtime.sampling import SamplingParams
+from .runtime.step import DEFAULT_BUCKETS
 
 Prompt = Union[str, Sequence[int]]
 

@@ -30,8 +30,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .engine import Engine, EngineStats
-from .step import CompiledModel
+from .runtime.engine import Engine, EngineStats
+from .runtime.step import CompiledModel
 
 DEFAULT_MODELS = ("smollm2", "llama-h64", "llama-h256")
 
@@ -138,7 +138,7 @@ def tracer_decode(engine: Engine, contexts: list, first: List[int], tokens: int)
     engine.stats = EngineStats()
     for c, t in zip(contexts, first):
         engine.add([t], max_tokens=tokens, cache=c)
-    engine._admit()  # join the contexts now: admission is not decode time
+    engine.admit()  # join the contexts now: admission is not decode time
     engine.stats = EngineStats()
     for _ in engine.run():
         pass

@@ -59,7 +59,7 @@ def _generate(args) -> int:
     if any(not p.strip() for p in args.prompts):
         raise ValueError("empty prompt: give some text")
     gen = _load(args)
-    from .step import bucket_for
+    from .runtime.step import bucket_for
 
     if args.warmup:
         # decode traces now, so that decode tokens/s excludes tracing; prefill traces on first use

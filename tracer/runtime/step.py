@@ -30,11 +30,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .adapters.contract import LayerLayout, allocate_caches, probe_layout
-from .adapters.traced import FamilyMasks, TracedCache
-from .caches import DEFAULT_CAPACITIES, FullCache, RingCache
-from .caches.batch import StaticKVCache
-from .caches.masks import MaskGeometry
+from ..adapters.contract import LayerLayout, allocate_caches, probe_layout
+from ..adapters.traced import FamilyMasks, TracedCache
+from ..caches import DEFAULT_CAPACITIES, FullCache, RingCache
+from ..caches.batch import StaticKVCache
+from ..caches.masks import MaskGeometry
 from .sampling import sample
 
 DEFAULT_BUCKETS = (1, 2, 4, 8)

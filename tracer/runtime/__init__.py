@@ -1,0 +1,1 @@
+"""The runtime: the compiled step, the scheduler and the running batch."""
