@@ -1,15 +1,14 @@
 """Trace adapters: cache-like objects an unmodified mlx-lm model accepts inside mx.compile."""
 
-from .contract import LayerLayout, UnsupportedModel, allocate_caches, layer_windows, new_caches, probe_layout
+from .contract import LayerLayout, ModelLayout, UnsupportedModel, layer_windows, probe_layout
 from .traced import FamilyMasks, TracedCache
 
 __all__ = [
     "FamilyMasks",
     "LayerLayout",
+    "ModelLayout",
     "TracedCache",
     "UnsupportedModel",
-    "allocate_caches",
     "layer_windows",
-    "new_caches",
     "probe_layout",
 ]

@@ -14,11 +14,10 @@ per forward (per window size) and shared by every layer of that family.
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Callable, Dict, Optional
 
 import mlx.core as mx
 
-from ..caches.batch import StaticKVCache
 from ..caches.masks import MaskGeometry
 
 
@@ -26,34 +25,34 @@ class FamilyMasks:
     """The masks of one cache family (full, or one ring window) for one forward."""
 
     def __init__(self, geometry: MaskGeometry, L: int):
-        self.geometry = geometry
+        self.geometry = geometry  # the family's, with its own window
         self.L = L
         self._built: Dict[Optional[int], mx.array] = {}
 
     def get(self, N: int, window_size: Optional[int]) -> mx.array:
         if N != self.L:
             raise ValueError(f"the model asked for a mask of {N} queries in a step of {self.L} tokens")
-        window = self.geometry.window
-        if window_size is not None:
-            window = window_size if window is None else min(window, window_size)
-        if window not in self._built:
-            g = self.geometry
-            self._built[window] = MaskGeometry(g.col_times, g.query_times, g.own_cols, g.first_valid, g.live, window).mask()
-        return self._built[window]
+        g = self.geometry.narrowed(window_size)
+        if g.window not in self._built:
+            self._built[g.window] = g.mask()  # [Bk, 1, L, S]
+        return self._built[g.window]
 
 
 class TracedCache:
     """One layer's cache inside the compiled step (see module docstring).
 
-    Truthy, and without ``bits`` (mlx-lm would pick quantized attention).
+    ``apply`` is the cache kind's pure step (``FullCache.apply`` /
+    ``RingCache.apply`` with the step's ``decode`` flag bound) and ``writes``
+    its inputs from the family plan. Truthy, and without ``bits`` (mlx-lm
+    would pick quantized attention).
     """
 
-    def __init__(self, spec: StaticKVCache, keys: mx.array, values: mx.array, offset: mx.array, inputs: dict, masks: FamilyMasks, layer: int):
-        self.spec = spec  # the real cache: static config only (kind, window), never its arrays
+    def __init__(self, apply: Callable, keys: mx.array, values: mx.array, offset: mx.array, writes: tuple, masks: FamilyMasks, layer: int):
+        self.apply = apply
         self.keys = keys  # [Bk, H, S, Dk]
         self.values = values  # [Bk, H, S, Dv]
         self.offset = offset  # [Bk] int32: the row's RoPE position
-        self.inputs = inputs
+        self.writes = writes
         self.masks = masks
         self.layer = layer
         self.updates = 0
@@ -68,7 +67,7 @@ class TracedCache:
                 f"{tuple(self.keys.shape)} ([bucket, kv_heads, S, head_dim])"
             )
         self.updates += 1
-        k_att, v_att, self.keys, self.values = self.spec.apply_step(self.keys, self.values, keys, values, self.inputs)
+        k_att, v_att, self.keys, self.values = self.apply(self.keys, self.values, keys, values, self.writes)
         return k_att, v_att
 
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False, **kwargs):

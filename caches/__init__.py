@@ -3,6 +3,7 @@
 from .batch import StaticKVCache
 from .full import DEFAULT_CAPACITIES, FullCache, capacity_bucket
 from .masks import MaskGeometry, build_mask
+from .plan import StepPlan
 from .ring import RingCache
 from .rows import RowBook
 
@@ -13,6 +14,7 @@ __all__ = [
     "RingCache",
     "RowBook",
     "StaticKVCache",
+    "StepPlan",
     "build_mask",
     "capacity_bucket",
 ]

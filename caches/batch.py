@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .masks import MaskGeometry
+from .plan import StepPlan
 from .rows import RowBook
 
 
@@ -129,16 +129,17 @@ class StaticKVCache:
 
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False, **kwargs):
         """The mask of the update of ``N`` tokens that comes next (mlx-lm calls this first)."""
-        return self.geometry(N, window_size).mask()
+        return self.plan(N).geometry.narrowed(window_size).mask()
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         """Write ``keys``/``values`` ``[Bk, H, L, D]`` and return what the layer attends over."""
         L = self._check_update(keys, values)
         if self.keys is None:
             self.allocate(keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
-        inputs = self.step_inputs(L)
-        k_att, v_att, self.keys, self.values = self.apply_step(self.keys, self.values, keys, values, inputs)
-        self.advance(L)
+        plan = self.plan(L)
+        kbuf, vbuf = self.fit(plan)
+        k_att, v_att, kbuf, vbuf = self.apply(plan.decode, kbuf, vbuf, keys, values, plan.writes)
+        self.commit(plan, kbuf, vbuf)
         return k_att, v_att
 
     def is_decode(self, L: int) -> bool:
@@ -147,6 +148,16 @@ class StaticKVCache:
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
         self.rows.prepare(left_padding, lengths, right_padding, empty=self.rows.time == 0)
+
+    # -------------------------------------------------------------- one step
+    def fit(self, plan: StepPlan) -> Tuple[mx.array, mx.array]:
+        """The buffers a step of ``plan`` writes (full caches grow to its capacity)."""
+        return self.keys, self.values
+
+    def commit(self, plan: StepPlan, keys: mx.array, values: mx.array):
+        """Take the buffers a step of ``plan`` returned and advance the rows."""
+        self.adopt(keys, values)
+        self.advance(plan)
 
     # ------------------------------------------------------------- adopt / views
     def adopt(self, keys: mx.array, values: mx.array):
@@ -291,21 +302,20 @@ class StaticKVCache:
     def _check_compatible(self, other):
         pass
 
-    def geometry(self, L: int, window_size: Optional[int] = None) -> MaskGeometry:  # pragma: no cover
-        """Mask inputs of the next update of ``L`` tokens."""
+    def plan(self, L: int) -> StepPlan:  # pragma: no cover - abstract
+        """The family plan of the next update of ``L`` tokens (see :mod:`.plan`)."""
         raise NotImplementedError
 
-    def step_inputs(self, L: int) -> dict:  # pragma: no cover - abstract
-        """int32 arrays that place the next update of ``L`` tokens in the buffers."""
+    @staticmethod
+    def apply(decode: bool, kbuf, vbuf, keys, values, writes):  # pragma: no cover - abstract
+        """The kind's pure in-graph step: ``(keys_to_attend, values_to_attend,
+        new_kbuf, new_vbuf)`` from the buffers, the new ``keys``/``values`` and a
+        plan's ``writes``. Pure in its array arguments, so it runs eagerly or
+        inside a compiled step; needs no cache instance."""
         raise NotImplementedError
 
-    def apply_step(self, kbuf, vbuf, keys, values, inputs: dict):  # pragma: no cover - abstract
-        """``(keys_to_attend, values_to_attend, new_kbuf, new_vbuf)``: pure in its
-        array arguments, so it runs eagerly or inside a compiled step."""
-        raise NotImplementedError
-
-    def advance(self, L: int):  # pragma: no cover - abstract
-        """Host bookkeeping after an update of ``L`` tokens was applied."""
+    def advance(self, plan: StepPlan):  # pragma: no cover - abstract
+        """Host bookkeeping after a step of ``plan`` was applied."""
         raise NotImplementedError
 
     def _serial(self, keys, values, offset):  # pragma: no cover - abstract

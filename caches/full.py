@@ -18,8 +18,10 @@ from mlx_lm.models.cache import KVCache
 
 from .batch import RowSource, StaticKVCache
 from .masks import MaskGeometry, full_columns
+from .plan import StepPlan
 from .rows import RowBook
 from .writes import write_columns
+
 
 def capacity_ladder(smallest: int = 64, largest: int = 32768, per_octave: int = 8) -> tuple:
     """Capacity buckets: multiples of 64 below 512, then ``per_octave`` rungs
@@ -85,33 +87,39 @@ class FullCache(StaticKVCache):
         need = self.rows.time + L
         if need <= self.capacity:
             return False
-        new = capacity_bucket(need, self.capacities)
+        self._grow(capacity_bucket(need, self.capacities))
+        return True
+
+    def fit(self, plan: StepPlan):
+        if plan.capacity > self.capacity:
+            self._grow(plan.capacity)
+        return self.keys, self.values
+
+    def _grow(self, new: int):
         if self.keys is not None:
             pad = [(0, 0), (0, 0), (0, new - self.capacity), (0, 0)]
             self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
         self.capacity = new
         self.regrows += 1
-        return True
 
     # ------------------------------------------------------------------ steps
-    def geometry(self, L: int, window_size: Optional[int] = None) -> MaskGeometry:
+    def plan(self, L: int) -> StepPlan:
         self.reserve(L)
         T = self.rows.time
-        q = T + mx.arange(L, dtype=mx.int32)
-        return MaskGeometry(full_columns(self.capacity), q, q, self._first_valid(), self._live(), window_size)
+        q = T + mx.arange(L, dtype=mx.int32)  # [L] query times = their columns
+        geometry = MaskGeometry(full_columns(self.capacity), q, q, self._first_valid(), self._live())
+        return StepPlan(L, self.is_decode(L), self.capacity, self.offset, geometry, (mx.array([T], dtype=mx.int32),))
 
-    def step_inputs(self, L: int) -> dict:
-        self.reserve(L)
-        return {"write": mx.array([self.rows.time], dtype=mx.int32)}
-
-    def apply_step(self, kbuf, vbuf, keys, values, inputs):
-        kbuf = write_columns(kbuf, keys, inputs["write"])
-        vbuf = write_columns(vbuf, values, inputs["write"])
+    @staticmethod
+    def apply(decode, kbuf, vbuf, keys, values, writes):
+        (start,) = writes  # [1] int32: the shared write column
+        kbuf = write_columns(kbuf, keys, start)  # [Bk, H, C, Dk]
+        vbuf = write_columns(vbuf, values, start)  # [Bk, H, C, Dv]
         return kbuf, vbuf, kbuf, vbuf
 
-    def advance(self, L: int):
-        valid = self.rows.consume(L)
-        self.rows.right_padding = self.rows.right_padding + (L - valid)
+    def advance(self, plan: StepPlan):
+        valid = self.rows.consume(plan.length)
+        self.rows.right_padding = self.rows.right_padding + (plan.length - valid)
 
     def finalize(self):
         """Roll each row right by its pending prompt padding so rows end at

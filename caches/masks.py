@@ -93,3 +93,19 @@ class MaskGeometry:
             self.col_times, self.query_times, self.first_valid, self.live, self.own_cols, self.window
         )
 
+    @property
+    def arrays(self) -> tuple:
+        """The array fields, in order (what a compiled step takes as input)."""
+        return (self.col_times, self.query_times, self.own_cols, self.first_valid, self.live)
+
+    @classmethod
+    def from_arrays(cls, arrays, window: Optional[int]) -> "MaskGeometry":
+        return cls(*arrays, window=window)
+
+    def narrowed(self, window_size: Optional[int]) -> "MaskGeometry":
+        """The same geometry seen by a layer with its own (smaller) window."""
+        if window_size is None:
+            return self
+        window = window_size if self.window is None else min(self.window, window_size)
+        return MaskGeometry(*self.arrays, window=window)
+

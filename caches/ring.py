@@ -22,6 +22,7 @@ from mlx_lm.models.cache import RotatingKVCache
 from .batch import RowSource, StaticKVCache
 from .full import _identity
 from .masks import MaskGeometry, ring_decode_columns, ring_window_columns
+from .plan import StepPlan
 from .rows import RowBook
 from .writes import ring_window, write_columns
 
@@ -58,49 +59,36 @@ class RingCache(StaticKVCache):
         return self.rows.time >= self.max_size
 
     # ------------------------------------------------------------------ steps
-    def geometry(self, L: int, window_size: Optional[int] = None) -> MaskGeometry:
+    def plan(self, L: int) -> StepPlan:
         W, T = self.max_size, self.rows.time
-        window = min(W, window_size or W)
+        fv, live = self._first_valid(), self._live()
         if self.is_decode(L):
-            head = mx.array(self.head, dtype=mx.int32)
-            return MaskGeometry(
-                ring_decode_columns(T, head, W),
-                mx.array([T], dtype=mx.int32),
-                mx.array([self.head], dtype=mx.int32),
-                self._first_valid(),
-                self._live(),
-                window,
-            )
-        q = T + mx.arange(L, dtype=mx.int32)
-        return MaskGeometry(
-            ring_window_columns(T, W, L), q, W + mx.arange(L, dtype=mx.int32), self._first_valid(), self._live(), window
-        )
-
-    def step_inputs(self, L: int) -> dict:
-        if self.is_decode(L):
-            return {"write": mx.array([self.head], dtype=mx.int32)}
-        W, T = self.max_size, self.rows.time
-        shift = np.zeros(self.width, dtype=np.int32)
+            head = mx.array([self.head], dtype=mx.int32)  # [1] the column written
+            geometry = MaskGeometry(ring_decode_columns(T, head[0], W), mx.array([T], dtype=mx.int32), head, fv, live, W)
+            return StepPlan(L, True, None, self.offset, geometry, (head,))
+        q = T + mx.arange(L, dtype=mx.int32)  # [L] query times
+        geometry = MaskGeometry(ring_window_columns(T, W, L), q, W + mx.arange(L, dtype=mx.int32), fv, live, W)
+        shift = np.zeros(self.width, dtype=np.int32)  # [Bk] prompt padding at the end of each row's new keys
         if self.rows.pending is not None:
             shift[: self.n] = L - np.minimum(self.rows.pending, L)
-        return {
-            "head": mx.array(self.head, dtype=mx.int32),
-            "shift": mx.array(shift),
-            "first": mx.array(max(W - T, L), dtype=mx.int32),
-        }
+        writes = (mx.array(self.head, dtype=mx.int32), mx.array(shift), mx.array(max(W - T, L), dtype=mx.int32))
+        return StepPlan(L, False, None, self.offset, geometry, writes)
 
-    def apply_step(self, kbuf, vbuf, keys, values, inputs):
-        if "write" in inputs:
-            kbuf = write_columns(kbuf, keys, inputs["write"])
-            vbuf = write_columns(vbuf, values, inputs["write"])
+    @staticmethod
+    def apply(decode, kbuf, vbuf, keys, values, writes):
+        if decode:
+            (head,) = writes  # [1]: write in place at the ring's head
+            kbuf = write_columns(kbuf, keys, head)  # [Bk, H, W, Dk]
+            vbuf = write_columns(vbuf, values, head)
             return kbuf, vbuf, kbuf, vbuf
-        k_att, kbuf = ring_window(kbuf, keys, inputs["head"], inputs["shift"], inputs["first"])
-        v_att, vbuf = ring_window(vbuf, values, inputs["head"], inputs["shift"], inputs["first"])
+        head, shift, first = writes
+        k_att, kbuf = ring_window(kbuf, keys, head, shift, first)  # [Bk, H, W+L, Dk], [Bk, H, W, Dk]
+        v_att, vbuf = ring_window(vbuf, values, head, shift, first)
         return k_att, v_att, kbuf, vbuf
 
-    def advance(self, L: int):
-        W, T = self.max_size, self.rows.time
-        if self.is_decode(L):
+    def advance(self, plan: StepPlan):
+        W, T, L = self.max_size, self.rows.time, plan.length
+        if plan.decode:
             self.rows.consume(1)
             self.head = (self.head + 1) % W
             return

@@ -12,49 +12,8 @@ import pytest
 from mlx_tracer import Generator, batch_generate, generate, stream_generate
 from mlx_tracer.runtime.engine import Engine
 
+from .helpers import IdTokenizer, solo_tokens
 from .tiny_models import VOCAB, tiny_model
-
-
-class IdTokenizer:
-    """A stand-in tokenizer for tiny models: token ids are their own text."""
-
-    eos_token_ids = {0}
-    has_chat_template = False
-    bos_token = None
-
-    class _Detok:
-        """Like mlx-lm's streaming detokenizers: last_segment is the unread text."""
-
-        def __init__(self):
-            self.reset()
-
-        def reset(self):
-            self._unread = ""
-
-        def add_token(self, t):
-            self._unread += f"<{t}>"
-
-        def finalize(self):
-            pass
-
-        @property
-        def last_segment(self):
-            out, self._unread = self._unread, ""
-            return out
-
-    detokenizer = _Detok()
-
-    def encode(self, text, add_special_tokens=True):
-        return [int(x) for x in text.split()]
-
-    def decode(self, ids):
-        return "".join(f"<{t}>" for t in ids)
-
-
-def solo_tokens(model, prompt, n):
-    eng = Engine(model, buckets=(1,))
-    eng.add(prompt, max_tokens=n)
-    return [ev.token for ev in eng.run()]
 
 
 @pytest.mark.parametrize("name", ["llama_mixed", "gemma3_text"])
@@ -115,20 +74,28 @@ def test_mlx_lm_style_functions_reuse_one_compiled_loop():
 def test_cancel_removes_a_request_without_harming_others():
     model = tiny_model("llama")
     want = solo_tokens(model, [5, 6, 7], 10)
-    eng = Engine(model, buckets=(1, 2, 4))
+    eng = Engine(model, buckets=(1, 2))
     keep = eng.add([5, 6, 7], max_tokens=10)
     drop = eng.add([9, 9], max_tokens=10)
-    queued = eng.add([4], max_tokens=10)
-    got = []
-    for i, ev in enumerate(eng.run()):
-        if ev.uid == keep:
-            got.append(ev.token)
-        if i == 3:
-            assert eng.cancel(drop).finish_reason == "stop"
+    queued = eng.add([4], max_tokens=10)  # waits: bucket 2 is full
+    got, last, step = [], {}, 0
+    while eng.has_work():
+        events = eng.step()
+        step += 1
+        got += [ev.token for ev in events if ev.uid == keep]
+        last.update({ev.uid: ev for ev in events if ev.finish_reason is not None})
+        if step == 2:
+            assert eng.cancel(drop).finish_reason is None  # applied at the next step
             eng.cancel(queued)
+        if step == 3:
+            assert [r.uid for r in eng.rows] == [keep] and not eng.queue  # the row is freed
     assert got == want
+    for uid in (drop, queued):
+        assert last[uid].finish_reason == "cancelled" and last[uid].token is None
     with pytest.raises(KeyError):
         eng.cancel(12345)
+    with pytest.raises(KeyError):
+        eng.cancel(drop)  # finished: nothing left to cancel
 
 
 def test_local_mlx_lm_model_directory(tmp_path):

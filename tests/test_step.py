@@ -60,13 +60,13 @@ def test_decode_logits_are_bit_exact_vs_mlx_lm_eager_batched_decode(family, live
         ref = model(mx.array(tokens)[:, None], cache=theirs)[:, -1, :]
         padded = mx.array(tokens + [0] * (bucket - live))[:, None]
         out = cm.step(ours, padded, return_logits=True)
-        got = out["logits"]
+        got = out.logits
         assert bool(mx.all(mx.isfinite(got)).item()), "padding rows produced non-finite logits"
         assert mx.array_equal(got[:live], ref), (
             f"{name} step {step}: logits differ from mlx-lm (max {mx.abs(got[:live] - ref).max().item()})"
         )
         tokens = mx.argmax(ref, axis=-1).tolist()
-        assert out["tokens"][:live].tolist() == tokens
+        assert out.tokens[:live].tolist() == tokens
     assert sum(cm.traces.values()) == 1  # one trace served every step
 
 
@@ -156,7 +156,7 @@ def test_window_step_reproduces_eager_prefill(name):
         out = cm.step(ours, mx.array(tok[:, start : start + L]), return_logits=True, last=last)
         if start == 32:  # the first prompt ends in this window
             eager = model(mx.array([prompts[0]]), cache=make_prompt_cache(model))[:, -1, :]
-            assert np.allclose(np.array(out["logits"][0]), np.array(eager[0]), atol=1e-4)
+            assert np.allclose(np.array(out.logits[0]), np.array(eager[0]), atol=1e-4)
     for c in ours:
         c.finalize()
     solos = solo_prefill(model, prompts)
@@ -222,10 +222,10 @@ def test_swapped_weights_are_used_without_a_stale_trace():
     model = tiny_model("llama", seed=0)
     cm = CompiledModel(model)
     caches = cm.new_caches(1, rows=1)
-    a = cm.step(caches, mx.array([[5]]), return_logits=True)["logits"]
+    a = cm.step(caches, mx.array([[5]]), return_logits=True).logits
     model.update(tiny_model("llama", seed=1).parameters())
     caches = cm.new_caches(1, rows=1)
-    b = cm.step(caches, mx.array([[5]]), return_logits=True)["logits"]
+    b = cm.step(caches, mx.array([[5]]), return_logits=True).logits
     eager = model(mx.array([[5]]))[:, -1, :]
     assert not mx.array_equal(a, b)
     assert np.allclose(np.array(b), np.array(eager), atol=1e-5)
@@ -237,13 +237,13 @@ def test_compiled_decode_writes_buffers_in_place():
     cm = CompiledModel(model, capacities=(8192,))
     caches = cm.new_caches(1, rows=1)
     out = cm.step(caches, mx.array([[1]]))
-    mx.eval(out["tokens"], [c.state for c in caches])
+    mx.eval(out.tokens, [c.state for c in caches])
     total = sum(c.nbytes for c in caches)
     for t in range(3):
         mx.reset_peak_memory()
         base = mx.get_active_memory()
         out = cm.step(caches, mx.array([[t + 2]]))
-        mx.eval(out["tokens"], [c.state for c in caches])
+        mx.eval(out.tokens, [c.state for c in caches])
         assert mx.get_peak_memory() - base < total // 4, "the compiled step copied the KV buffers"
 
 

@@ -3,19 +3,22 @@
 ``CompiledModel`` wraps a model. Its step is a pure function of arrays::
 
     tokens [Bk, L] int32, rope offsets [Bk] int32,
-    per cache family: mask geometry + write positions (small int32 arrays),
+    per cache family: mask geometry + write inputs (small int32 arrays),
     per layer: keys/values buffers [Bk, H, S, D],
     sampler state (per-row settings and PRNG keys)
       -> next tokens [Bk], their log-probabilities [Bk], new buffers, new keys
 
-traced by ``mx.compile`` once per (step kind, bucket width Bk, step length L,
-capacity of the full layers, sampler kind, outputs) and replayed for every
-later step with those shapes. Model weights are implicit inputs of the
-compiled function (``inputs=model.state``), so loading other weights of the
-same shapes reuses the trace with the new values, and other shapes retrace.
+traced by ``mx.compile`` once per :class:`TraceKey` (step kind, bucket width
+Bk, step length L, capacity of the full layers, sampler kind, outputs) and
+replayed for every later step with those shapes. Model weights are implicit
+inputs of the compiled function (``inputs=model.state``), so loading other
+weights of the same shapes reuses the trace with the new values, and other
+shapes retrace.
 
 Two step kinds: **decode** (L = 1) and **window** (L > 1: prefill chunks,
-prefill tails padded to the chunk, speculative verify windows).
+prefill tails padded to the chunk, speculative verify windows). Per step, each
+cache family gives one :class:`~mlx_tracer.caches.StepPlan`; each cache hands
+its buffers in (``fit``) and takes the new ones back (``commit``).
 """
 
 from __future__ import annotations
@@ -25,14 +28,13 @@ import re
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
-import numpy as np
 
-from ..adapters.contract import LayerLayout, allocate_caches, probe_layout
-from ..adapters.traced import FamilyMasks, TracedCache
-from ..caches import DEFAULT_CAPACITIES, FullCache, RingCache
+from ..adapters.contract import probe_layout
+from ..adapters.traced import FamilyMasks
+from ..caches import DEFAULT_CAPACITIES, StepPlan
 from ..caches.batch import StaticKVCache
 from ..caches.masks import MaskGeometry
 from .sampling import sample
@@ -50,6 +52,24 @@ class TraceKey:
     capacity: Optional[int]  # capacity bucket of the full layers (None: no full layer)
     sampler: str = "greedy"  # "greedy" | "sample" | "none"
     logits: bool = False  # the step also returns raw logits
+
+
+@dataclass
+class StepResult:
+    """What one step returns (arrays not evaluated yet).
+
+    A decode step fills ``tokens``/``logprobs`` ``[Bk]`` (and ``keys [Bk, 2]``
+    when it sampled); ``logits [Bk, V]`` when asked for (a window step: at each
+    row's ``last`` query).
+    """
+
+    tokens: Optional[mx.array] = None
+    logprobs: Optional[mx.array] = None
+    keys: Optional[mx.array] = None
+    logits: Optional[mx.array] = None
+
+    def arrays(self) -> List[mx.array]:
+        return [a for a in (self.tokens, self.logprobs, self.keys, self.logits) if a is not None]
 
 
 class NewTraceError(AssertionError):
@@ -75,21 +95,37 @@ class CompiledModel:
     def __init__(self, model, capacities: Sequence[int] = DEFAULT_CAPACITIES):
         self.model = model
         self.capacities = tuple(capacities)
-        self.layouts, self.vocab_size = probe_layout(model, self.capacities)
+        self.layout = probe_layout(model, self.capacities)
         self.traces: Counter = Counter()
         self.trace_ms: Dict[TraceKey, float] = {}
-        self._specs = [FullCache() if l.window is None else RingCache(l.window) for l in self.layouts]
-        families = sorted({l.family for l in self.layouts}, key=str)
-        self.families: List[Tuple[str, Optional[int]]] = families
-        self._family_of = [families.index(l.family) for l in self.layouts]
-        self._first_layer = [self._family_of.index(f) for f in range(len(families))]
         self._fns: Dict[tuple, object] = {}
+        self._tracing: Optional[TraceKey] = None  # the key of the call in progress
+
+    @property
+    def layouts(self):
+        """Per-layer :class:`~mlx_tracer.adapters.LayerLayout` (a :class:`ModelLayout`)."""
+        return self.layout
+
+    @property
+    def vocab_size(self) -> int:
+        return self.layout.vocab_size
+
+    @property
+    def max_positions(self) -> Optional[int]:
+        """Longest prompt + generation a row can hold (None: ring layers only)."""
+        return self.capacities[-1] if self.layout.has_capacity else None
+
+    @property
+    def context_length(self) -> Optional[int]:
+        """The model's own context length (``max_position_embeddings``), when it states one."""
+        n = getattr(getattr(self.model, "args", None), "max_position_embeddings", None)
+        return int(n) if isinstance(n, int) and n > 0 else None
 
     # --------------------------------------------------------------- caches
     def new_caches(self, width: int, rows: int = 0, capacity: Optional[int] = None) -> List[StaticKVCache]:
         """Allocated static caches for one batch of bucket ``width`` holding
         ``rows`` empty live rows."""
-        return allocate_caches(self.layouts, width, capacity, self.capacities, rows)
+        return self.layout.new_caches(width, rows, self.capacities, capacity)
 
     # ---------------------------------------------------------------- traces
     @property
@@ -115,62 +151,54 @@ class CompiledModel:
         return_logits: bool = False,
         last: Optional[mx.array] = None,
         eager: bool = False,
-    ) -> dict:
+    ) -> StepResult:
         """Run one compiled step over ``caches`` (one per layer, in lockstep).
 
         ``tokens [Bk, L]``; ``sampler``: arrays from ``sampler_inputs`` (None:
-        greedy). A decode returns ``tokens``/``logprobs`` ``[Bk]`` (and
-        ``keys``); a window step returns nothing unless ``return_logits``
-        (then ``logits [Bk, V]`` at each row's ``last`` query index). The
-        caches adopt the new buffers and advance. ``eager=True`` returns the
-        uncompiled, unevaluated outputs and leaves the caches as they were
+        greedy). A decode fills ``tokens``/``logprobs`` (and ``keys``); a
+        window step returns nothing unless ``return_logits`` (then ``logits``
+        at each row's ``last`` query index). The caches adopt the new buffers
+        and advance. ``eager=True`` returns the uncompiled, unevaluated outputs
+        and the new buffers ``(result, kv)`` and leaves the caches as they were
         (to inspect the graph).
         """
-        if len(caches) != len(self.layouts):
-            raise ValueError(f"expected {len(self.layouts)} layer caches, got {len(caches)}")
+        if len(caches) != len(self.layout):
+            raise ValueError(f"expected {len(self.layout)} layer caches, got {len(caches)}")
         tokens = mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens.astype(mx.int32)
         if tokens.ndim != 2 or tokens.shape[0] != caches[0].width:
             raise ValueError(f"tokens must be [bucket width {caches[0].width}, L], got {tuple(tokens.shape)}")
-        L = tokens.shape[1]
-        reps = [caches[i] for i in self._first_layer]
-        decode = reps[0].is_decode(L)
-        for c in caches:
-            if isinstance(c, FullCache):
-                c.reserve(L)
-        capacity = next((c.capacity for c in reps if isinstance(c, FullCache)), None)
-        geoms, inputs = [], []
-        for rep in reps:
-            g = rep.geometry(L)
-            geoms.append({"col_times": g.col_times, "query_times": g.query_times, "own_cols": g.own_cols, "first_valid": g.first_valid, "live": g.live})
-            inputs.append(rep.step_inputs(L))
+        Bk, L = tokens.shape
+        plans: List[StepPlan] = [caches[i].plan(L) for i in self.layout.representatives]
+        kv = [caches[i].fit(plans[f]) for i, f in enumerate(self.layout.family_of)]
+        decode = plans[0].decode
         kind = "decode" if decode else "window"
         sampler_kind = ("greedy" if sampler is None else "sample") if decode else "none"
-        key = TraceKey(kind, tokens.shape[0], L, capacity, sampler_kind, return_logits)
-        kv = [(c.keys, c.values) for c in caches]
+        capacity = next((p.capacity for p in plans if p.capacity is not None), None)
+        key = TraceKey(kind, Bk, L, capacity, sampler_kind, return_logits)
         extra = {}
         if sampler is not None:
             extra["sampler"] = sampler
         if return_logits and not decode:
-            extra["last"] = mx.full((tokens.shape[0],), L - 1, dtype=mx.int32) if last is None else last
-        args = (tokens, reps[0].offset, geoms, inputs, kv, extra)
+            extra["last"] = mx.full((Bk,), L - 1, dtype=mx.int32) if last is None else last
+        args = (tokens, plans[0].offsets, [p.arrays for p in plans], kv, extra)
         if eager:
             return self._forward(kind, sampler_kind, return_logits, *args)
-        n_before = self.traces[key]
+        self._tracing = key
         t0 = time.perf_counter()
-        out = self._compiled(kind, sampler_kind, return_logits)(*args)
-        if self.traces[key] != n_before:
+        out, new_kv = self._compiled(kind, sampler_kind, return_logits)(*args)
+        if self._tracing is None:  # the call traced
             self.trace_ms[key] = (time.perf_counter() - t0) * 1e3
-        del kv
-        for c, (k, v) in zip(caches, out.pop("kv")):
-            c.adopt(k, v)
-            c.advance(L)
-        return out
+        self._tracing = None
+        del kv, args
+        for c, f, (k, v) in zip(caches, self.layout.family_of, new_kv):
+            c.commit(plans[f], k, v)
+        return StepResult(**out)
 
     def export_decode_graph(self, path: str, width: int = 1) -> Counter:
         """Write the decode step's graph (bucket ``width``) as DOT; returns op counts."""
         caches = self.new_caches(width, rows=width)
-        out = self.step(caches, mx.zeros((width, 1), dtype=mx.int32), eager=True)
-        mx.export_to_dot(path, out["tokens"], *[a for kv in out["kv"] for a in kv])
+        out, kv = self.step(caches, mx.zeros((width, 1), dtype=mx.int32), eager=True)
+        mx.export_to_dot(path, out["tokens"], *[a for pair in kv for a in pair])
         with open(path) as f:
             return Counter(m.group(1) for m in re.finditer(r'label ="([A-Za-z_]+)', f.read()))
 
@@ -178,42 +206,40 @@ class CompiledModel:
         sig = (kind, sampler_kind, logits)
         if sig not in self._fns:
 
-            def forward(tokens, offsets, geoms, inputs, kv, extra):
-                self._count(kind, sampler_kind, logits, tokens, kv)  # runs only while tracing
-                return self._forward(kind, sampler_kind, logits, tokens, offsets, geoms, inputs, kv, extra)
+            def forward(*args):
+                self.traces[self._tracing] += 1  # runs only while tracing
+                self._tracing = None
+                return self._forward(kind, sampler_kind, logits, *args)
 
             self._fns[sig] = mx.compile(forward, inputs=self.model.state)
         return self._fns[sig]
 
-    def _count(self, kind, sampler_kind, want_logits, tokens, kv):
+    def _forward(self, kind, sampler_kind, want_logits, tokens, offsets, plans, kv, extra):
         Bk, L = tokens.shape
-        capacity = next((kv[i][0].shape[2] for i in self._first_layer if self.families[self._family_of[i]][0] == "full"), None)
-        self.traces[TraceKey(kind, Bk, L, capacity, sampler_kind, want_logits)] += 1
-
-    def _forward(self, kind, sampler_kind, want_logits, tokens, offsets, geoms, inputs, kv, extra):
-        Bk, L = tokens.shape
+        decode = kind == "decode"
         masks = [
-            FamilyMasks(MaskGeometry(window=None if fam[1] is None else fam[1], **g), L)
-            for fam, g in zip(self.families, geoms)
+            FamilyMasks(MaskGeometry.from_arrays(geometry, self.layout.family_window(f)), L)
+            for f, (geometry, _) in enumerate(plans)
         ]
         layer_caches = [
-            TracedCache(self._specs[i], k, v, offsets, inputs[self._family_of[i]], masks[self._family_of[i]], i)
-            for i, (k, v) in enumerate(kv)
+            layout.traced(decode, k, v, offsets, plans[f][1], masks[f], i)
+            for i, (layout, f, (k, v)) in enumerate(zip(self.layout, self.layout.family_of, kv))
         ]
         logits = self.model(tokens, cache=layer_caches)  # [Bk, L, V]
-        out = {"kv": [(c.keys, c.values) for c in layer_caches]}
-        if kind == "decode":
+        new_kv = [(c.keys, c.values) for c in layer_caches]
+        out = {}
+        if decode:
             last = logits[:, -1, :]  # [Bk, V]
             logprobs = last - mx.logsumexp(last, axis=-1, keepdims=True)
             if sampler_kind == "greedy":
                 toks = mx.argmax(logprobs, axis=-1).astype(mx.int32)
             else:
                 toks, out["keys"] = sample(logprobs, extra["sampler"])
-            out["tokens"] = toks
-            out["logprobs"] = mx.take_along_axis(logprobs, toks[:, None], axis=-1)[:, 0]
+            out["tokens"] = toks  # [Bk]
+            out["logprobs"] = mx.take_along_axis(logprobs, toks[:, None], axis=-1)[:, 0]  # [Bk]
             if want_logits:
-                out["logits"] = logits[:, -1, :]
+                out["logits"] = last
         elif want_logits:
-            idx = extra["last"][:, None, None]
+            idx = extra["last"][:, None, None]  # [Bk, 1, 1]
             out["logits"] = mx.take_along_axis(logits, idx, axis=1)[:, 0, :]  # [Bk, V]
-        return out
+        return out, new_kv

@@ -1,0 +1,346 @@
+"""``Generator``: a model, its tokenizer and one compiled decode loop, for users.
+
+It turns text into requests (chat template, stop strings, sampling options,
+all checked before anything runs), runs the :class:`~mlx_tracer.runtime.engine.Engine`
+and routes every token event to its own request: to the request's stream
+(:class:`TokenStream`) or to :meth:`Generator.events`. Nothing is dropped when
+a consumer stops early; a stream closed early cancels its own request only.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Deque, Dict, Iterator, List, Optional, Sequence, Union
+
+import mlx.core as mx
+
+from .caches import DEFAULT_CAPACITIES
+from .runtime.engine import DEFAULT_PREFILL_CHUNKS, Engine
+from .runtime.options import check_buckets, check_max_tokens, check_prefill_chunks, check_stop_strings, check_token_ids
+from .runtime.requests import TokenEvent
+from .runtime.sampling import SamplingParams
+from .runtime.step import DEFAULT_BUCKETS
+from .text import TextStream
+
+Prompt = Union[str, Sequence[int]]
+
+
+@dataclass
+class GenerationEvent:
+    """One generated token of one request, with its text delta (``token`` is
+    None on the last event of a cancelled request)."""
+
+    uid: int
+    token: Optional[int]
+    text: str
+    logprob: Optional[float]
+    finish_reason: Optional[str] = None  # None, "stop", "length" or "cancelled"
+
+
+@dataclass
+class Completion:
+    """A finished request."""
+
+    uid: int
+    text: str
+    tokens: List[int]
+    logprobs: List[float]
+    finish_reason: str
+    prompt_tokens: int
+
+
+@dataclass
+class _Live:
+    """A request the Generator still tracks (until its result is taken)."""
+
+    uid: int
+    prompt_tokens: int
+    text: TextStream
+    streamed: bool = False  # its events go to its own stream, not to events()
+    pending: Deque[GenerationEvent] = field(default_factory=deque)  # delivered, not yet consumed
+    completion: Optional[Completion] = None
+    discard: bool = False  # nobody will read it (a closed stream): forget it once finished
+    tokens: List[int] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
+
+
+class TokenStream:
+    """The events of one request, as an iterator.
+
+    Closing it before its last event (``break`` out of a ``for``, ``.close()``,
+    an exception such as Ctrl-C in the loop body, or dropping it) cancels the
+    request: its row is freed at the next step, and other requests lose nothing.
+    """
+
+    def __init__(self, gen: "Generator", uid: int):
+        self.gen, self.uid, self.done = gen, uid, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> GenerationEvent:
+        if self.done:
+            raise StopIteration
+        ev = self.gen._next_event(self.uid)
+        if ev.finish_reason is not None:
+            self.done = True
+            self.gen._forget(self.uid)
+        return ev
+
+    def close(self):
+        if not self.done:
+            self.done = True
+            self.gen._abandon(self.uid)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing left to cancel
+            pass
+
+
+class Generator:
+    """A model, its tokenizer and one compiled decode loop.
+
+    Args:
+        model, tokenizer: an mlx-lm model and its (mlx-lm wrapped) tokenizer.
+        buckets: batch-width buckets (default 1, 2, 4, 8).
+        prefill_chunks: static prefill window lengths.
+        capacities: capacity buckets of full-attention caches.
+        chat: apply the tokenizer's chat template to string prompts
+            (default: when the tokenizer has one).
+        system: the system message of chat prompts.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+        prefill_chunks: Sequence[int] = DEFAULT_PREFILL_CHUNKS,
+        capacities: Sequence[int] = DEFAULT_CAPACITIES,
+        chat: Optional[bool] = None,
+        system: Optional[str] = None,
+    ):
+        _check_options(buckets, prefill_chunks, chat, system)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.engine = Engine(model, buckets, prefill_chunks, capacities)
+        self.chat = getattr(tokenizer, "has_chat_template", False) if chat is None else chat
+        self.system = system
+        self._live: Dict[int, _Live] = {}
+        self._outbox: Deque[GenerationEvent] = deque()  # events of requests that are not streamed
+
+    @classmethod
+    def load(cls, path: Optional[Union[str, Path]] = None, progress: bool = True, weights: str = "auto", **kwargs) -> "Generator":
+        """Load a model (see :func:`load`; ``weights="auto"`` by default) into a
+        Generator. The options are checked before the model loads."""
+        log = kwargs.pop("log", lambda s: None)
+        _check_options(kwargs.get("buckets", DEFAULT_BUCKETS), kwargs.get("prefill_chunks", DEFAULT_PREFILL_CHUNKS),
+                       kwargs.get("chat"), kwargs.get("system"))
+        from .api import load
+
+        model, tokenizer = load(path, progress=progress, weights=weights, log=log)
+        return cls(model, tokenizer, **kwargs)
+
+    @property
+    def weights(self) -> str:
+        return getattr(self.model, "mlx_tracer_weights", "as-is")
+
+    # -------------------------------------------------------------- prompts
+    def encode(self, prompt: Prompt, chat: Optional[bool] = None, system: Optional[str] = None) -> List[int]:
+        """Token ids of a prompt: strings through the chat template (when on)."""
+        if not isinstance(prompt, str):
+            return check_token_ids(prompt, self.engine.vocab_size)
+        if not prompt.strip():
+            raise ValueError("empty prompt: give some text")
+        use_chat = self.chat if chat is None else chat
+        if use_chat:
+            messages = []
+            system = self.system if system is None else system
+            if system:
+                messages.append({"role": "system", "content": system})
+            messages.append({"role": "user", "content": prompt})
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        bos = getattr(self.tokenizer, "bos_token", None)
+        return list(self.tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
+
+    # ------------------------------------------------------------- requests
+    def submit(
+        self,
+        prompt: Prompt,
+        max_tokens: int = 256,
+        temp: float = 0.0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        top_k: int = 0,
+        seed: Optional[int] = None,
+        stop: Union[str, Sequence[str], None] = (),
+        stop_tokens: Optional[Sequence[int]] = None,
+        chat: Optional[bool] = None,
+        system: Optional[str] = None,
+        _streamed: bool = False,
+    ) -> int:
+        """Queue a request (it joins the running batch at the next step).
+        ``stop``: a string or a list of strings that end the text."""
+        sampling = SamplingParams(temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed)
+        check_max_tokens(max_tokens)
+        stop = check_stop_strings(stop)
+        if system is not None and not isinstance(system, str):
+            raise TypeError(f"system must be a string, got {type(system).__name__}")
+        tokens = self.encode(prompt, chat, system)
+        stops = self.tokenizer.eos_token_ids if stop_tokens is None else stop_tokens
+        uid = self.engine.add(tokens, max_tokens, sampling, stops)
+        self._live[uid] = _Live(uid, len(tokens), TextStream(self.tokenizer, stop), streamed=_streamed)
+        return uid
+
+    def cancel(self, uid: int):
+        """End a queued or running request: its row is freed at the next step
+        and it finishes with ``finish_reason="cancelled"``."""
+        self.engine.cancel(uid)
+
+    def events(self) -> Iterator[GenerationEvent]:
+        """Run the loop until every submitted request is done, yielding each
+        token of the requests submitted with :meth:`submit` (streams get their
+        own). Leaving the loop early loses nothing: the next call goes on."""
+        while True:
+            if self._outbox:
+                yield self._outbox.popleft()
+            elif self.engine.has_work():
+                self._pump()
+            else:
+                return
+
+    def result(self, uid: int) -> Completion:
+        """The completion of a finished request (and forget it)."""
+        live = self._live.get(uid)
+        if live is None:
+            raise KeyError(f"no request {uid} (unknown, or its result was already taken)")
+        if live.completion is None:
+            raise ValueError(f"request {uid} has not finished: run events() (or cancel it) first")
+        del self._live[uid]
+        return live.completion
+
+    # ------------------------------------------------------------ mlx-lm style
+    def stream_generate(self, prompt: Prompt, **kwargs) -> TokenStream:
+        """The events of one request as they come; closing the stream early cancels it."""
+        return TokenStream(self, self.submit(prompt, _streamed=True, **kwargs))
+
+    def generate(self, prompt: Prompt, **kwargs) -> str:
+        return self._run([self.submit(prompt, _streamed=True, **kwargs)])[0].text
+
+    def batch_generate(self, prompts: Sequence[Prompt], max_tokens: Union[int, Sequence[int]] = 256, **kwargs) -> List[Completion]:
+        budgets = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+        if len(budgets) != len(prompts):
+            raise ValueError(f"max_tokens has {len(budgets)} entries for {len(prompts)} prompts")
+        for m in budgets:
+            check_max_tokens(m)
+        uids = []
+        try:
+            for p, m in zip(prompts, budgets):
+                uids.append(self.submit(p, max_tokens=m, _streamed=True, **kwargs))
+        except BaseException:
+            for u in uids:
+                self._abandon(u)
+            raise
+        return self._run(uids)
+
+    def _run(self, uids: List[int]) -> List[Completion]:
+        """Run until the requests ``uids`` finish; an exception (Ctrl-C) cancels them."""
+        try:
+            while any(self._live[u].completion is None for u in uids):
+                self._pump()
+        except BaseException:
+            for u in uids:
+                self._abandon(u)
+            raise
+        return [self.result(u) for u in uids]
+
+    # ----------------------------------------------------------- event routing
+    def _pump(self):
+        """One engine step; every event goes to its request (none dropped)."""
+        for ev in self.engine.step():
+            self._route(ev)
+
+    def _route(self, ev: TokenEvent):
+        live = self._live.get(ev.uid)
+        if live is None or live.completion is not None:
+            return  # e.g. the "cancelled" echo of a request a stop string already ended
+        reason = ev.finish_reason
+        if reason == "cancelled":
+            delta, _ = live.text.add(None, True)
+        else:
+            stop_token = reason == "stop"
+            delta, hit = live.text.add(None if stop_token else ev.token, reason is not None)
+            if hit and reason is None:
+                reason = "stop"
+                self.engine.cancel(ev.uid)
+            if not stop_token:  # a stop token ends the request and is not part of it
+                live.tokens.append(ev.token)
+                live.logprobs.append(ev.logprob)
+        if reason is not None:
+            live.completion = Completion(ev.uid, live.text.text, live.tokens, live.logprobs, reason, live.prompt_tokens)
+        if live.discard:
+            if reason is not None:
+                del self._live[ev.uid]
+            return
+        event = GenerationEvent(ev.uid, ev.token, delta, ev.logprob, reason)
+        (live.pending if live.streamed else self._outbox).append(event)
+
+    def _next_event(self, uid: int) -> GenerationEvent:
+        live = self._live[uid]
+        while not live.pending:
+            self._pump()
+        return live.pending.popleft()
+
+    def _forget(self, uid: int):
+        self._live.pop(uid, None)
+
+    def _abandon(self, uid: int):
+        """Nobody will read ``uid`` any more: cancel it if it runs, forget it when done."""
+        live = self._live.get(uid)
+        if live is None:
+            return
+        if live.completion is not None:
+            del self._live[uid]
+            return
+        live.discard = True
+        live.pending.clear()
+        try:
+            self.engine.cancel(uid)
+        except KeyError:  # finished in the engine already; its last event is on its way
+            pass
+
+    # ---------------------------------------------------------------- stats
+    def warmup(self, buckets: Optional[Sequence[int]] = None, prefill: bool = True) -> dict:
+        """Trace ahead of time; returns ``{trace: ms}`` of the traces it made."""
+        return self.engine.warmup(buckets, prefill)
+
+    @property
+    def traces(self):
+        return self.engine.compiled.traces
+
+    @property
+    def stats(self):
+        return self.engine.stats
+
+    def summary(self) -> str:
+        s = self.stats
+        widths = sorted({k.width for k in self.traces if k.kind == "decode"})
+        return (
+            f"prompt: {s.prefill_tokens} tokens, {s.prefill_tps:.1f} tok/s | "
+            f"decode: {s.decode_tokens} tokens, {s.decode_tps:.1f} tok/s, {s.host_ms_per_step:.2f} host ms/step | "
+            f"traces: {sum(self.traces.values())} (decode buckets {widths}) | "
+            f"peak memory {mx.get_peak_memory() / 1e9:.3f} GB"
+        )
+
+
+def _check_options(buckets, prefill_chunks, chat, system):
+    check_buckets(buckets)
+    check_prefill_chunks(prefill_chunks)
+    if chat is not None and not isinstance(chat, bool):
+        raise TypeError(f"chat must be True, False or None, got {chat!r}")
+    if system is not None and not isinstance(system, str):
+        raise TypeError(f"system must be a string, got {type(system).__name__}")

@@ -1,0 +1,133 @@
+"""The running batch: the rows that decode together, their caches and the step pipeline.
+
+Decode is pipelined as in mlx-lm: step t+1 is dispatched (fed by step t's
+tokens, still on the device) before step t is read back. The pipeline is a
+queue of dispatched steps; a step leaves it only once it has been read, so an
+interrupt (Ctrl-C) while waiting for a step leaves the batch consistent: the
+next read waits for the same step again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Deque, List, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..caches.batch import StaticKVCache
+from .requests import EngineStats, Request, TokenEvent
+from .sampling import sampler_inputs
+from .step import CompiledModel, StepResult, bucket_for
+
+
+@dataclass
+class InflightStep:
+    """A dispatched decode step that has not been read yet."""
+
+    result: StepResult
+    host_s: float  # graph build + dispatch
+    t0: float  # when dispatch began
+
+
+class RunningBatch:
+    """Rows in one batch-width bucket, decoding in lockstep (see module docstring)."""
+
+    def __init__(self, compiled: CompiledModel, buckets: Sequence[int], stats: EngineStats):
+        self.compiled = compiled
+        self.buckets = tuple(buckets)
+        self.stats = stats
+        self.rows: List[Request] = []
+        self.caches: Optional[List[StaticKVCache]] = None
+        self.pipeline: Deque[InflightStep] = deque()
+        self._last_read = 0.0
+
+    @property
+    def width(self) -> int:
+        return self.caches[0].width if self.caches else 0
+
+    # ------------------------------------------------------------ rows
+    def join(self, reqs: List[Request], prefilled: List[List[StaticKVCache]]):
+        """Add ``reqs`` (with their prefilled caches, in order) to the batch.
+        Only between steps: the pipeline must be empty."""
+        assert not self.pipeline, "join while a step is in flight"
+        width = bucket_for(len(self.rows) + len(reqs), self.buckets)
+        parts = ([self.caches] if self.caches is not None else []) + prefilled
+        caches = [type(layer[0]).join(layer, width=width) for layer in zip(*parts)]
+        mx.eval([c.state for c in caches])  # the join's copies belong to admission, not to decode
+        if self.caches is not None:
+            self.stats.joins += 1
+        self.caches, self.rows = caches, self.rows + list(reqs)
+
+    def keep(self, keep: List[int]):
+        """Keep only rows ``keep`` (in order), moving to the smallest bucket that
+        holds them; steps in flight drop the other rows too."""
+        self.rows = [self.rows[i] for i in keep]
+        if not keep:
+            self.caches = None
+            self.pipeline.clear()
+            return
+        width = bucket_for(len(keep), self.buckets)
+        for c in self.caches:
+            c.filter(keep, width=width)
+        idx = mx.array(keep, dtype=mx.int32)
+        for step in self.pipeline:
+            r = step.result
+            r.tokens, r.logprobs = _rows(r.tokens, idx, width), _rows(r.logprobs, idx, width)
+            r.keys = None if r.keys is None else _rows(r.keys, idx, width)
+
+    # ---------------------------------------------------------- decode
+    def dispatch(self):
+        """Build and start one decode step. Its inputs come from the host when
+        nothing is in flight, else from the newest step's outputs on the device."""
+        t0 = time.perf_counter()
+        width = self.width
+        greedy = all(r.sampling.greedy for r in self.rows)
+        if not self.pipeline:
+            inputs = np.zeros((width, 1), dtype=np.int32)
+            inputs[: len(self.rows), 0] = [r.next_input for r in self.rows]
+            inputs = mx.array(inputs)
+            keys = None if greedy else [r.key for r in self.rows]
+        else:
+            prev = self.pipeline[-1].result
+            inputs, keys = prev.tokens[:, None], prev.keys
+        sampler = None if greedy else sampler_inputs([r.sampling for r in self.rows], keys, width)
+        result = self.compiled.step(self.caches, inputs, sampler)
+        host_s = time.perf_counter() - t0
+        # (on the CPU, async_eval waits while MLX's task queue is full: that is not host time)
+        mx.async_eval(*result.arrays(), [c.state for c in self.caches])
+        self.pipeline.append(InflightStep(result, host_s, t0))
+
+    def read(self) -> List[TokenEvent]:
+        """Wait for the oldest step in flight and turn its tokens into events."""
+        step = self.pipeline[0]
+        tokens = step.result.tokens.tolist()  # waits for the step
+        logprobs = step.result.logprobs.tolist()
+        keys = None if step.result.keys is None else np.array(step.result.keys)
+        self.pipeline.popleft()
+        events = []
+        for i, r in enumerate(self.rows):
+            if keys is not None:
+                r.key = keys[i]
+            events.append(r.accept(int(tokens[i]), float(logprobs[i])))
+        now = time.perf_counter()
+        self.stats.steps += 1
+        self.stats.decode_tokens += len(self.rows)
+        self.stats.host_s += step.host_s
+        self.stats.decode_s += now - max(step.t0, self._last_read)
+        self._last_read = now
+        return events
+
+    def needs_more(self) -> bool:
+        """Whether some row still needs a token after the steps in flight."""
+        ahead = len(self.pipeline)
+        return any(len(r.tokens) + ahead < r.max_tokens for r in self.rows)
+
+
+def _rows(x: mx.array, idx: mx.array, width: int) -> mx.array:
+    """Rows ``idx`` of ``x``, zero-padded to ``width`` rows."""
+    x = x[idx]
+    n = idx.shape[0]
+    return mx.pad(x, [(0, width - n)] + [(0, 0)] * (x.ndim - 1)) if width > n else x

@@ -1,0 +1,51 @@
+"""Prefill: newcomers' prompts through compiled window steps, into fresh caches.
+
+A prompt (all but its last token, which the first decode step consumes, as in
+mlx-lm) is cut into static windows chosen by the scheduler; each window is a
+compiled step, evaluated before the next is built, so an interrupt lands
+within one window and a long prompt never becomes one huge graph.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, List, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from ..caches.batch import StaticKVCache
+from .requests import EngineStats, Request
+from .step import CompiledModel
+
+
+def prefill(compiled: CompiledModel, reqs: Sequence[Request], width: int,
+            windows: Callable[[int], List[int]], stats: EngineStats) -> List[StaticKVCache]:
+    """Caches (bucket ``width``) of ``reqs`` holding all but their last prompt
+    token, after any context in their starting serial caches."""
+    t0 = time.perf_counter()
+    if reqs[0].cache is not None:  # continue from serial mlx-lm caches (one request per group)
+        caches = compiled.layout.from_serial(reqs[0].cache, width, compiled.capacities)
+    else:
+        caches = compiled.new_caches(width, rows=len(reqs))
+    lengths = [len(r.prompt) - 1 for r in reqs]
+    if max(lengths) == 0:
+        return caches
+    plan = windows(max(lengths))
+    padded = sum(plan)
+    tokens = np.zeros((width, padded), dtype=np.int32)  # [Bk, padded] right-padded prompts
+    for i, r in enumerate(reqs):
+        tokens[i, : lengths[i]] = r.prompt[:-1]
+    for c in caches:
+        c.prepare(lengths=lengths, right_padding=[padded - n for n in lengths])
+    done = 0
+    for L in plan:
+        compiled.step(caches, mx.array(tokens[:, done : done + L]))
+        mx.eval([c.state for c in caches])
+        done += L
+    for c in caches:
+        c.finalize()
+    mx.eval([c.state for c in caches])
+    stats.prefill_tokens += sum(lengths)
+    stats.prefill_s += time.perf_counter() - t0
+    return caches

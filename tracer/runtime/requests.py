@@ -1,0 +1,86 @@
+"""The typed state the runtime's parts share: requests, token events, stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import numpy as np
+
+from .sampling import SamplingParams
+
+FINISH_REASONS = ("stop", "length", "cancelled")
+
+
+@dataclass
+class Request:
+    """One generation request, from the queue to its last token."""
+
+    uid: int
+    prompt: List[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop_ids: frozenset
+    key: np.ndarray  # [2] uint32: the row's PRNG key, advanced by every sampled token
+    cache: Optional[list] = None  # serial mlx-lm caches holding context before the prompt
+    tokens: List[int] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
+    finish_reason: Optional[str] = None  # one of FINISH_REASONS once finished
+    cancel_requested: bool = False  # set by cancel(); applied at the next step
+
+    @property
+    def next_input(self) -> int:
+        return self.tokens[-1] if self.tokens else self.prompt[-1]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def accept(self, token: int, logprob: float) -> "TokenEvent":
+        """Record a generated token; finishes the request on a stop token or at its budget."""
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        if token in self.stop_ids:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.max_tokens:
+            self.finish_reason = "length"
+        return TokenEvent(self.uid, token, logprob, self.finish_reason)
+
+    def cancelled(self) -> "TokenEvent":
+        """Finish the request as cancelled; its last event carries no token."""
+        self.finish_reason = "cancelled"
+        return TokenEvent(self.uid, None, None, "cancelled")
+
+
+@dataclass
+class TokenEvent:
+    """One generated token of one request (``token`` is None on the final
+    event of a cancelled request)."""
+
+    uid: int
+    token: Optional[int]
+    logprob: Optional[float]
+    finish_reason: Optional[str]  # None, "stop", "length" or "cancelled"
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    host_s: float = 0.0  # graph build + dispatch of decode steps, before evaluation
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    joins: int = 0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s else 0.0
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s else 0.0
+
+    @property
+    def host_ms_per_step(self) -> float:
+        return 1e3 * self.host_s / self.steps if self.steps else 0.0

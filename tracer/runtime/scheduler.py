@@ -1,0 +1,133 @@
+"""The scheduler: which requests run when.
+
+It owns the queue and every request not yet finished, validates new requests,
+decides admission (how many queued requests join the running batch, and in
+which prefill groups), cuts prompts into static prefill windows, and applies
+cancellations. It holds no arrays: the running batch and the compiled step do
+the work it decides.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from typing import Deque, Dict, Iterable, List, Optional, Sequence
+
+from .options import check_buckets, check_max_tokens, check_prefill_chunks, check_token_ids
+from .requests import Request, TokenEvent
+from .sampling import GREEDY, SamplingParams, initial_key
+
+
+class Scheduler:
+    """Queue, admission, prefill windows and cancellation of one engine.
+
+    Args:
+        buckets: batch-width buckets (validated: positive, deduplicated, sorted).
+        prefill_chunks: static prefill window lengths (>= 2).
+        vocab_size: token ids must lie in ``[0, vocab_size)``.
+        max_positions: positions a row can hold (None: unbounded).
+        context_length: the model's own context length (None: not stated).
+        batched_prefill: prefill newcomers together in one padded batch, or
+            each alone (see :class:`~mlx_tracer.runtime.engine.Engine`).
+    """
+
+    def __init__(self, buckets: Sequence[int], prefill_chunks: Sequence[int], vocab_size: int,
+                 max_positions: Optional[int], batched_prefill: bool, context_length: Optional[int] = None):
+        self.buckets = check_buckets(buckets)
+        self.prefill_chunks = check_prefill_chunks(prefill_chunks)
+        self.vocab_size = vocab_size
+        self.max_positions = max_positions
+        self.context_length = context_length
+        self.batched_prefill = batched_prefill
+        self.queue: Deque[Request] = deque()
+        self.requests: Dict[int, Request] = {}  # queued or running, until finished
+        self._uids = itertools.count()
+
+    # ------------------------------------------------------------- requests
+    def add(self, prompt: Sequence[int], max_tokens: int = 256, sampling: SamplingParams = GREEDY,
+            stop_ids: Iterable[int] = (), cache: Optional[Sequence] = None, context: int = 0) -> Request:
+        """Validate and queue a request; ``context``: positions its starting
+        caches already hold. Nothing changes when validation fails."""
+        prompt = check_token_ids(prompt, self.vocab_size)
+        max_tokens = check_max_tokens(max_tokens)
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        stop_ids = frozenset(check_token_ids(list(stop_ids), what="stop_ids")) if stop_ids else frozenset()
+        if self.context_length is not None and context + len(prompt) + max_tokens > self.context_length:
+            room = self.context_length - context - len(prompt)
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} exceed the model's context length "
+                f"{self.context_length}: " + (f"lower max_tokens to at most {room}" if room > 0 else "shorten the prompt")
+            )
+        if self.max_positions is not None:
+            # + 1: the pipelined loop may compute one step past the last token
+            need = context + self.padded_prefill(len(prompt) - 1) + 1 + max_tokens + 1
+            if need > self.max_positions:
+                raise ValueError(
+                    f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} exceed the largest capacity bucket "
+                    f"{self.max_positions}: shorten the prompt, lower max_tokens or pass larger capacities"
+                )
+        req = Request(next(self._uids), prompt, max_tokens, sampling, stop_ids, initial_key(sampling.seed),
+                      list(cache) if cache else None)
+        self.queue.append(req)
+        self.requests[req.uid] = req
+        return req
+
+    def has_work(self) -> bool:
+        return bool(self.requests)
+
+    def cancel(self, uid: int) -> Request:
+        """Ask to end a queued or running request; it finishes as "cancelled" at the next step."""
+        req = self.requests.get(uid)
+        if req is None:
+            raise KeyError(f"no queued or running request {uid}")
+        req.cancel_requested = True
+        return req
+
+    def drop_cancelled(self) -> List[TokenEvent]:
+        """Finish the cancelled requests still in the queue."""
+        gone = [r for r in self.queue if r.cancel_requested]
+        events = []
+        for r in gone:
+            self.queue.remove(r)
+            self.finish(r)
+            events.append(r.cancelled())
+        return events
+
+    def finish(self, req: Request) -> None:
+        """Forget a request that finished (or is finishing now)."""
+        self.requests.pop(req.uid, None)
+
+    # ------------------------------------------------------------ admission
+    def admission(self, running: int) -> List[List[Request]]:
+        """The queued requests to admit next to ``running`` rows, as prefill
+        groups in join order. They stay queued until :meth:`admitted`."""
+        room = self.buckets[-1] - running
+        new = list(itertools.islice(self.queue, max(0, room)))
+        fresh = [r for r in new if r.cache is None]
+        groups = [fresh] if self.batched_prefill and fresh else [[r] for r in fresh]
+        return groups + [[r] for r in new if r.cache is not None]
+
+    def admitted(self, reqs: Sequence[Request]):
+        for r in reqs:
+            self.queue.remove(r)
+
+    def must_drain(self, running: int) -> bool:
+        """Whether queued requests wait for room that the next step boundary gives."""
+        return bool(self.queue) and running < self.buckets[-1]
+
+    # -------------------------------------------------------- prefill windows
+    def prefill_windows(self, n: int) -> List[int]:
+        """Window lengths covering ``n`` prompt tokens: greedy largest chunks,
+        a short tail padded to the smallest chunk."""
+        out = []
+        for c in reversed(self.prefill_chunks):
+            while n >= c:
+                out.append(c)
+                n -= c
+        if n:
+            out.append(self.prefill_chunks[0])
+        return out
+
+    def padded_prefill(self, n: int) -> int:
+        return sum(self.prefill_windows(n))
