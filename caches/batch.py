@@ -11,25 +11,14 @@ implement the hooks at the bottom of :class:`StaticKVCache`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
 
+from .assemble import RowSource, assemble
 from .plan import StepPlan
 from .rows import RowBook
-
-
-@dataclass
-class RowSource:
-    """Rows of one join source, seen on that source's own timeline."""
-
-    keys: Optional[mx.array]  # [n, H, S_src, Dk] or None when empty
-    values: Optional[mx.array]  # [n, H, S_src, Dv]
-    rows: RowBook  # left_padding already clamped to what the buffer retains
-    col_of_time: Callable[[np.ndarray], np.ndarray]  # source time -> source column
-    batch: Optional["StaticKVCache"] = None  # the running batch it came from
 
 
 class StaticKVCache:
@@ -238,49 +227,7 @@ class StaticKVCache:
         return RowSource(keys, values, rows, self._col_mapper(), self)
 
     def _assemble(self, sources: List[RowSource], width: Optional[int], **target):
-        """Rebuild this cache's buffers from ``sources`` right-aligned on a new timeline."""
-        if any(s.rows.pending is not None for s in sources):
-            raise ValueError("cannot move rows while a prepared prompt is pending: call finalize() first")
-        n = sum(s.rows.n for s in sources)
-        width = n if width is None else int(width)
-        if width < n:
-            raise ValueError(f"bucket {width} exceeded: {n} live rows; pass a larger width")
-        time = self._target_time(sources, **target)
-        col_times = self._target_col_times(time)  # [S] new column -> new time
-        parts_k, parts_v, books = [], [], []
-        proto = next((s for s in sources if s.keys is not None), None)
-        for s in sources:
-            delta = time - s.rows.time
-            book = s.rows.shifted(delta)
-            books.append(book)
-            if proto is None or s.rows.n == 0:
-                continue
-            if s.keys is None:
-                H, Dk, Dv, dt = proto.keys.shape[1], proto.keys.shape[3], proto.values.shape[3], proto.keys.dtype
-                parts_k.append(mx.zeros((s.rows.n, H, self.S, Dk), dt))
-                parts_v.append(mx.zeros((s.rows.n, H, self.S, Dv), dt))
-                continue
-            src_cols = s.col_of_time(col_times - delta)
-            src_cols = np.clip(src_cols, 0, s.keys.shape[2] - 1).astype(np.int32)
-            idx = mx.array(src_cols)
-            parts_k.append(mx.take(s.keys, idx, axis=2))
-            parts_v.append(mx.take(s.values, idx, axis=2))
-        self.rows = RowBook.concat(books) if books else self.rows.select([])
-        self.rows.time = time
-        if proto is None:
-            self.keys = self.values = None
-            self._width = width
-            return
-        if width > n:
-            H, Dk, Dv, dt = proto.keys.shape[1], proto.keys.shape[3], proto.values.shape[3], proto.keys.dtype
-            parts_k.append(mx.zeros((width - n, H, self.S, Dk), dt))
-            parts_v.append(mx.zeros((width - n, H, self.S, Dv), dt))
-        # Row-major buffers: mx.take lays its output out gathered-axis-first, and
-        # a buffer in that layout is copied by every later attention (measured:
-        # +40% per decode step at 1024 columns); in-place writes keep the layout.
-        self.keys = mx.contiguous(mx.concatenate(parts_k, axis=0) if len(parts_k) > 1 else parts_k[0])
-        self.values = mx.contiguous(mx.concatenate(parts_v, axis=0) if len(parts_v) > 1 else parts_v[0])
-        self._width = width
+        assemble(self, sources, width, **target)
 
     # ------------------------------------------------------------------- hooks
     def _cap_tokens(self, tokens: int) -> int:

@@ -227,7 +227,7 @@ class Pair:
         tk, tv = theirs.keys, theirs.values
         ids = np.array(tv[0, 0, :, 0])
         if (ids < 0).any():
-            # mlx-lm 0.32.2 quirk (test_caches_quirks): right after a right-padded prompt
+            # mlx-lm 0.32.2 quirk (test_caches.py::test_quirk_mlx_lm_ring_extract_after_right_padded_prompt_returns_padding): right after a right-padded prompt
             # window its ring extract returns prompt padding as tokens.
             self.deviations.append(Deviation("extract", i, -1, [], [int(x) for x in ids if x < 0], False, True))
             keep = mx.array(np.nonzero(ids >= 0)[0].astype(np.int32))

@@ -6,7 +6,7 @@ one and with mlx-lm's, the attention output of a random GQA query bit for bit
 with mlx-lm's, and after every row move each row's keys/values in temporal
 order bit for bit. Where mlx-lm 0.32.2 deviates from the analytic truth the
 deviation is recorded and must be one of the named quirks (see
-test_caches_quirks.py); ours must always match the analytic truth.
+the test_quirk_* tests in test_caches.py); ours must always match the analytic truth.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def test_ring_cache_matches_batch_rotating_kv_cache(seed, window):
     pair, ops = run_random_ops(seed, window)
     assert pair.checks > 0
     for d in pair.deviations:
-        # The analytic deviations mlx-lm 0.32.2 is allowed: see test_caches_quirks.
+        # The analytic deviations mlx-lm 0.32.2 is allowed: see the test_quirk_* tests in test_caches.py.
         if d.op == "extract":
             assert d.extra and not d.missing  # prompt padding extracted as tokens
             continue

@@ -22,7 +22,8 @@ import os
 from pathlib import Path
 from typing import List, Optional, Sequence, Union
 
-from .generator import Completion, GenerationEvent, Generator, Prompt, TokenStream
+from .generator import Generator, Prompt
+from .stream import Completion, GenerationEvent, TokenStream
 
 __all__ = ["Completion", "GenerationEvent", "Generator", "TokenStream", "batch_generate", "generate", "load", "stream_generate"]
 

@@ -22,33 +22,10 @@ from .runtime.options import check_buckets, check_max_tokens, check_prefill_chun
 from .runtime.requests import TokenEvent
 from .runtime.sampling import SamplingParams
 from .runtime.step import DEFAULT_BUCKETS
+from .stream import Completion, GenerationEvent, TokenStream
 from .text import TextStream
 
 Prompt = Union[str, Sequence[int]]
-
-
-@dataclass
-class GenerationEvent:
-    """One generated token of one request, with its text delta (``token`` is
-    None on the last event of a cancelled request)."""
-
-    uid: int
-    token: Optional[int]
-    text: str
-    logprob: Optional[float]
-    finish_reason: Optional[str] = None  # None, "stop", "length" or "cancelled"
-
-
-@dataclass
-class Completion:
-    """A finished request."""
-
-    uid: int
-    text: str
-    tokens: List[int]
-    logprobs: List[float]
-    finish_reason: str
-    prompt_tokens: int
 
 
 @dataclass
@@ -64,41 +41,6 @@ class _Live:
     discard: bool = False  # nobody will read it (a closed stream): forget it once finished
     tokens: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
-
-
-class TokenStream:
-    """The events of one request, as an iterator.
-
-    Closing it before its last event (``break`` out of a ``for``, ``.close()``,
-    an exception such as Ctrl-C in the loop body, or dropping it) cancels the
-    request: its row is freed at the next step, and other requests lose nothing.
-    """
-
-    def __init__(self, gen: "Generator", uid: int):
-        self.gen, self.uid, self.done = gen, uid, False
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> GenerationEvent:
-        if self.done:
-            raise StopIteration
-        ev = self.gen._next_event(self.uid)
-        if ev.finish_reason is not None:
-            self.done = True
-            self.gen._forget(self.uid)
-        return ev
-
-    def close(self):
-        if not self.done:
-            self.done = True
-            self.gen._abandon(self.uid)
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: nothing left to cancel
-            pass
 
 
 class Generator:

@@ -1,0 +1,68 @@
+"""What a user receives from a Generator: token events, completions, streams."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, List, Optional
+
+if TYPE_CHECKING:
+    from .generator import Generator
+
+
+@dataclass
+class GenerationEvent:
+    """One generated token of one request, with its text delta (``token`` is
+    None on the last event of a cancelled request)."""
+
+    uid: int
+    token: Optional[int]
+    text: str
+    logprob: Optional[float]
+    finish_reason: Optional[str] = None  # None, "stop", "length" or "cancelled"
+
+
+@dataclass
+class Completion:
+    """A finished request."""
+
+    uid: int
+    text: str
+    tokens: List[int]
+    logprobs: List[float]
+    finish_reason: str
+    prompt_tokens: int
+
+
+class TokenStream:
+    """The events of one request, as an iterator.
+
+    Closing it before its last event (``break`` out of a ``for``, ``.close()``,
+    an exception such as Ctrl-C in the loop body, or dropping it) cancels the
+    request: its row is freed at the next step, and other requests lose nothing.
+    """
+
+    def __init__(self, gen: "Generator", uid: int):
+        self.gen, self.uid, self.done = gen, uid, False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> GenerationEvent:
+        if self.done:
+            raise StopIteration
+        ev = self.gen._next_event(self.uid)
+        if ev.finish_reason is not None:
+            self.done = True
+            self.gen._forget(self.uid)
+        return ev
+
+    def close(self):
+        if not self.done:
+            self.done = True
+            self.gen._abandon(self.uid)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing left to cancel
+            pass
