@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from .test_smollm2 import _present
-
-CLI = str(Path(sys.executable).parent / "mlx-tracer")
+from .helpers import CLI, model_present
 
 
 def run(*args, timeout=300):
     return subprocess.run([CLI, *args], capture_output=True, text=True, timeout=timeout)
 
 
-needs_model = pytest.mark.skipif(not _present(), reason="SmolLM2 GGUF not present: run `mlx-tracer fetch`")
+needs_model = pytest.mark.skipif(not model_present(), reason="SmolLM2 GGUF not present: run `mlx-tracer fetch`")
 
 
 @pytest.mark.model

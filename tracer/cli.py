@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -47,7 +46,7 @@ def _warm(gen, buckets, prefill=True):
 
 # ------------------------------------------------------------------ commands
 def _fetch(args) -> int:
-    from .model_store import fetch_default_model
+    from .loading.store import fetch_default_model
 
     print(fetch_default_model(progress=not args.quiet, force=args.force))
     return 0
@@ -96,7 +95,8 @@ def _trace(args) -> int:
 
 
 def _bench(args) -> int:
-    from . import bench, blas
+    from . import bench
+    from .backend import blas
 
     if args.tokens <= 0 or args.runs <= 0:
         raise ValueError("--tokens and --runs must be > 0")
@@ -148,8 +148,10 @@ def _info(args) -> int:
     import mlx.core as mx
     from importlib import metadata
 
-    from . import blas, bench, model_store
-    from .weights import available_memory
+    from . import bench
+    from .backend import blas
+    from .loading import format_cache, store
+    from .loading.weights import available_memory
 
     gpu = "metal" if mx.metal.is_available() else ("cuda" if getattr(mx, "cuda", None) and mx.cuda.is_available() else "none")
     print(f"backend      {mx.default_device()} (mlx {mx.__version__}, mlx-lm {metadata.version('mlx-lm')}); GPU: {gpu}")
@@ -162,15 +164,16 @@ def _info(args) -> int:
           f"bandwidth {m.bandwidth(1 << 20):.1f} GB/s at 1 MB, {m.bandwidth(256 << 20):.1f} GB/s at 256 MB")
     mem = available_memory()
     print(f"memory       {mem / 2**30:.1f} GiB available" if mem else "memory       unknown")
-    path = model_store.default_model_path()
-    ok = model_store.is_valid_model_file(path)
+    path = store.default_model_path()
+    ok = store.is_valid_model_file(path)
     print(f"model        {path} ({'present' if ok else 'missing: run mlx-tracer fetch'})")
-    store = model_store.cache_dir() / "formats.json"
-    choices = json.loads(store.read_text()) if store.exists() else {}
+    choices = format_cache.list_choices()
     if choices:
-        for key, v in choices.items():
-            ms = ", ".join(f"{f} {t['1']:.0f}/{t['4']:.0f}" for f, t in v["ms"].items())
-            print(f"weights      {v['format']} for {key.split('|')[0]} [{'|'.join(key.split('|')[3:])}] (ms/step at B=1/4: {ms})")
+        for c in choices:
+            s = c.setup
+            ms = ", ".join(f"{f} " + "/".join(f"{t[b]:.0f}" for b in sorted(t)) for f, t in c.timings.items())
+            widths = "/".join(str(b) for b in sorted({b for t in c.timings.values() for b in t}))
+            print(f"weights      {c.format} for {s.model} [mlx {s.mlx}|{s.blas}|{s.cores}] (ms/step at B={widths}: {ms})")
     else:
         print("weights      auto not measured yet (the first `mlx-tracer generate` measures and caches it)")
     kdir = os.path.join(os.environ.get("TMPDIR", tempfile.gettempdir()), "mlx", mx.__version__, "cpu")
