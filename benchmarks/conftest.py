@@ -11,7 +11,7 @@ import os
 import pytest
 
 from mlx_tracer import bench
-from mlx_tracer.model_store import is_valid_model_file, resolve_model
+from mlx_tracer.loading.store import is_valid_model_file, resolve_model
 from mlx_tracer.runtime.step import CompiledModel
 
 SMOKE = os.environ.get("BENCH_SMOKE") == "1"

@@ -1,4 +1,5 @@
-"""GGUF loading (tracer/gguf.py) and model-file handling (tracer/model_store.py).
+"""GGUF loading (mlx_tracer.loading: gguf, tokenizer, quant, load) and model-file
+handling (mlx_tracer.loading.store).
 
 Offline tests build tiny GGUF files with ``mx.save_gguf``; tests marked
 ``model`` need the real SmolLM2 GGUF (``mlx-tracer fetch`` / ``./dev setup``,
@@ -15,7 +16,10 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_tracer import gguf, model_store
+from mlx_tracer import home
+from mlx_tracer.loading import gguf, load_gguf, quant
+from mlx_tracer.loading import store as model_store
+from mlx_tracer.loading.tokenizer import build_tokenizer
 
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 QUESTION = "What is the capital of France? Answer in one sentence."
@@ -118,7 +122,7 @@ def test_tiny_llama_matches_hf_layout_model(tmp_path, tie):
 
     path = tmp_path / "tiny.gguf"
     hf = _write_tiny_llama(path, tie=tie)
-    model, tok = gguf.load_gguf(path)
+    model, tok = load_gguf(path)
     assert model.args.tie_word_embeddings is tie and model.args.num_key_value_heads == 2
     ref = Model(model.args)
     ref.load_weights([(k, mx.array(v)) for k, v in hf.items()], strict=True)
@@ -135,7 +139,7 @@ def test_tiny_llama_matches_hf_layout_model(tmp_path, tie):
 def test_missing_file_error(tmp_path):
     missing = tmp_path / "nope.gguf"
     with pytest.raises(FileNotFoundError, match="mlx-tracer fetch") as e:
-        gguf.load_gguf(missing)
+        load_gguf(missing)
     assert str(missing) in str(e.value)
 
 
@@ -143,10 +147,10 @@ def test_non_gguf_file_error(tmp_path):
     p = tmp_path / "model.gguf"
     p.write_text('{"not": "a gguf"}')
     with pytest.raises(ValueError, match="not a GGUF file") as e:
-        gguf.load_gguf(p)
+        load_gguf(p)
     assert str(p) in str(e.value)
     with pytest.raises(ValueError, match="not a file"):
-        gguf.load_gguf(tmp_path)
+        load_gguf(tmp_path)
 
 
 def test_truncated_file_error(tmp_path):
@@ -156,7 +160,7 @@ def test_truncated_file_error(tmp_path):
     for n in (len(data) - 500, 64, 8):
         cut.write_bytes(data[:n])
         with pytest.raises(ValueError, match="truncated or corrupt") as e:
-            gguf.load_gguf(cut)
+            load_gguf(cut)
         assert str(cut) in str(e.value)
 
 
@@ -164,7 +168,7 @@ def test_unsupported_architecture_error(tmp_path):
     p = tmp_path / "other.gguf"
     _write_tiny_llama(p, arch="gpt2")
     with pytest.raises(ValueError, match="architecture 'gpt2' is not supported") as e:
-        gguf.load_gguf(p)
+        load_gguf(p)
     assert str(p) in str(e.value)
 
 
@@ -173,11 +177,11 @@ def test_unsupported_architecture_error(tmp_path):
 def test_cache_dir_precedence(monkeypatch, tmp_path):
     monkeypatch.delenv("MLX_TRACER_HOME", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert model_store.cache_dir() == tmp_path / "xdg" / "mlx-tracer"
+    assert home.cache_dir() == tmp_path / "xdg" / "mlx-tracer"
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert model_store.cache_dir() == Path.home() / ".cache" / "mlx-tracer"
+    assert home.cache_dir() == Path.home() / ".cache" / "mlx-tracer"
     monkeypatch.setenv("MLX_TRACER_HOME", str(tmp_path / "home"))
-    assert model_store.cache_dir() == tmp_path / "home"
+    assert home.cache_dir() == tmp_path / "home"
     assert model_store.default_model_path() == tmp_path / "home" / model_store.MODEL_FILENAME
 
 
@@ -249,7 +253,7 @@ def real():
     p = _real_model_path()
     weights, meta = gguf.read_gguf(p)
     model = gguf.build_model(weights, meta, path=p)
-    tok = gguf.build_tokenizer(meta, path=p)
+    tok = build_tokenizer(meta, path=p)
     return p, weights, meta, model, tok
 
 
@@ -303,9 +307,9 @@ def test_real_qk_unpermute_equals_traditional_rope_on_raw_rows(real):
         conv = gguf.convert_weights(weights, args)
         for k in weights:
             if ".attn_q." in k or ".attn_k." in k:
-                conv[gguf._mlx_name(k)] = weights[k]
+                conv[gguf.mlx_name(k)] = weights[k]
         m = Model(args)
-        gguf._quantize_like(m, conv)
+        gguf.quantize_like(m, conv)
         m.load_weights(list(conv.items()), strict=True)
         return m(ids)
 
@@ -347,7 +351,7 @@ def test_real_dequantize_model_is_exact(real):
     m = gguf.build_model(weights, meta, path=p)
     quantized = {n: (q.weight, q.scales, q.biases, q.bits) for n, q in m.named_modules()
                  if isinstance(q, (nn.QuantizedLinear, nn.QuantizedEmbedding))}
-    gguf.dequantize_model(m)
+    quant.dequantize_model(m)
     mods = dict(m.named_modules())
     assert not any(isinstance(q, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for q in mods.values())
     for name in ["model.embed_tokens", "model.layers.0.self_attn.q_proj",
@@ -366,4 +370,4 @@ def test_real_truncated_copy_is_rejected(real, tmp_path):
     with open(p, "rb") as src:
         cut.write_bytes(src.read(p.stat().st_size // 2))
     with pytest.raises(ValueError, match="truncated or corrupt"):
-        gguf.load_gguf(cut)
+        load_gguf(cut)

@@ -50,7 +50,7 @@ def test_notebook_code_cells_compile():
 
 # ---------------------------------------------------------------- execution
 def _model_present() -> bool:
-    from mlx_tracer.model_store import is_valid_model_file, resolve_model
+    from mlx_tracer.loading.store import is_valid_model_file, resolve_model
 
     try:
         return is_valid_model_file(resolve_model())

@@ -36,32 +36,9 @@ def load(path: Optional[Union[str, Path]] = None, progress: bool = True, weights
     (``auto`` picks the fastest for this machine; the choice is in
     ``model.mlx_tracer_weights``).
     """
-    from . import model_store
-    from .weights import apply_format, check_format, choose_format
+    from .loading import load_model
 
-    check_format(weights)
-    if path is None and not os.environ.get(model_store.ENV_MODEL):
-        target = model_store.default_model_path()
-        if not model_store.is_valid_model_file(target):
-            model_store.fetch_default_model(progress=progress)
-    target = model_store.resolve_model(path)
-
-    def read():
-        if target.is_dir():
-            from mlx_lm import load as mlx_lm_load
-
-            return mlx_lm_load(str(target))
-        from .gguf import load_gguf
-
-        return load_gguf(target)
-
-    model, tokenizer = read()
-    if weights == "auto":
-        model, weights, _ = choose_format(model, target, lambda: read()[0], log)
-    else:
-        apply_format(model, weights)
-    model.mlx_tracer_weights = weights
-    return model, tokenizer
+    return load_model(path, progress=progress, weights=weights, log=log)
 
 
 # --------------------------------------------------- mlx-lm-style functions

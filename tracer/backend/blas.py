@@ -15,9 +15,11 @@ JIT anyway) exports the plain names. ``MLX_TRACER_BLAS=0`` switches this off;
 ``MLX_TRACER_BLAS_THREADS`` sets the thread count (default: all cores; 2
 threads beat 1 on the 2-core machine this was measured on).
 
-``import mlx_tracer`` (and so the ``mlx-tracer`` command) activates it first
-thing. :func:`status` reports which library really serves ``cblas_sgemm`` in
-this process, read with ``dladdr``, never assumed.
+``import mlx_tracer`` (and so the ``mlx-tracer`` command, and any import of a
+sub-package such as ``mlx_tracer.caches``) activates it first thing; this
+module and :mod:`mlx_tracer.home` are all that path imports. :func:`status`
+reports which library really serves ``cblas_sgemm`` in this process, read
+with ``dladdr``, never assumed.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ def _shim_path(openblas: str) -> str:
     import subprocess
     import tempfile
 
-    from .model_store import cache_dir
+    from ..home import cache_dir
 
     key = hashlib.sha1((_SHIM + os.path.realpath(openblas)).encode()).hexdigest()[:12]
     target = cache_dir() / f"blas-shim-{key}.so"
@@ -111,7 +113,7 @@ def activate() -> bool:
         _state["late"] = True
         warnings.warn(
             "mlx was imported before mlx_tracer: the fast BLAS is NOT active and MLX's CPU matmuls use its "
-            "reference BLAS. Import mlx_tracer (or call mlx_tracer.blas.activate()) before mlx, or run the "
+            "reference BLAS. Import mlx_tracer (or call mlx_tracer.backend.blas.activate()) before mlx, or run the "
             "`mlx-tracer` command.",
             RuntimeWarning,
             stacklevel=3,

@@ -1,4 +1,4 @@
-"""Load a llama-architecture GGUF file as mlx-lm's llama ``Model`` plus tokenizer.
+"""Read a llama-architecture GGUF file and build mlx-lm's llama ``Model`` from it.
 
 ``mx.load`` reads GGUF natively: Q4_0/Q4_1/Q8_0 tensors come back as MLX
 affine-quantized triples (``weight`` packed in uint32, ``scales``, ``biases``;
@@ -8,12 +8,11 @@ group size 32), other tensors as plain arrays. This module
   layer with the bits / group size read off its triple, so the model runs on
   MLX's quantized matmul with the file's weights as they are;
 * undoes llama.cpp's row permutation of ``attn_q`` / ``attn_k`` (made for its
-  interleaved RoPE), so mlx-lm's default half-split RoPE is correct;
-* builds a byte-level BPE ``tokenizers.Tokenizer`` from the ``tokenizer.ggml.*``
-  metadata, wrapped as a transformers fast tokenizer (for the chat template)
-  and then as mlx-lm's ``TokenizerWrapper``.
+  interleaved RoPE), so mlx-lm's default half-split RoPE is correct.
 
-:func:`dequantize_model` turns the quantized layers back into float ones.
+The tokenizer comes from the same metadata (:mod:`.tokenizer`);
+:func:`mlx_tracer.loading.load.load_gguf` puts the two together, and
+:mod:`.quant` turns quantized layers back into float ones.
 """
 
 from __future__ import annotations
@@ -24,24 +23,13 @@ from typing import Dict, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
-from mlx.utils import tree_map_with_path
 
 __all__ = [
-    "load_gguf", "read_gguf", "build_model", "build_tokenizer", "convert_weights",
-    "model_args_from_metadata", "unpermute_rope_rows", "dequantize_model",
+    "read_gguf", "meta_value", "build_model", "convert_weights", "mlx_name",
+    "model_args_from_metadata", "quantize_like", "unpermute_rope_rows",
 ]
 
 GGUF_MAGIC = b"GGUF"
-
-# llama.cpp token types (tokenizer.ggml.token_type).
-_TOKEN_CONTROL = 3
-_TOKEN_USER_DEFINED = 4
-
-# tokenizer.ggml.pre values whose pre-tokenizer is "every digit alone, then
-# GPT-2 byte level" (llama.cpp groups these together).
-_PRE_DIGITS_GPT2 = {"smollm", "starcoder", "refact", "codeshell"}
-_PRE_GPT2 = {"gpt2", "default", "gpt-2"}
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -93,7 +81,7 @@ def read_gguf(path: Union[str, Path]) -> Tuple[Dict[str, mx.array], dict]:
     return weights, meta
 
 
-def _meta(meta: dict, key: str, default=None):
+def meta_value(meta: dict, key: str, default=None):
     """A scalar metadata value as a Python number/str/bool."""
     v = meta.get(key, default)
     if isinstance(v, mx.array):
@@ -107,7 +95,7 @@ def model_args_from_metadata(meta: dict, weights: Dict[str, mx.array], path="GGU
     """mlx-lm llama ``ModelArgs`` from ``llama.*`` metadata."""
     from mlx_lm.models.llama import ModelArgs
 
-    arch = _meta(meta, "general.architecture")
+    arch = meta_value(meta, "general.architecture")
     if arch != "llama":
         raise ValueError(
             f"{path}: architecture {arch!r} is not supported; only 'llama' GGUF "
@@ -117,25 +105,25 @@ def model_args_from_metadata(meta: dict, weights: Dict[str, mx.array], path="GGU
         raise ValueError(f"{path}: llama3-style rope_freqs scaling is not supported.")
 
     def need(key):
-        v = _meta(meta, f"llama.{key}")
+        v = meta_value(meta, f"llama.{key}")
         if v is None:
             raise ValueError(f"{path}: metadata llama.{key} is missing; the file is incomplete.")
         return v
 
     hidden = int(need("embedding_length"))
     n_heads = int(need("attention.head_count"))
-    n_kv = int(_meta(meta, "llama.attention.head_count_kv", n_heads))
-    head_dim = int(_meta(meta, "llama.attention.key_length", hidden // n_heads))
-    rope_dim = int(_meta(meta, "llama.rope.dimension_count", head_dim))
+    n_kv = int(meta_value(meta, "llama.attention.head_count_kv", n_heads))
+    head_dim = int(meta_value(meta, "llama.attention.key_length", hidden // n_heads))
+    rope_dim = int(meta_value(meta, "llama.rope.dimension_count", head_dim))
     if rope_dim != head_dim:
         raise ValueError(f"{path}: partial RoPE ({rope_dim} of {head_dim} dims) is not supported.")
     scaling = None
-    s_type = _meta(meta, "llama.rope.scaling.type", "none")
+    s_type = meta_value(meta, "llama.rope.scaling.type", "none")
     if s_type == "linear":
-        scaling = {"type": "linear", "factor": float(_meta(meta, "llama.rope.scaling.factor"))}
+        scaling = {"type": "linear", "factor": float(meta_value(meta, "llama.rope.scaling.factor"))}
     elif s_type not in (None, "none"):
         raise ValueError(f"{path}: RoPE scaling {s_type!r} is not supported.")
-    vocab = _meta(meta, "llama.vocab_size")
+    vocab = meta_value(meta, "llama.vocab_size")
     if vocab is None:
         vocab = weights["token_embd.weight"].shape[0]
     return ModelArgs(
@@ -146,10 +134,10 @@ def model_args_from_metadata(meta: dict, weights: Dict[str, mx.array], path="GGU
         num_attention_heads=n_heads,
         num_key_value_heads=n_kv,
         head_dim=head_dim,
-        rms_norm_eps=float(_meta(meta, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rms_norm_eps=float(meta_value(meta, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
         vocab_size=int(vocab),
-        max_position_embeddings=_meta(meta, "llama.context_length"),
-        rope_theta=float(_meta(meta, "llama.rope.freq_base", 10000.0)),
+        max_position_embeddings=meta_value(meta, "llama.context_length"),
+        rope_theta=float(meta_value(meta, "llama.rope.freq_base", 10000.0)),
         rope_traditional=False,
         rope_scaling=scaling,
         tie_word_embeddings="output.weight" not in weights,
@@ -177,7 +165,7 @@ def unpermute_rope_rows(w: mx.array, n_heads: int) -> mx.array:
     return w.reshape(n_heads, half, 2, *rest).swapaxes(1, 2).reshape(rows, *rest)
 
 
-def _mlx_name(key: str) -> str:
+def mlx_name(key: str) -> str:
     m = _BLOCK_RE.match(key)
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
@@ -192,7 +180,7 @@ def convert_weights(weights: Dict[str, mx.array], args, path="GGUF") -> Dict[str
     out, unknown = {}, []
     for key, value in weights.items():
         try:
-            name = _mlx_name(key)
+            name = mlx_name(key)
         except KeyError:
             unknown.append(key)
             continue
@@ -206,7 +194,7 @@ def convert_weights(weights: Dict[str, mx.array], args, path="GGUF") -> Dict[str
     return out
 
 
-def _quantize_like(model: nn.Module, weights: Dict[str, mx.array]) -> None:
+def quantize_like(model: nn.Module, weights: Dict[str, mx.array]) -> None:
     """Swap each layer that has ``scales`` in ``weights`` for a quantized one
     whose bits / group size match the packed triple."""
 
@@ -232,7 +220,7 @@ def build_model(weights: Dict[str, mx.array], meta: dict, path="GGUF"):
     args = model_args_from_metadata(meta, weights, path)
     converted = convert_weights(weights, args, path)
     model = Model(args)
-    _quantize_like(model, converted)
+    quantize_like(model, converted)
     try:
         model.load_weights(list(converted.items()), strict=True)
     except ValueError as e:
@@ -240,114 +228,3 @@ def build_model(weights: Dict[str, mx.array], meta: dict, path="GGUF"):
     model.eval()
     mx.eval(model.parameters())
     return model
-
-
-def dequantize_model(model: nn.Module, dtype=mx.float32, select=None) -> nn.Module:
-    """Replace quantized Linear/Embedding layers by float ones, in place.
-
-    Each weight is ``mx.dequantize`` of its triple with scales and biases cast
-    to float32 first, then cast to ``dtype``. ``select(path)`` (optional)
-    chooses which layers, by module path. Returns ``model``.
-    """
-
-    def to_float(q):
-        return mx.dequantize(
-            q.weight, q.scales.astype(mx.float32), q.biases.astype(mx.float32),
-            group_size=q.group_size, bits=q.bits, mode=q.mode,
-        ).astype(dtype)
-
-    def swap(path, m):
-        if select is not None and not select(path):
-            return m
-        if isinstance(m, nn.QuantizedLinear):
-            new = nn.Linear(m.scales.shape[1] * m.group_size, m.weight.shape[0], bias="bias" in m)
-            if "bias" in m:
-                new.bias = m.bias
-        elif isinstance(m, nn.QuantizedEmbedding):
-            new = nn.Embedding(m.num_embeddings, m.dims)
-        else:
-            return m
-        new.weight = to_float(m)
-        return new
-
-    leaves = tree_map_with_path(swap, model.leaf_modules(), is_leaf=nn.Module.is_module)
-    model.update_modules(leaves)
-    mx.eval(model.parameters())
-    return model
-
-
-# --------------------------------------------------------------- tokenizer --
-
-def build_tokenizer(meta: dict, path="GGUF"):
-    """mlx-lm ``TokenizerWrapper`` from ``tokenizer.ggml.*`` metadata."""
-    from mlx_lm.tokenizer_utils import BPEStreamingDetokenizer, TokenizerWrapper
-    from tokenizers import AddedToken, Tokenizer, decoders, models
-    from tokenizers import pre_tokenizers as pre
-    from tokenizers import processors
-    from transformers import PreTrainedTokenizerFast
-
-    kind = _meta(meta, "tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(
-            f"{path}: tokenizer model {kind!r} is not supported; only byte-level "
-            f"BPE ('gpt2') vocabularies are."
-        )
-    pre_kind = _meta(meta, "tokenizer.ggml.pre", "default")
-    # ByteLevel with use_regex applies GPT-2's split regex before mapping bytes.
-    byte_level = pre.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre_kind in _PRE_DIGITS_GPT2:
-        pre_tok = pre.Sequence([pre.Digits(individual_digits=True), byte_level])
-    elif pre_kind in _PRE_GPT2:
-        pre_tok = byte_level
-    else:
-        raise ValueError(f"{path}: BPE pre-tokenizer {pre_kind!r} is not supported.")
-
-    if "tokenizer.ggml.tokens" not in meta or "tokenizer.ggml.merges" not in meta:
-        raise ValueError(f"{path}: tokenizer.ggml.tokens/merges metadata is missing.")
-    tokens = list(meta["tokenizer.ggml.tokens"])
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    types = np.array(meta.get("tokenizer.ggml.token_type", mx.ones(len(tokens))))
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                               fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = pre_tok
-    tok.decoder = decoders.ByteLevel()
-    tok.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
-                    for i in np.nonzero(types == _TOKEN_USER_DEFINED)[0]])
-    tok.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
-                            for i in np.nonzero(types == _TOKEN_CONTROL)[0]])
-
-    def token(key):
-        i = _meta(meta, key)
-        return None if i is None or i >= len(tokens) else tokens[int(i)]
-
-    bos, eos = token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id")
-    if _meta(meta, "tokenizer.ggml.add_bos_token", False) and bos is not None:
-        bos_id = int(_meta(meta, "tokenizer.ggml.bos_token_id"))
-        tok.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
-    hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=bos,
-        eos_token=eos,
-        unk_token=token("tokenizer.ggml.unknown_token_id"),
-        pad_token=token("tokenizer.ggml.padding_token_id"),
-        chat_template=_meta(meta, "tokenizer.chat_template"),
-        clean_up_tokenization_spaces=False,
-    )
-    stop_ids = [int(_meta(meta, k)) for k in
-                ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-                 "tokenizer.ggml.eom_token_id") if _meta(meta, k) is not None]
-    return TokenizerWrapper(hf, BPEStreamingDetokenizer, eos_token_ids=stop_ids)
-
-
-# -------------------------------------------------------------------- main --
-
-def load_gguf(path: Union[str, Path]):
-    """``(model, tokenizer)`` from a llama GGUF file, ready for mlx-lm's
-    ``generate`` / ``stream_generate``. Quantized layers stay quantized."""
-    p = Path(path)
-    weights, meta = read_gguf(p)
-    model = build_model(weights, meta, path=p)
-    tokenizer = build_tokenizer(meta, path=p)
-    return model, tokenizer
-

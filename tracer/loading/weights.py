@@ -10,28 +10,30 @@ quantized embedding/head kept). ``auto``:
   weights would take more than half of the available RAM) are each timed on
   one decode step at batch 1 and 4, and the faster (geometric mean of ms per
   token) wins if it beats ``as-is`` by more than 10% (it costs up to 4x the
-  memory). The decision is
-  cached per model file, MLX version, BLAS and core count in
-  ``<cache dir>/formats.json``, so it is measured once, not guessed. With
-  MLX's reference BLAS ``as-is`` wins (its fp32 GEMM is slow); with the fast
-  BLAS ``float32`` does (MLX's CPU 4-bit matmul does not reuse weights across
+  memory): :func:`pick_format` is that rule. The decision is cached per
+  model file, MLX version, BLAS and core count in ``<cache dir>/formats.json``
+  (:mod:`.format_cache`), so it is measured once, not guessed. With MLX's
+  reference BLAS ``as-is`` wins (its fp32 GEMM is slow); with the fast BLAS
+  ``float32`` does (MLX's CPU 4-bit matmul does not reuse weights across
   rows).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import time
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Optional
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx.utils import tree_flatten
+
+from . import format_cache
+from .format_cache import FormatChoice, Setup, Timings
+from .quant import dequantize_model, float32_bytes, is_quantized
 
 FORMATS = ("auto", "as-is", "float32", "float32-blocks")
+MARGIN = 1.1  # a larger format must be this much faster than as-is (ms per token)
+BATCHES = (1, 4)  # batch widths timed per format
 
 
 def check_format(fmt: str) -> str:
@@ -40,28 +42,14 @@ def check_format(fmt: str) -> str:
     return fmt
 
 
-def is_quantized(model) -> bool:
-    return any(isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) for _, m in model.named_modules())
-
-
 def apply_format(model, fmt: str):
     """Convert ``model`` in place to ``fmt`` (not ``auto``); returns it."""
-    from .gguf import dequantize_model
-
     check_format(fmt)
     if fmt == "float32":
         dequantize_model(model, mx.float32)
     elif fmt == "float32-blocks":
         dequantize_model(model, mx.float32, select=lambda path: ".layers." in f".{path}")
     return model
-
-
-def float32_bytes(model) -> int:
-    n = 0
-    for _, m in model.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            n += m.scales.size * m.group_size * 4
-    return n + sum(v.nbytes for k, v in tree_flatten(model.parameters()) if not k.endswith(("scales", "biases")))
 
 
 def available_memory() -> Optional[int]:
@@ -79,12 +67,13 @@ def decode_step_ms(model, B: int, context: int = 16, reps: int = 2) -> float:
     """Median ms of one eager decode step at batch ``B`` over ``context`` tokens."""
     import copy
 
-    from mlx_lm.generate import _merge_caches
     from mlx_lm.models.cache import make_prompt_cache
+
+    from ..interop import batch_serial_caches
 
     cache = make_prompt_cache(model)
     mx.eval(model(mx.zeros((1, context), dtype=mx.int32), cache=cache))
-    batch = _merge_caches([copy.deepcopy(cache) for _ in range(B)]) if B > 1 else cache
+    batch = batch_serial_caches([copy.deepcopy(cache) for _ in range(B)]) if B > 1 else cache
     y = mx.zeros((B, 1), dtype=mx.int32)
     mx.eval(model(y, cache=batch))
     times = []
@@ -95,12 +84,17 @@ def decode_step_ms(model, B: int, context: int = 16, reps: int = 2) -> float:
     return 1e3 * statistics.median(times)
 
 
-def _key(source: Path) -> str:
-    from . import blas
+def ms_per_token(timings_of_one_format: dict) -> float:
+    """Geometric mean over the timed batch widths of ms per token."""
+    return statistics.geometric_mean([ms / b for b, ms in timings_of_one_format.items()])
 
-    st = source.stat()
-    lib = blas.status().library or "?"
-    return f"{source.resolve()}|{st.st_size}|{int(st.st_mtime)}|mlx {mx.__version__}|{os.path.basename(lib)}|{os.cpu_count()}"
+
+def pick_format(timings: Timings) -> str:
+    """The documented rule: the format with the fewest ms per token, if it
+    beats ``as-is`` by more than :data:`MARGIN`; else ``as-is``."""
+    score = {f: ms_per_token(t) for f, t in timings.items()}
+    best = min(score, key=score.get)
+    return best if score[best] * MARGIN <= score["as-is"] else "as-is"
 
 
 def choose_format(model, source: Optional[Path], reload, log=lambda s: None) -> tuple:
@@ -110,37 +104,22 @@ def choose_format(model, source: Optional[Path], reload, log=lambda s: None) -> 
     """
     if mx.default_device() == mx.gpu or not is_quantized(model):
         return model, "as-is", {}
-    from .model_store import cache_dir
-
-    store = cache_dir() / "formats.json"
-    key = _key(source) if source is not None else None
-    known: Dict[str, dict] = {}
-    if key is not None and store.exists():
-        try:
-            known = json.loads(store.read_text())
-        except (OSError, ValueError):
-            known = {}
-    if key in known:
-        fmt = known[key]["format"]
-        return (apply_format(model, fmt) if fmt != "as-is" else model), fmt, known[key]["ms"]
+    setup = Setup.of(source) if source is not None else None
+    known = format_cache.find(setup) if setup is not None else None
+    if known is not None:
+        fmt = known.format
+        return (apply_format(model, fmt) if fmt != "as-is" else model), fmt, known.timings
     avail = available_memory()
     fits = avail is None or float32_bytes(model) < avail // 2
     # fp32 everywhere when it fits; else blocks only (the head stays quantized)
     candidates = ["as-is", "float32" if fits else "float32-blocks"]
-    timings = {}
+    timings: Timings = {}
     for fmt in candidates:
         m = model if fmt == "as-is" else apply_format(reload(), fmt)
         log(f"timing weights format {fmt} ...")
-        timings[fmt] = {B: decode_step_ms(m, B) for B in (1, 4)}
+        timings[fmt] = {B: decode_step_ms(m, B) for B in BATCHES}
         del m
-    score = {f: statistics.geometric_mean([v[1] / 1, v[4] / 4]) for f, v in timings.items()}  # ms per token
-    fmt = min(score, key=score.get)
-    if score[fmt] > score["as-is"] / 1.1:  # 4x the memory is worth it only when clearly faster
-        fmt = "as-is"
-    if key is not None:
-        known[key] = {"format": fmt, "ms": timings}
-        store.parent.mkdir(parents=True, exist_ok=True)
-        tmp = store.with_suffix(".tmp")
-        tmp.write_text(json.dumps(known, indent=1))
-        os.replace(tmp, store)
+    fmt = pick_format(timings)
+    if setup is not None:
+        format_cache.record(FormatChoice(setup, fmt, timings))
     return (model if fmt == "as-is" else apply_format(reload(), fmt)), fmt, timings

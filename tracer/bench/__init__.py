@@ -1,0 +1,27 @@
+"""Benchmark: stock mlx-lm decode against mlx-tracer's compiled loop.
+
+For each model, batch-width bucket ``B`` and context ``C`` the harness gives
+every row a context of ``C`` positions (:mod:`.models`), then decodes
+``tokens`` tokens with stock mlx-lm and with mlx-tracer's ``Engine``
+(:mod:`.systems`), in the same process, runs interleaved, the median of
+``runs`` runs after a warm-up run of each (:mod:`.run`). The roofline is this
+machine's (:mod:`.machine`); :mod:`.baseline` times stock mlx-lm as a user runs
+it (reference BLAS) in a subprocess; :mod:`.report` writes the table, JSON and
+plot. ``mlx-tracer bench`` runs it all.
+
+Only ``mlx_tracer.cli`` imports this package (an import contract): nothing
+the library needs lives here.
+"""
+
+from .baseline import baseline, baseline_main
+from .machine import Machine, model_costs, roofline_tps
+from .models import DEFAULT_MODELS, copy_caches, load_bench_model, random_llama, synthetic_context
+from .report import HEADER, UNITS, format_row, plot, write_json
+from .run import BenchRow, bench_model, steady_state
+from .systems import stock_decode, stock_host_ms, tracer_decode
+
+__all__ = [
+    "BenchRow", "DEFAULT_MODELS", "HEADER", "Machine", "UNITS", "baseline", "baseline_main", "bench_model",
+    "copy_caches", "format_row", "load_bench_model", "model_costs", "plot", "random_llama", "roofline_tps",
+    "steady_state", "stock_decode", "stock_host_ms", "synthetic_context", "tracer_decode", "write_json",
+]

@@ -1,0 +1,85 @@
+"""This machine's roofline: measured memory bandwidth and fp32 GEMM rate.
+
+Per decode step, bytes (weights + live KV) over the bandwidth measured at
+that working-set size, and FLOPs over the measured GEMM rate: the slower
+bound gives the best tokens/s the machine allows.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Dict
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+
+@dataclass
+class Machine:
+    copy_gbps: Dict[int, float]  # memory bandwidth by working-set bytes (cache .. DRAM), see measure()
+    gemm_gflops: float  # fp32 GEMM rate (8 x 4096 x 4096)
+
+    @staticmethod
+    def _median_s(fn, reps):
+        t = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            t.append(time.perf_counter() - t0)
+        return statistics.median(t)
+
+    @classmethod
+    def measure(cls) -> "Machine":
+        """Bandwidth per working-set size: the faster of a copy (read + write)
+        and a BLAS GEMV over a matrix of that size (a read stream, as decode
+        reads its weights); and the fp32 GEMM rate."""
+        bw = {}
+        for mb in (1, 4, 16, 64, 256):
+            x = mx.random.uniform(shape=(mb * 1024 * 1024 // 4,))
+            n = int((mb * 1024 * 1024 // 4) ** 0.5)
+            w, v = mx.random.normal((n, n)), mx.random.normal((1, n))
+            mx.eval(x, w, v)
+            copy = 2 * x.nbytes / cls._median_s(lambda: mx.eval(x + 1.0), 7)
+            read = w.nbytes / cls._median_s(lambda: mx.eval(v @ w), 7)
+            bw[mb << 20] = max(copy, read) / 1e9
+        a, b = mx.random.normal((8, 4096)), mx.random.normal((4096, 4096))
+        mx.eval(a, b, a @ b)
+        return cls(bw, 2 * 8 * 4096 * 4096 / cls._median_s(lambda: mx.eval(a @ b), 3) / 1e9)
+
+    def bandwidth(self, nbytes: float) -> float:
+        """GB/s of a copy the size of ``nbytes`` (the working set of one step),
+        interpolated in log size between the measured sizes."""
+        sizes = sorted(self.copy_gbps)
+        x = np.log2(min(max(nbytes, sizes[0]), sizes[-1]))
+        return float(np.interp(x, np.log2(sizes), [self.copy_gbps[s] for s in sizes]))
+
+
+def model_costs(model, layouts) -> Dict[str, float]:
+    """Weight bytes and matmul parameters of one token's forward."""
+    from mlx.utils import tree_flatten
+
+    weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    params = 0
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            params += m.scales.size * m.group_size
+        elif isinstance(m, nn.Linear):
+            params += m.weight.size
+    if not any(isinstance(m, (nn.Linear, nn.QuantizedLinear)) and "lm_head" in n for n, m in model.named_modules()):
+        emb = model.model.embed_tokens if hasattr(model, "model") else None
+        if emb is not None:  # tied head: the embedding is the output matmul too
+            params += emb.scales.size * emb.group_size if isinstance(emb, nn.QuantizedEmbedding) else emb.weight.size
+    kv_per_pos = sum(l.kv_heads * (l.k_dim + l.v_dim) * np.dtype(str(l.dtype).split(".")[-1]).itemsize for l in layouts)
+    return {"weight_bytes": weight_bytes, "params": params, "kv_bytes_per_pos": kv_per_pos}
+
+
+def roofline_tps(costs, layouts, machine: Machine, B: int, context: int) -> float:
+    live = sum(min(context, l.window or context) for l in layouts) / len(layouts)
+    bytes_step = costs["weight_bytes"] + B * live * costs["kv_bytes_per_pos"]
+    attn_flops = sum(4 * min(context, l.window or context) * l.kv_heads * l.k_dim for l in layouts)
+    flops_step = B * (2 * costs["params"] + attn_flops)
+    t = max(bytes_step / (machine.bandwidth(bytes_step) * 1e9), flops_step / (machine.gemm_gflops * 1e9))
+    return B / t

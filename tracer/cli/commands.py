@@ -1,0 +1,80 @@
+"""The model commands of ``mlx-tracer``: fetch, generate, trace."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+def log(msg: str):
+    """Progress and set-up notes: stderr (stdout carries only the results)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def load_generator(args):
+    from ..api import Generator
+
+    t0 = time.perf_counter()
+    log(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
+    kwargs = {"buckets": args.buckets} if getattr(args, "buckets", None) else {}
+    gen = Generator.load(
+        args.model, weights=args.weights, chat=getattr(args, "chat", None), system=getattr(args, "system", None), log=log, **kwargs
+    )
+    log(f"loaded in {time.perf_counter() - t0:.1f} s (weights: {gen.weights})")
+    return gen
+
+
+def warm(gen, buckets, prefill=True):
+    log(f"tracing buckets {list(buckets)} ...")
+    traces = {}
+    for b in buckets:
+        made = gen.warmup(buckets=[b], prefill=prefill)
+        traces.update(made)
+        log(f"  bucket {b}: {len(made)} traces, {sum(made.values()):.0f} ms")
+    return traces
+
+
+def fetch(args) -> int:
+    from ..loading.store import fetch_default_model
+
+    print(fetch_default_model(progress=not args.quiet, force=args.force))
+    return 0
+
+
+def generate(args) -> int:
+    if any(not p.strip() for p in args.prompts):
+        raise ValueError("empty prompt: give some text")
+    gen = load_generator(args)
+    from ..runtime.step import bucket_for
+
+    if args.warmup:
+        # decode traces now, so that decode tokens/s excludes tracing; prefill traces on first use
+        warm(gen, [bucket_for(min(len(args.prompts), gen.engine.buckets[-1]), gen.engine.buckets)], prefill=False)
+    opts = dict(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
+    uids = [gen.submit(p, seed=None if args.seed is None else args.seed + i, **opts) for i, p in enumerate(args.prompts)]
+    single = len(uids) == 1
+    for ev in gen.events():
+        if single:
+            print(ev.text, end="", flush=True)
+        elif ev.finish_reason is not None:
+            c = gen.result(ev.uid)
+            print(f"[{uids.index(ev.uid)}] {c.text}", flush=True)
+    if single:
+        print()
+    print(gen.summary(), file=sys.stderr)
+    return 0
+
+
+def trace(args) -> int:
+    gen = load_generator(args)
+    buckets = args.buckets or gen.engine.buckets
+    warm(gen, buckets, prefill=args.prefill)
+    print(f"{'kind':<7} {'bucket':>6} {'L':>4} {'capacity':>8} {'sampler':<7} {'traces':>6} {'ms':>8}")
+    for key, n in sorted(gen.traces.items(), key=lambda kv: (kv[0].kind, kv[0].width, kv[0].length)):
+        ms = gen.engine.compiled.trace_ms.get(key, float("nan"))
+        print(f"{key.kind:<7} {key.width:>6} {key.length:>4} {str(key.capacity):>8} {key.sampler:<7} {n:>6} {ms:>8.1f}")
+    if args.dot:
+        ops = gen.engine.compiled.export_decode_graph(args.dot, width=buckets[0])
+        print(f"decode graph (bucket {buckets[0]}) written to {args.dot}: {sum(ops.values())} ops")
+        for op, n in ops.most_common(args.top_ops):
+            print(f"  {op:<28} {n}")
+    return 0

@@ -1,0 +1,112 @@
+"""Argument types of the ``mlx-tracer`` command: each checks one value and
+says what was wrong, so that bad input fails (exit 2) before a model loads."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Sequence, Tuple
+
+MAX_SEED = 2**63 - 1  # mx.random.key takes a uint64; prompt i of a batch uses seed + i
+
+
+def _int(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+
+
+def _float(text: str, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value != value:  # NaN
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    value = _int(text, "a positive integer")
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = _int(text, "an integer >= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def seed(text: str) -> int:
+    value = _int(text, f"an integer seed from 0 to {MAX_SEED}")
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"a seed is an integer from 0 to {MAX_SEED}, got {value}")
+    return value
+
+
+def temperature(text: str) -> float:
+    value = _float(text, "a temperature >= 0 (0: greedy)")
+    if value < 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"a temperature is a finite number >= 0 (0: greedy), got {text}")
+    return value
+
+
+def top_p(text: str) -> float:
+    value = _float(text, "a probability in (0, 1]")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"top-p is a probability in (0, 1], got {text}")
+    return value
+
+
+def min_p(text: str) -> float:
+    value = _float(text, "a probability in [0, 1]")
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"min-p is a probability in [0, 1], got {text}")
+    return value
+
+
+def _int_list(text: str, lowest: int, what: str) -> Tuple[int, ...]:
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what} such as 1,2,4,8, got {text!r}")
+    values = []
+    for x in items:
+        try:
+            v = int(x)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {what} such as 1,2,4,8, got {text!r}") from None
+        if v < lowest:
+            raise argparse.ArgumentTypeError(f"{v} in {text!r}: each must be >= {lowest} ({what})")
+        values.append(v)
+    return tuple(sorted(set(values)))
+
+
+def positive_ints(text: str) -> Tuple[int, ...]:
+    """``1,2,4,8`` -> ``(1, 2, 4, 8)``: sorted, distinct, each > 0, at least one."""
+    return _int_list(text, 1, "positive integers")
+
+
+def non_negative_ints(text: str) -> Tuple[int, ...]:
+    return _int_list(text, 0, "integers >= 0")
+
+
+def names(text: str) -> Tuple[str, ...]:
+    items = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not items:
+        raise argparse.ArgumentTypeError(f"expected comma-separated names, got {text!r}")
+    return items
+
+
+def undecodable_argument(argv: Sequence[str]):
+    """The first argument that is not valid UTF-8 (Python keeps its bad bytes
+    as lone surrogates), as ``(index, byte)``; None when all are."""
+    for i, arg in enumerate(argv):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError as e:
+            ch = arg[e.start]
+            return i, (ord(ch) - 0xDC00 if 0xDC80 <= ord(ch) <= 0xDCFF else None)
+    return None

@@ -1,0 +1,96 @@
+"""The measuring commands of ``mlx-tracer``: info (this machine's backend, BLAS
+and caches) and bench (stock mlx-lm against the compiled loop)."""
+
+from __future__ import annotations
+
+import statistics
+
+from .commands import log
+
+
+def benchmark(args) -> int:
+    from .. import bench
+    from ..backend import blas
+
+    log(f"BLAS: {blas.status().note}")
+    log("measuring this machine (memory bandwidth by size, fp32 GEMM) ...")
+    machine = bench.Machine.measure()
+    bw = ", ".join(f"{size >> 20} MB {gbps:.1f}" for size, gbps in sorted(machine.copy_gbps.items()))
+    log(f"  bandwidth GB/s by size: {bw}; fp32 GEMM {machine.gemm_gflops:.1f} GFLOP/s")
+    base = {}
+    if args.baseline:
+        log("stock mlx-lm as a user runs it (reference BLAS, weights as loaded), in a subprocess ...")
+        base = bench.baseline(args.models, args.model, args.buckets, args.contexts, args.tokens, args.runs)
+    print(bench.UNITS)
+    print(bench.HEADER, flush=True)
+    rows = []
+    for name in args.models:
+        model, label = bench.load_bench_model(name, args.model, weights=args.weights, log=log)
+        log(f"{label}: buckets {list(args.buckets)}, contexts {list(args.contexts)}, {args.tokens} tokens x {args.runs} runs")
+
+        def attach(row, name=name):
+            runs = base.get((name, row.bucket, row.context))
+            if runs:
+                row.baseline_runs, row.baseline_tps = runs, statistics.median(runs)
+            print(bench.format_row(row), flush=True)
+
+        rows += bench.bench_model(model, label, args.buckets, args.contexts, args.tokens, args.runs, machine, on_row=attach)
+    steady = None
+    if args.steady_steps:
+        log(f"steady state: {args.steady_steps} decode steps on a ring model ...")
+        steady = bench.steady_state(steps=args.steady_steps)
+        print(
+            f"steady state ({steady['model']}): step {steady['step_early']}: {steady['tps_early']:.1f} tok/s, "
+            f"step {steady['step_late']}: {steady['tps_late']:.1f} tok/s ({steady['late_over_early']:.3f}x), "
+            f"traces {steady['traces_at_early']} -> {steady['traces_at_end']}"
+        )
+    if args.json:
+        bench.write_json(args.json, machine, rows, steady, {"tokens": args.tokens, "runs": args.runs, "blas": blas.status().note})
+        log(f"wrote {args.json}")
+    if args.plot:
+        bench.plot(args.plot, rows)
+        log(f"wrote {args.plot}")
+    return 0
+
+
+def info(args) -> int:
+    import os
+    import tempfile
+
+    import mlx.core as mx
+    from importlib import metadata
+
+    from .. import bench
+    from ..backend import blas
+    from ..loading import format_cache, store
+    from ..loading.weights import available_memory
+
+    gpu = "metal" if mx.metal.is_available() else ("cuda" if getattr(mx, "cuda", None) and mx.cuda.is_available() else "none")
+    print(f"backend      {mx.default_device()} (mlx {mx.__version__}, mlx-lm {metadata.version('mlx-lm')}); GPU: {gpu}")
+    st = blas.status()
+    print(f"BLAS         {st.note}")
+    print(f"             cblas_sgemm from {st.library}")
+    m = bench.Machine.measure()
+    rate = "fast" if m.gemm_gflops > 10 else "reference-class"
+    print(f"             measured fp32 GEMM 8x4096x4096: {m.gemm_gflops:.1f} GFLOP/s ({rate}); "
+          f"bandwidth {m.bandwidth(1 << 20):.1f} GB/s at 1 MB, {m.bandwidth(256 << 20):.1f} GB/s at 256 MB")
+    mem = available_memory()
+    print(f"memory       {mem / 2**30:.1f} GiB available" if mem else "memory       unknown")
+    path = store.default_model_path()
+    ok = store.is_valid_model_file(path)
+    print(f"model        {path} ({'present' if ok else 'missing: run mlx-tracer fetch'})")
+    choices = format_cache.list_choices()
+    if choices:
+        for c in choices:
+            s = c.setup
+            ms = ", ".join(f"{f} " + "/".join(f"{t[b]:.0f}" for b in sorted(t)) for f, t in c.timings.items())
+            widths = "/".join(str(b) for b in sorted({b for t in c.timings.values() for b in t}))
+            print(f"weights      {c.format} for {s.model} [mlx {s.mlx}|{s.blas}|{s.cores}] (ms/step at B={widths}: {ms})")
+    else:
+        print("weights      auto not measured yet (the first `mlx-tracer generate` measures and caches it)")
+    kdir = os.path.join(os.environ.get("TMPDIR", tempfile.gettempdir()), "mlx", mx.__version__, "cpu")
+    files = [os.path.join(kdir, f) for f in os.listdir(kdir)] if os.path.isdir(kdir) else []
+    size = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
+    print(f"kernel cache {kdir}: {len(files)} files, {size / 2**20:.1f} MB (MLX's CPU JIT, kept between runs)")
+    print("traces       per process (mx.compile keeps none on disk); `mlx-tracer trace` lists them")
+    return 0

