@@ -72,10 +72,13 @@ class LayerLayout:
             cache.allocate(self.kv_heads, self.k_dim, self.v_dim, self.dtype)
         return cache
 
-    def traced(self, decode: bool, keys: mx.array, values: mx.array, offset: mx.array, writes: tuple,
+    def traced(self, kind: str, keys: mx.array, values: mx.array, offset: mx.array, writes: tuple,
                masks: FamilyMasks, layer: int) -> TracedCache:
-        """What this layer sees as its cache inside a compiled step."""
-        return TracedCache(partial(self.cache_class.apply, decode), keys, values, offset, writes, masks, layer)
+        """What this layer sees as its cache inside a compiled step of ``kind``
+        ("decode", "window" or "verify")."""
+        cls = self.cache_class
+        apply = cls.verify_apply if kind == "verify" else partial(cls.apply, kind == "decode")
+        return TracedCache(apply, keys, values, offset, writes, masks, layer)
 
     def check_serial(self, cache, layer: int):
         """Raise a clear error unless ``cache`` is this layer's serial mlx-lm cache."""

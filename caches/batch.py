@@ -148,6 +148,12 @@ class StaticKVCache:
         self.adopt(keys, values)
         self.advance(plan)
 
+    def commit_verify(self, plan: StepPlan, keys: mx.array, values: mx.array, valid):
+        """Take the buffers a verify step returned; row r kept ``valid[r]`` of its
+        window's tokens (its last input and the drafts it accepted)."""
+        self.adopt(keys, values)
+        self.advance_verify(plan, np.asarray(valid)[: self.n])
+
     # ------------------------------------------------------------- adopt / views
     def adopt(self, keys: mx.array, values: mx.array):
         """Take ownership of buffers a compiled step returned (same shapes, no column moves)."""

@@ -20,7 +20,7 @@ from .batch import RowSource, StaticKVCache
 from .masks import MaskGeometry, full_columns
 from .plan import StepPlan
 from .rows import RowBook
-from .writes import write_columns
+from .writes import realign_rows, write_columns
 
 
 def capacity_ladder(smallest: int = 64, largest: int = 32768, per_octave: int = 8) -> tuple:
@@ -120,6 +120,29 @@ class FullCache(StaticKVCache):
     def advance(self, plan: StepPlan):
         valid = self.rows.consume(plan.length)
         self.rows.right_padding = self.rows.right_padding + (plan.length - valid)
+
+    # --------------------------------------------------------- verify steps
+    @staticmethod
+    def verify_apply(kbuf, vbuf, keys, values, writes):
+        """The forward of a verify window: written like any window (the queries
+        attend causally); what stays is decided by :meth:`verify_commit`."""
+        return FullCache.apply(False, kbuf, vbuf, keys, values, writes)
+
+    @staticmethod
+    def verify_commit(kbuf, vbuf, writes, rejected, strip, size):
+        """Right-align each row again after a verify window: row r's last
+        ``rejected[r]`` columns (refused drafts) fall off its end, and the
+        ``strip`` columns every live row holds as left padding are dropped."""
+        delta = rejected - strip  # [Bk] columns each row moves right
+        return realign_rows(kbuf, delta), realign_rows(vbuf, delta)
+
+    def advance_verify(self, plan: StepPlan, valid: np.ndarray):
+        """Host bookkeeping of :meth:`verify_commit` (``valid[r]``: tokens row r kept)."""
+        valid = self.rows.consume(plan.length, valid)
+        lp = self.rows.left_padding + (plan.length - valid)
+        strip = int(lp.min()) if self.n else 0
+        self.rows.left_padding = lp - strip
+        self.rows.time -= strip
 
     def finalize(self):
         """Roll each row right by its pending prompt padding so rows end at

@@ -24,7 +24,7 @@ from .full import _identity
 from .masks import MaskGeometry, ring_decode_columns, ring_window_columns
 from .plan import StepPlan
 from .rows import RowBook
-from .writes import ring_window, write_columns
+from .writes import ring_attend, ring_commit, ring_window, write_columns
 
 
 class RingCache(StaticKVCache):
@@ -86,13 +86,32 @@ class RingCache(StaticKVCache):
         v_att, vbuf = ring_window(vbuf, values, head, shift, first)
         return k_att, v_att, kbuf, vbuf
 
-    def advance(self, plan: StepPlan):
+    # --------------------------------------------------------- verify steps
+    @staticmethod
+    def verify_apply(kbuf, vbuf, keys, values, writes):
+        """The forward of a verify window: the queries attend over the ring and
+        the new keys; nothing is committed before the drafts are judged."""
+        head = writes[0]
+        k_att, v_att = ring_attend(kbuf, keys, head), ring_attend(vbuf, values, head)  # [Bk, H, W+L, D]
+        return k_att, v_att, k_att, v_att
+
+    @staticmethod
+    def verify_commit(katt, vatt, writes, rejected, strip, size):
+        """Commit only each row's accepted columns of the ``W + L`` window: a
+        refused draft never overwrote anything, so rollback is exact after a wrap."""
+        first = writes[2]
+        return ring_commit(katt, rejected, first, size), ring_commit(vatt, rejected, first, size)
+
+    def advance_verify(self, plan: StepPlan, valid: np.ndarray):
+        self.advance(plan, valid)
+
+    def advance(self, plan: StepPlan, valid: Optional[np.ndarray] = None):
         W, T, L = self.max_size, self.rows.time, plan.length
         if plan.decode:
             self.rows.consume(1)
             self.head = (self.head + 1) % W
             return
-        valid = self.rows.consume(L)
+        valid = self.rows.consume(L, valid)
         self.rows.left_padding = np.maximum(self.rows.left_padding, T - W) + (L - valid)
         self.head = 0 if T + L >= W else T + L
 

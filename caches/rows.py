@@ -131,10 +131,15 @@ class RowBook:
             if (self.pending < 0).any():
                 raise ValueError(f"lengths must be >= 0, got {self.pending.tolist()}")
 
-    def consume(self, L: int) -> np.ndarray:
+    def consume(self, L: int, valid: Optional[np.ndarray] = None) -> np.ndarray:
         """Advance the timeline by a write of ``L`` columns; returns how many of
-        them are valid tokens per row (the rest is pending prompt padding)."""
-        if self.pending is None:
+        them are valid tokens per row (the rest is pending prompt padding, or
+        the drafts a verify step rejected when ``valid`` is given)."""
+        if valid is not None:
+            if self.pending is not None:
+                raise ValueError("a verify step cannot run while a prepared prompt is pending: call finalize() first")
+            valid = _ints(valid)
+        elif self.pending is None:
             valid = np.full(self.n, L, dtype=np.int64)
         else:
             valid = np.minimum(self.pending, L)

@@ -18,7 +18,10 @@ import mlx.core as mx
 
 from .caches import DEFAULT_CAPACITIES
 from .runtime.engine import DEFAULT_PREFILL_CHUNKS, Engine
-from .runtime.options import check_buckets, check_max_tokens, check_prefill_chunks, check_stop_strings, check_token_ids
+from .runtime.drafters import make_drafter
+from .runtime.options import (
+    check_buckets, check_draft_tokens, check_max_tokens, check_prefill_chunks, check_stop_strings, check_token_ids,
+)
 from .runtime.requests import TokenEvent
 from .runtime.sampling import SamplingParams
 from .runtime.step import DEFAULT_BUCKETS
@@ -54,6 +57,9 @@ class Generator:
         chat: apply the tokenizer's chat template to string prompts
             (default: when the tokenizer has one).
         system: the system message of chat prompts.
+        speculative: ``"prompt-lookup"`` for batched speculative decoding
+            (see :class:`~mlx_tracer.runtime.engine.Engine`); None: off.
+        draft_tokens: the most drafts per row and verify step.
     """
 
     def __init__(
@@ -65,11 +71,13 @@ class Generator:
         capacities: Sequence[int] = DEFAULT_CAPACITIES,
         chat: Optional[bool] = None,
         system: Optional[str] = None,
+        speculative=None,
+        draft_tokens: int = 4,
     ):
-        _check_options(buckets, prefill_chunks, chat, system)
+        _check_options(buckets, prefill_chunks, chat, system, speculative, draft_tokens)
         self.model = model
         self.tokenizer = tokenizer
-        self.engine = Engine(model, buckets, prefill_chunks, capacities)
+        self.engine = Engine(model, buckets, prefill_chunks, capacities, speculative=speculative, draft_tokens=draft_tokens)
         self.chat = getattr(tokenizer, "has_chat_template", False) if chat is None else chat
         self.system = system
         self._live: Dict[int, _Live] = {}
@@ -81,7 +89,7 @@ class Generator:
         Generator. The options are checked before the model loads."""
         log = kwargs.pop("log", lambda s: None)
         _check_options(kwargs.get("buckets", DEFAULT_BUCKETS), kwargs.get("prefill_chunks", DEFAULT_PREFILL_CHUNKS),
-                       kwargs.get("chat"), kwargs.get("system"))
+                       kwargs.get("chat"), kwargs.get("system"), kwargs.get("speculative"), kwargs.get("draft_tokens", 4))
         from .api import load
 
         model, tokenizer = load(path, progress=progress, weights=weights, log=log)
@@ -274,14 +282,18 @@ class Generator:
         return (
             f"prompt: {s.prefill_tokens} tokens, {s.prefill_tps:.1f} tok/s | "
             f"decode: {s.decode_tokens} tokens, {s.decode_tps:.1f} tok/s, {s.host_ms_per_step:.2f} host ms/step | "
-            f"traces: {sum(self.traces.values())} (decode buckets {widths}) | "
+            + (f"speculative: {s.acceptance:.0%} of {s.drafted} drafts accepted, "
+               f"{s.tokens_per_verify:.2f} tokens per verify step | " if s.verify_steps else "")
+            + f"traces: {sum(self.traces.values())} (decode buckets {widths}) | "
             f"peak memory {mx.get_peak_memory() / 1e9:.3f} GB"
         )
 
 
-def _check_options(buckets, prefill_chunks, chat, system):
+def _check_options(buckets, prefill_chunks, chat, system, speculative=None, draft_tokens=4):
     check_buckets(buckets)
-    check_prefill_chunks(prefill_chunks)
+    chunks = check_prefill_chunks(prefill_chunks)
+    if make_drafter(speculative) is not None:
+        check_draft_tokens(draft_tokens, chunks)
     if chat is not None and not isinstance(chat, bool):
         raise TypeError(f"chat must be True, False or None, got {chat!r}")
     if system is not None and not isinstance(system, str):

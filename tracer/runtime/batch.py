@@ -120,6 +120,43 @@ class RunningBatch:
         self._last_read = now
         return events
 
+    def verify(self, drafts: List[List[int]], k: int, speculator) -> List[TokenEvent]:
+        """One speculative verify step (nothing may be in flight): each row feeds
+        its last token and drafts; it keeps what the target accepts plus one
+        token of its own. Returns every row's new tokens as events."""
+        assert not self.pipeline, "verify while a step is in flight"
+        t0 = time.perf_counter()
+        width, L = self.width, k + 1
+        tokens = np.zeros((width, L), dtype=np.int32)  # [Bk, k+1]: last token, drafts, padding
+        ndraft = np.zeros(width, dtype=np.int32)
+        for i, (r, d) in enumerate(zip(self.rows, drafts)):
+            tokens[i, 0] = r.next_input
+            tokens[i, 1 : 1 + len(d)] = d
+            ndraft[i] = len(d)
+        greedy = all(r.sampling.greedy for r in self.rows)
+        sampler = None if greedy else sampler_inputs([r.sampling for r in self.rows], [r.key for r in self.rows], width)
+        out = self.compiled.verify(self.caches, mx.array(tokens), ndraft, sampler)
+        emitted, count, logprobs = np.array(out.tokens), np.array(out.count), np.array(out.logprobs)
+        keys = None if out.keys is None else np.array(out.keys)
+        events = []
+        for i, r in enumerate(self.rows):
+            if keys is not None:
+                r.key = keys[i]
+            speculator.update(r, int(ndraft[i]), int(count[i]) - 1)
+            self.stats.drafted += int(ndraft[i])
+            self.stats.accepted += int(count[i]) - 1
+            for j in range(int(count[i])):
+                events.append(r.accept(int(emitted[i, j]), float(logprobs[i, j])))
+                if r.finished:
+                    break
+        now = time.perf_counter()
+        self.stats.verify_steps += 1
+        self.stats.verify_tokens += len(events)
+        self.stats.decode_tokens += len(events)
+        self.stats.decode_s += now - max(t0, self._last_read)
+        self._last_read = now
+        return events
+
     def needs_more(self) -> bool:
         """Whether some row still needs a token after the steps in flight."""
         ahead = len(self.pipeline)

@@ -24,11 +24,13 @@ import mlx.core as mx
 
 from ..caches import DEFAULT_CAPACITIES
 from .batch import RunningBatch
-from .options import check_buckets
+from .drafters import make_drafter
+from .options import check_buckets, check_draft_tokens, check_prefill_chunks
 from .prefill import prefill
 from .requests import EngineStats, Request, TokenEvent
 from .sampling import GREEDY, SamplingParams
 from .scheduler import Scheduler
+from .speculator import Speculator
 from .step import DEFAULT_BUCKETS, CompiledModel, bucket_for
 
 DEFAULT_PREFILL_CHUNKS = (8, 32, 128, 512)
@@ -49,6 +51,11 @@ class Engine:
             (default on GPUs). On the CPU, quantized matmuls do not reuse
             weights across rows, so each newcomer is prefilled alone (no
             padding waste) and all are joined at once.
+        speculative: ``"prompt-lookup"`` (or a drafter object) for batched
+            speculative decoding: rows draft tokens that one compiled verify
+            step per bucket judges; None (default) decodes one token a step.
+        draft_tokens: the most drafts per row and step (``k``; the verify
+            window is ``k + 1`` tokens).
     """
 
     def __init__(
@@ -58,12 +65,17 @@ class Engine:
         prefill_chunks: Sequence[int] = DEFAULT_PREFILL_CHUNKS,
         capacities: Sequence[int] = DEFAULT_CAPACITIES,
         batched_prefill: Optional[bool] = None,
+        speculative=None,
+        draft_tokens: int = 4,
     ):
         buckets = check_buckets(buckets)  # before the probe forward: bad input fails fast
+        drafter = make_drafter(speculative)
+        k = check_draft_tokens(draft_tokens, check_prefill_chunks(prefill_chunks)) if drafter else 0
         self.compiled = model if isinstance(model, CompiledModel) else CompiledModel(model, capacities)
         batched = mx.default_device() == mx.gpu if batched_prefill is None else batched_prefill
         self.scheduler = Scheduler(buckets, prefill_chunks, self.compiled.vocab_size, self.compiled.max_positions, batched,
-                                   self.compiled.context_length)
+                                   self.compiled.context_length, lookahead=k)
+        self.speculator = Speculator(drafter, k) if drafter else None
         self.stats = EngineStats()
         self.batch = RunningBatch(self.compiled, buckets, self.stats)
 
@@ -145,6 +157,8 @@ class Engine:
         are admitted; rows that finish at step t are filtered out of step t+1.
         """
         events = self.scheduler.drop_cancelled() + self._retire()
+        if self.speculator is not None:
+            return events + self._speculative_step()
         if not self.batch.pipeline:
             self.admit()
             if not self.batch.rows:
@@ -153,6 +167,20 @@ class Engine:
         if len(self.batch.pipeline) < 2 and self.batch.needs_more() and not self.scheduler.must_drain(len(self.batch.rows)):
             self.batch.dispatch()
         events += self.batch.read()
+        return events + self._retire()
+
+    def _speculative_step(self) -> List[TokenEvent]:
+        """A verify step when the rows' drafts are expected to pay, else a plain
+        decode step; never pipelined (the next drafts need this step's tokens)."""
+        self.admit()
+        if not self.batch.rows:
+            return []
+        drafts = self.speculator.drafts(self.batch.rows)
+        if drafts is not None:
+            events = self.batch.verify(drafts, self.speculator.k, self.speculator)
+        else:
+            self.batch.dispatch()
+            events = self.batch.read()
         return events + self._retire()
 
     def run(self) -> Iterable[TokenEvent]:

@@ -88,3 +88,15 @@ def check_seed(seed) -> Optional[int]:
     if not 0 <= seed < SEED_LIMIT:
         raise ValueError(f"seed must be in [0, 2**63), got {seed}")
     return int(seed)
+
+
+def check_draft_tokens(k, prefill_chunks: Tuple[int, ...]) -> int:
+    """Drafts per row and verify step: 1 .. (largest prefill window - 1)."""
+    if not _is_int(k):
+        raise TypeError(f"draft_tokens must be a positive integer, got {k!r}")
+    if not 1 <= k < max(prefill_chunks):
+        raise ValueError(
+            f"draft_tokens must be in [1, {max(prefill_chunks) - 1}] (a verify window of k + 1 tokens is no longer "
+            f"than the largest prefill window {max(prefill_chunks)}), got {k}"
+        )
+    return int(k)

@@ -27,6 +27,18 @@ class Request:
     logprobs: List[float] = field(default_factory=list)
     finish_reason: Optional[str] = None  # one of FINISH_REASONS once finished
     cancel_requested: bool = False  # set by cancel(); applied at the next step
+    draft_len: int = 0  # speculative: drafts to ask for next (adapted to acceptance)
+    accept_rate: float = 0.5  # speculative: recent share of drafts accepted
+
+    @property
+    def context(self) -> List[int]:
+        """Everything the row has seen: prompt and generated tokens."""
+        return self.prompt + self.tokens
+
+    @property
+    def budget(self) -> int:
+        """Tokens the request may still generate."""
+        return self.max_tokens - len(self.tokens)
 
     @property
     def next_input(self) -> int:
@@ -72,6 +84,18 @@ class EngineStats:
     prefill_tokens: int = 0
     prefill_s: float = 0.0
     joins: int = 0
+    verify_steps: int = 0  # speculative verify steps
+    verify_tokens: int = 0  # tokens they emitted (all rows)
+    drafted: int = 0  # drafts judged
+    accepted: int = 0  # drafts accepted
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_verify(self) -> float:
+        return self.verify_tokens / self.verify_steps if self.verify_steps else 0.0
 
     @property
     def decode_tps(self) -> float:

@@ -82,8 +82,10 @@ def sampler_inputs(params: Sequence[SamplingParams], keys, width: int) -> dict:
     }
 
 
-def sample(logprobs: mx.array, s: dict):
-    """Tokens ``[B]`` and next keys ``[B, 2]`` from normalized ``logprobs [B, V]``."""
+def filtered_logits(logprobs: mx.array, s: dict) -> mx.array:
+    """``[B, V]`` logits of each row's sampling distribution: top-k, top-p and
+    min-p applied to the unscaled log-probabilities (filtered tokens: -inf),
+    then divided by the row's temperature."""
     B, V = logprobs.shape
     srt = mx.sort(logprobs, axis=-1)[:, ::-1]  # [B, V] descending
     k = mx.where(s["top_k"] > 0, mx.minimum(s["top_k"], V), V) - 1  # [B]
@@ -94,7 +96,13 @@ def sample(logprobs: mx.array, s: dict):
     pth = mx.take_along_axis(srt, mx.maximum(n_p - 1, 0)[:, None], axis=-1)  # [B, 1]
     mth = srt[:, :1] + mx.log(mx.maximum(s["min_p"], 1e-30))[:, None]  # [B, 1]
     keep = logprobs >= mx.maximum(mx.maximum(kth, pth), mth)
-    scaled = mx.where(keep, logprobs / mx.maximum(s["temperature"], 1e-6)[:, None], -mx.inf)
+    return mx.where(keep, logprobs / mx.maximum(s["temperature"], 1e-6)[:, None], -mx.inf)
+
+
+def sample(logprobs: mx.array, s: dict):
+    """Tokens ``[B]`` and next keys ``[B, 2]`` from normalized ``logprobs [B, V]``."""
+    B, V = logprobs.shape
+    scaled = filtered_logits(logprobs, s)
     draws: List[mx.array] = []
     next_keys: List[mx.array] = []
     for r in range(B):

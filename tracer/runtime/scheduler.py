@@ -27,17 +27,20 @@ class Scheduler:
         vocab_size: token ids must lie in ``[0, vocab_size)``.
         max_positions: positions a row can hold (None: unbounded).
         context_length: the model's own context length (None: not stated).
+        lookahead: speculative drafts per step (a verify window writes them too).
         batched_prefill: prefill newcomers together in one padded batch, or
             each alone (see :class:`~mlx_tracer.runtime.engine.Engine`).
     """
 
     def __init__(self, buckets: Sequence[int], prefill_chunks: Sequence[int], vocab_size: int,
-                 max_positions: Optional[int], batched_prefill: bool, context_length: Optional[int] = None):
+                 max_positions: Optional[int], batched_prefill: bool, context_length: Optional[int] = None,
+                 lookahead: int = 0):
         self.buckets = check_buckets(buckets)
         self.prefill_chunks = check_prefill_chunks(prefill_chunks)
         self.vocab_size = vocab_size
         self.max_positions = max_positions
         self.context_length = context_length
+        self.lookahead = lookahead  # columns a verify step may write past a row's last token
         self.batched_prefill = batched_prefill
         self.queue: Deque[Request] = deque()
         self.requests: Dict[int, Request] = {}  # queued or running, until finished
@@ -61,7 +64,7 @@ class Scheduler:
             )
         if self.max_positions is not None:
             # + 1: the pipelined loop may compute one step past the last token
-            need = context + self.padded_prefill(len(prompt) - 1) + 1 + max_tokens + 1
+            need = context + self.padded_prefill(len(prompt) - 1) + 1 + max_tokens + 1 + self.lookahead
             if need > self.max_positions:
                 raise ValueError(
                     f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} exceed the largest capacity bucket "

@@ -31,13 +31,15 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from ..adapters.contract import probe_layout
 from ..adapters.traced import FamilyMasks
-from ..caches import DEFAULT_CAPACITIES, StepPlan
+from ..caches import DEFAULT_CAPACITIES
 from ..caches.batch import StaticKVCache
 from ..caches.masks import MaskGeometry
 from .sampling import sample
+from .speculative import accept
 
 DEFAULT_BUCKETS = (1, 2, 4, 8)
 
@@ -70,6 +72,16 @@ class StepResult:
 
     def arrays(self) -> List[mx.array]:
         return [a for a in (self.tokens, self.logprobs, self.keys, self.logits) if a is not None]
+
+
+@dataclass
+class VerifyResult:
+    """What a verify step returns: row r keeps ``tokens[r, :count[r]]``."""
+
+    tokens: mx.array  # [Bk, L] int32
+    count: mx.array  # [Bk] int32, 1 .. L
+    logprobs: mx.array  # [Bk, L]
+    keys: Optional[mx.array] = None  # [Bk, 2] when it sampled
 
 
 class NewTraceError(AssertionError):
@@ -162,37 +174,73 @@ class CompiledModel:
         and the new buffers ``(result, kv)`` and leaves the caches as they were
         (to inspect the graph).
         """
-        if len(caches) != len(self.layout):
-            raise ValueError(f"expected {len(self.layout)} layer caches, got {len(caches)}")
-        tokens = mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens.astype(mx.int32)
-        if tokens.ndim != 2 or tokens.shape[0] != caches[0].width:
-            raise ValueError(f"tokens must be [bucket width {caches[0].width}, L], got {tuple(tokens.shape)}")
+        tokens = self._check(caches, tokens)
         Bk, L = tokens.shape
-        plans: List[StepPlan] = [caches[i].plan(L) for i in self.layout.representatives]
-        kv = [caches[i].fit(plans[f]) for i, f in enumerate(self.layout.family_of)]
+        plans = [caches[i].plan(L) for i in self.layout.representatives]
         decode = plans[0].decode
         kind = "decode" if decode else "window"
         sampler_kind = ("greedy" if sampler is None else "sample") if decode else "none"
-        capacity = next((p.capacity for p in plans if p.capacity is not None), None)
-        key = TraceKey(kind, Bk, L, capacity, sampler_kind, return_logits)
         extra = {}
         if sampler is not None:
             extra["sampler"] = sampler
         if return_logits and not decode:
             extra["last"] = mx.full((Bk,), L - 1, dtype=mx.int32) if last is None else last
-        args = (tokens, plans[0].offsets, [p.arrays for p in plans], kv, extra)
+        out, new_kv = self._run(kind, sampler_kind, return_logits, caches, tokens, plans, extra, eager)
         if eager:
-            return self._forward(kind, sampler_kind, return_logits, *args)
-        self._tracing = key
-        t0 = time.perf_counter()
-        out, new_kv = self._compiled(kind, sampler_kind, return_logits)(*args)
-        if self._tracing is None:  # the call traced
-            self.trace_ms[key] = (time.perf_counter() - t0) * 1e3
-        self._tracing = None
-        del kv, args
+            return out, new_kv
         for c, f, (k, v) in zip(caches, self.layout.family_of, new_kv):
             c.commit(plans[f], k, v)
         return StepResult(**out)
+
+    def verify(self, caches: List[StaticKVCache], tokens: mx.array, ndraft, sampler: Optional[dict] = None) -> VerifyResult:
+        """A speculative verify step: ``tokens [Bk, k+1]`` = each row's last
+        token and its drafts (``ndraft [Bk]`` of them count). Judges the drafts
+        in the graph (:mod:`.speculative`), commits only each row's accepted
+        columns, and returns what each row keeps. Traced once per (bucket, k+1,
+        capacity, sampler kind). Evaluates the step (the host needs the counts)."""
+        tokens = self._check(caches, tokens)
+        Bk, L = tokens.shape
+        if L < 2:
+            raise ValueError("a verify window holds the last token and at least one draft (L >= 2)")
+        plans = [caches[i].plan(L) for i in self.layout.representatives]
+        if plans[0].decode:
+            raise ValueError("verify needs the prepared prompt finalized first")
+        extra = {"ndraft": mx.array(ndraft, dtype=mx.int32)}
+        if sampler is not None:
+            extra["sampler"] = sampler
+        out, new_kv = self._run("verify", "greedy" if sampler is None else "sample", False, caches, tokens, plans, extra)
+        result = VerifyResult(**out)
+        mx.eval(result.count, result.tokens, result.logprobs, *([result.keys] if result.keys is not None else []))
+        valid = np.array(result.count)
+        for c, f, (k, v) in zip(caches, self.layout.family_of, new_kv):
+            c.commit_verify(plans[f], k, v, valid)
+        return result
+
+    def _check(self, caches, tokens) -> mx.array:
+        if len(caches) != len(self.layout):
+            raise ValueError(f"expected {len(self.layout)} layer caches, got {len(caches)}")
+        tokens = mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens.astype(mx.int32)
+        if tokens.ndim != 2 or tokens.shape[0] != caches[0].width:
+            raise ValueError(f"tokens must be [bucket width {caches[0].width}, L], got {tuple(tokens.shape)}")
+        return tokens
+
+    def _run(self, kind, sampler_kind, want_logits, caches, tokens, plans, extra, eager=False):
+        """One call of the compiled function of ``kind`` (traced on first use
+        of its :class:`TraceKey`): ``(outputs, new buffers per layer)``."""
+        Bk, L = tokens.shape
+        kv = [caches[i].fit(plans[f]) for i, f in enumerate(self.layout.family_of)]
+        capacity = next((p.capacity for p in plans if p.capacity is not None), None)
+        key = TraceKey(kind, Bk, L, capacity, sampler_kind, want_logits)
+        args = (tokens, plans[0].offsets, [p.arrays for p in plans], kv, extra)
+        if eager:
+            return self._forward(kind, sampler_kind, want_logits, *args)
+        self._tracing = key
+        t0 = time.perf_counter()
+        out = self._compiled(kind, sampler_kind, want_logits)(*args)
+        if self._tracing is None:  # the call traced
+            self.trace_ms[key] = (time.perf_counter() - t0) * 1e3
+        self._tracing = None
+        return out
 
     def export_decode_graph(self, path: str, width: int = 1) -> Counter:
         """Write the decode step's graph (bucket ``width``) as DOT; returns op counts."""
@@ -222,12 +270,28 @@ class CompiledModel:
             for f, (geometry, _) in enumerate(plans)
         ]
         layer_caches = [
-            layout.traced(decode, k, v, offsets, plans[f][1], masks[f], i)
+            layout.traced(kind, k, v, offsets, plans[f][1], masks[f], i)
             for i, (layout, f, (k, v)) in enumerate(zip(self.layout, self.layout.family_of, kv))
         ]
         logits = self.model(tokens, cache=layer_caches)  # [Bk, L, V]
-        new_kv = [(c.keys, c.values) for c in layer_caches]
         out = {}
+        if kind == "verify":
+            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [Bk, L, V]
+            emitted, count, lps, keys = accept(logprobs, tokens, extra["ndraft"], extra.get("sampler"))
+            out.update(tokens=emitted, count=count, logprobs=lps)
+            if keys is not None:
+                out["keys"] = keys
+            rejected = L - count  # [Bk] window columns each row does not keep
+            strips = []
+            for geometry, _ in plans:  # per family: left padding every live row holds afterwards
+                first_valid, live = geometry[3], geometry[4]
+                strips.append(mx.min(mx.where(live, first_valid + rejected, 2**30)))
+            new_kv = [
+                layout.cache_class.verify_commit(c.keys, c.values, plans[f][1], rejected, strips[f], k.shape[2])
+                for layout, f, c, (k, _) in zip(self.layout, self.layout.family_of, layer_caches, kv)
+            ]
+            return out, new_kv
+        new_kv = [(c.keys, c.values) for c in layer_caches]
         if decode:
             last = logits[:, -1, :]  # [Bk, V]
             logprobs = last - mx.logsumexp(last, axis=-1, keepdims=True)

@@ -1,0 +1,152 @@
+"""Batched, compiled speculative decoding on tiny models: greedy output equal
+to plain decoding token for token (full caches, rings after they wrapped, a
+mixed model), one verify trace per (bucket, k), the sampling rule's output
+distribution, and clear errors for bad settings."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_tracer import CompiledModel, Generator
+from mlx_tracer.runtime.drafters import PromptLookup
+from mlx_tracer.runtime.engine import Engine
+from mlx_tracer.runtime.sampling import GREEDY, SamplingParams, initial_key, sampler_inputs
+from mlx_tracer.runtime.speculative import accept
+
+from .helpers import IdTokenizer
+from .tiny_models import SLIDE, VOCAB, tiny_model
+
+# prompts that repeat themselves, so prompt lookup finds drafts; one without
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 9, 3], list(range(1, 30)) * 2, [4], [11, 12, 13, 11, 12]]
+ARRIVALS = [0, 0, 3, 7, 12]  # steps at which the requests join
+
+
+def _run(model, arrivals=ARRIVALS, budget=40, **kw):
+    eng = Engine(model, buckets=(1, 2, 4), prefill_chunks=(8, 16), **kw)
+    out, uids, step = {}, [], 0
+    pending = list(zip(arrivals, PROMPTS))
+    while pending or eng.has_work():
+        while pending and pending[0][0] <= step:
+            uid = eng.add(pending.pop(0)[1], max_tokens=budget)
+            uids.append(uid)
+            out[uid] = []
+        for ev in eng.step():
+            out[ev.uid].append(ev.token)
+        step += 1
+    return [out[u] for u in uids], eng
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "llama_mixed", "ring_only", "qwen3"])
+def test_greedy_speculative_equals_plain_decoding_with_continuous_batching(family):
+    model = tiny_model(family)
+    plain, _ = _run(model)
+    spec, eng = _run(model, speculative="prompt-lookup", draft_tokens=4)
+    assert spec == plain
+    st = eng.stats
+    assert st.verify_steps > 0 and 0 < st.accepted < st.drafted  # drafts were both kept and refused
+    traces = eng.compiled.traces
+    assert all(n == 1 for n in traces.values()), traces
+    verify = [k for k in traces if k.kind == "verify"]
+    assert {k.length for k in verify} == {5}  # one window length: k + 1
+    if family == "ring_only":  # rings: one verify trace per bucket, whatever the context
+        assert len(verify) == len({k.width for k in verify})
+
+
+def test_ring_rollback_after_the_ring_wrapped_is_exact():
+    """A ring of SLIDE columns, 60 tokens: verify windows refuse drafts long
+    after the ring wrapped, and every token still equals plain decoding."""
+    model = tiny_model("ring_only")
+    plain, _ = _run(model, budget=60)
+    spec, eng = _run(model, budget=60, speculative="prompt-lookup", draft_tokens=3)
+    assert spec == plain
+    ring = eng.compiled.new_caches(1)[0]
+    assert ring.max_size == SLIDE and 60 > 4 * SLIDE
+    assert eng.stats.drafted - eng.stats.accepted > 5
+
+
+def test_no_new_traces_while_rows_switch_between_plain_and_verify_steps():
+    cm = CompiledModel(tiny_model("llama_mixed"))
+    _run(cm, speculative="prompt-lookup", draft_tokens=4)  # traces every key the second run uses
+    with cm.no_new_traces():
+        _, again = _run(cm, speculative="prompt-lookup", draft_tokens=4)
+    assert again.stats.verify_steps > 0 and again.stats.steps > 0  # both kinds of step ran
+
+
+def test_the_sampling_rule_keeps_the_target_distribution():
+    """Speculative sampling with a one-hot draft: the first emitted token is
+    distributed as the target's (filtered, tempered) distribution, whatever
+    the draft, and an accepted draft is followed by a draw from the next one."""
+    V, N = 6, 1500
+    logits = mx.array([[1.0, 0.5, 0.0, -0.5, 2.0, -3.0], [0.0, 1.5, 0.3, 0.2, -1.0, 0.4]])
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [2, V]
+    params = SamplingParams(temperature=0.8, top_k=5)
+    s = sampler_inputs([params] * N, [initial_key(i) for i in range(N)], N)
+    lp = mx.broadcast_to(logprobs[None], (N, 2, V))
+    for draft in (4, 1, 5):
+        tokens = mx.array(np.tile([[0, draft]], (N, 1)).astype(np.int32))
+        emitted, count, _, keys = accept(lp, tokens, mx.ones((N,), dtype=mx.int32), s)
+        want = np.array(mx.softmax(_filtered(logprobs[0], params), axis=-1))
+        got = np.bincount(np.array(emitted[:, 0]), minlength=V) / N
+        assert np.abs(got - want).sum() / 2 < 0.06, (draft, got, want)
+        took = np.array(count) == 2
+        assert took.sum() > 0 or want[draft] < 0.01
+        if took.sum() > 150:  # after an accepted draft: the bonus follows the second distribution
+            want2 = np.array(mx.softmax(_filtered(logprobs[1], params), axis=-1))
+            got2 = np.bincount(np.array(emitted[:, 1])[took], minlength=V) / took.sum()
+            assert np.abs(got2 - want2).sum() / 2 < 0.1
+    assert keys.shape == (N, 2)
+
+
+def _filtered(logprobs, p: SamplingParams):
+    from mlx_tracer.runtime.sampling import filtered_logits
+
+    s = sampler_inputs([p], [initial_key(0)], 1)
+    return filtered_logits(logprobs[None], s)[0]
+
+
+def test_sampled_speculative_runs_reproduce_with_their_seed():
+    model = tiny_model("llama")
+    gen = Generator(model, IdTokenizer(), chat=False, speculative="prompt-lookup", draft_tokens=3)
+    a = gen.batch_generate([PROMPTS[0], PROMPTS[2]], max_tokens=20, temp=0.9, seed=7)
+    b = gen.batch_generate([PROMPTS[0], PROMPTS[2]], max_tokens=20, temp=0.9, seed=7)
+    assert [c.tokens for c in a] == [c.tokens for c in b]
+    assert gen.stats.verify_steps > 0 and "speculative:" in gen.summary()
+
+
+def test_greedy_rows_in_a_sampled_batch_stay_greedy():
+    model = tiny_model("llama")
+    plain, _ = _run(model, arrivals=[0, 0, 0, 0, 0])
+    eng = Engine(model, buckets=(1, 2, 4, 8), prefill_chunks=(8, 16), speculative="prompt-lookup", draft_tokens=4)
+    uids = [eng.add(p, max_tokens=40, sampling=GREEDY) for p in PROMPTS]
+    hot = eng.add(PROMPTS[0], max_tokens=40, sampling=SamplingParams(temperature=1.0, seed=3))
+    out = {u: [] for u in uids + [hot]}
+    for ev in eng.run():
+        out[ev.uid].append(ev.token)
+    assert [out[u] for u in uids] == plain
+
+
+def test_prompt_lookup_proposes_what_followed_the_newest_match():
+    d = PromptLookup(ngram=3)
+    assert d.propose([1, 2, 3, 4, 5, 1, 2, 3], 2) == [4, 5]
+    assert d.propose([1, 2, 9, 1, 2, 7, 1, 2], 3) == [7, 1, 2]  # newest match first
+    assert d.propose([1, 2, 3], 4) == []
+    assert d.propose([7, 7], 3) == [7]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, words",
+    [
+        (dict(speculative="prompt-lookup", draft_tokens=0), ValueError, "draft_tokens"),
+        (dict(speculative="prompt-lookup", draft_tokens=1.5), TypeError, "draft_tokens"),
+        (dict(speculative="prompt-lookup", draft_tokens=16), ValueError, "draft_tokens must be in \\[1, 15\\]"),
+        (dict(speculative="medusa"), ValueError, "unknown speculative drafter"),
+        (dict(speculative=3), TypeError, "speculative"),
+    ],
+)
+def test_bad_speculative_settings_get_clear_errors_before_loading(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        Generator.load("/nonexistent/model.gguf", prefill_chunks=(8, 16), **kwargs)
+    with pytest.raises(error, match=words):
+        Engine(tiny_model("llama"), prefill_chunks=(8, 16), **kwargs)
