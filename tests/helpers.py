@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import json
+
 from mlx_tracer.runtime.engine import Engine
 
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -64,3 +66,27 @@ def solo_tokens(model, prompt, n):
     eng = Engine(model, buckets=(1,))
     eng.add(prompt, max_tokens=n)
     return [ev.token for ev in eng.run()]
+
+
+def save_model_dir(path, family: str = "llama", seed: int = 0):
+    """A tiny random model of ``family`` saved as an mlx-lm model folder
+    (config, safetensors, a WordLevel tokenizer whose tokens are their ids)."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from .tiny_models import VOCAB, _config, tiny_model
+
+    path.mkdir(parents=True, exist_ok=True)
+    model = tiny_model(family, seed=seed)
+    (path / "config.json").write_text(json.dumps(_config(family)))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    tok_json = {
+        "version": "1.0",
+        "model": {"type": "WordLevel", "vocab": {str(i): i for i in range(VOCAB)}, "unk_token": "0"},
+        "pre_tokenizer": {"type": "Whitespace"},
+        "decoder": None,
+        "added_tokens": [],
+    }
+    (path / "tokenizer.json").write_text(json.dumps(tok_json))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "0"}))
+    return path

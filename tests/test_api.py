@@ -3,7 +3,6 @@ mlx-lm-style entry points, local mlx-lm model directories."""
 
 from __future__ import annotations
 
-import json
 
 import mlx.core as mx
 import numpy as np
@@ -12,7 +11,7 @@ import pytest
 from mlx_tracer import Generator, batch_generate, generate, stream_generate
 from mlx_tracer.runtime.engine import Engine
 
-from .helpers import IdTokenizer, solo_tokens
+from .helpers import IdTokenizer, save_model_dir, solo_tokens
 from .tiny_models import VOCAB, tiny_model
 
 
@@ -100,26 +99,10 @@ def test_cancel_removes_a_request_without_harming_others():
 
 def test_local_mlx_lm_model_directory(tmp_path):
     """Generator.load of a directory goes through mlx_lm.load (offline)."""
-    from mlx.utils import tree_flatten
-
-    from .tiny_models import _config
-
-    model = tiny_model("llama")
-    cfg = _config("llama")
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    tok_json = {
-        "version": "1.0",
-        "model": {"type": "WordLevel", "vocab": {str(i): i for i in range(VOCAB)}, "unk_token": "0"},
-        "pre_tokenizer": {"type": "Whitespace"},
-        "decoder": None,
-        "added_tokens": [],
-    }
-    (tmp_path / "tokenizer.json").write_text(json.dumps(tok_json))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "0"}))
+    save_model_dir(tmp_path, "llama")
     gen = Generator.load(tmp_path, chat=False)
     out = gen.batch_generate([[1, 2, 3]], max_tokens=8)[0]
-    assert out.tokens == solo_tokens(model, [1, 2, 3], 8)[: len(out.tokens)]
+    assert out.tokens == solo_tokens(tiny_model("llama"), [1, 2, 3], 8)[: len(out.tokens)]
 
 
 def test_bad_paths_are_clear(tmp_path):

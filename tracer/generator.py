@@ -75,6 +75,10 @@ class Generator:
         draft_tokens: int = 4,
     ):
         _check_options(buckets, prefill_chunks, chat, system, speculative, draft_tokens)
+        if _is_draft_path(speculative):
+            from .api import load
+
+            speculative = load(speculative, weights="as-is")[0]
         self.model = model
         self.tokenizer = tokenizer
         self.engine = Engine(model, buckets, prefill_chunks, capacities, speculative=speculative, draft_tokens=draft_tokens)
@@ -93,6 +97,8 @@ class Generator:
         from .api import load
 
         model, tokenizer = load(path, progress=progress, weights=weights, log=log)
+        if _is_draft_path(kwargs.get("speculative")):  # the draft model in the target's weight format
+            kwargs["speculative"] = load(kwargs["speculative"], progress=progress, weights=model.mlx_tracer_weights, log=log)[0]
         return cls(model, tokenizer, **kwargs)
 
     @property
@@ -289,10 +295,21 @@ class Generator:
         )
 
 
+def _is_draft_path(speculative) -> bool:
+    return isinstance(speculative, Path) or isinstance(speculative, str) and speculative != "prompt-lookup"
+
+
 def _check_options(buckets, prefill_chunks, chat, system, speculative=None, draft_tokens=4):
     check_buckets(buckets)
     chunks = check_prefill_chunks(prefill_chunks)
-    if make_drafter(speculative) is not None:
+    if _is_draft_path(speculative):
+        if not Path(speculative).expanduser().exists():
+            raise ValueError(
+                f"speculative={str(speculative)!r}: give 'prompt-lookup' or the path of a draft model "
+                "(a .gguf file or an mlx-lm model folder sharing the target's tokenizer); that path does not exist"
+            )
+        check_draft_tokens(draft_tokens, chunks)
+    elif make_drafter(speculative) is not None:
         check_draft_tokens(draft_tokens, chunks)
     if chat is not None and not isinstance(chat, bool):
         raise TypeError(f"chat must be True, False or None, got {chat!r}")

@@ -72,6 +72,7 @@ class Engine:
         drafter = make_drafter(speculative)
         k = check_draft_tokens(draft_tokens, check_prefill_chunks(prefill_chunks)) if drafter else 0
         self.compiled = model if isinstance(model, CompiledModel) else CompiledModel(model, capacities)
+        drafter = make_drafter(speculative, self.compiled.vocab_size)
         batched = mx.default_device() == mx.gpu if batched_prefill is None else batched_prefill
         self.scheduler = Scheduler(buckets, prefill_chunks, self.compiled.vocab_size, self.compiled.max_positions, batched,
                                    self.compiled.context_length, lookahead=k)

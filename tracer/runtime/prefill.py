@@ -28,14 +28,26 @@ def prefill(compiled: CompiledModel, reqs: Sequence[Request], width: int,
         caches = compiled.layout.from_serial(reqs[0].cache, width, compiled.capacities)
     else:
         caches = compiled.new_caches(width, rows=len(reqs))
-    lengths = [len(r.prompt) - 1 for r in reqs]
-    if max(lengths) == 0:
-        return caches
-    plan = windows(max(lengths))
+    fed = feed(compiled, caches, [r.prompt[:-1] for r in reqs], windows)
+    stats.prefill_tokens += fed
+    stats.prefill_s += time.perf_counter() - t0
+    return caches
+
+
+def feed(compiled: CompiledModel, caches: List[StaticKVCache], seqs: Sequence[Sequence[int]],
+         windows: Callable[[int], List[int]]) -> int:
+    """Write ``seqs[r]`` (ragged, possibly empty) after each live row's tokens,
+    through compiled window steps of the lengths ``windows`` picks (right-padded
+    to them); returns the tokens fed."""
+    lengths = [len(s) for s in seqs]
+    top = max(lengths, default=0)
+    if top == 0:
+        return 0
+    plan = windows(top)
     padded = sum(plan)
-    tokens = np.zeros((width, padded), dtype=np.int32)  # [Bk, padded] right-padded prompts
-    for i, r in enumerate(reqs):
-        tokens[i, : lengths[i]] = r.prompt[:-1]
+    tokens = np.zeros((caches[0].width, padded), dtype=np.int32)  # [Bk, padded] right-padded rows
+    for i, s in enumerate(seqs):
+        tokens[i, : lengths[i]] = s
     for c in caches:
         c.prepare(lengths=lengths, right_padding=[padded - n for n in lengths])
     done = 0
@@ -46,6 +58,4 @@ def prefill(compiled: CompiledModel, reqs: Sequence[Request], width: int,
     for c in caches:
         c.finalize()
     mx.eval([c.state for c in caches])
-    stats.prefill_tokens += sum(lengths)
-    stats.prefill_s += time.perf_counter() - t0
-    return caches
+    return sum(lengths)

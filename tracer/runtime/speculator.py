@@ -30,12 +30,15 @@ class Speculator:
 
     def drafts(self, rows: Sequence[Request]) -> Optional[List[List[int]]]:
         """Each row's drafts for the next verify step, or None for a plain step."""
-        out = []
+        ks = []
         for r in rows:
             if r.draft_len == 0:
                 r.draft_len = self.k
-            n = min(r.draft_len, self.k, r.budget - 1)  # the last token of the budget needs no draft
-            out.append(list(self.drafter.propose(r.context, n))[:n] if n > 0 else [])
+            ks.append(max(0, min(r.draft_len, self.k, r.budget - 1)))  # the budget's last token needs no draft
+        if hasattr(self.drafter, "propose_batch"):
+            out = [list(d)[:n] for d, n in zip(self.drafter.propose_batch(rows, ks), ks)]
+        else:
+            out = [list(self.drafter.propose(r.context, n))[:n] if n > 0 else [] for r, n in zip(rows, ks)]
         gain = sum(r.accept_rate * len(d) for r, d in zip(rows, out))
         return out if gain >= self.min_gain * len(rows) and any(out) else None
 
