@@ -6,27 +6,18 @@ from __future__ import annotations
 import pytest
 
 from mlx_tracer import Generator
-from mlx_tracer.model_store import is_valid_model_file, resolve_model
+from mlx_tracer.loading.store import resolve_model
+
+from .helpers import FRANCE, SYSTEM, model_present
 
 pytestmark = pytest.mark.model
-
-SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-FRANCE = "What is the capital of France? Answer in one sentence."
 
 
 @pytest.fixture(scope="module")
 def smol():
-    path = resolve_model() if _present() else None
-    if path is None:
+    if not model_present():
         pytest.skip("SmolLM2 GGUF not present: run `mlx-tracer fetch` (or ./dev setup)")
-    return Generator.load(path, weights="as-is", system=SYSTEM)
-
-
-def _present():
-    try:
-        return is_valid_model_file(resolve_model())
-    except FileNotFoundError:
-        return False
+    return Generator.load(resolve_model(), weights="as-is", system=SYSTEM)
 
 
 def chat_ids(gen, text):
@@ -85,3 +76,15 @@ def test_continuous_batching_on_smollm2_equals_solo_runs(smol):
     for u in uids:
         smol.result(u)
     assert all(n == 1 for n in smol.traces.values())
+
+
+def test_speculative_decoding_on_smollm2_keeps_the_greedy_tokens(smol):
+    """Prompt lookup, and SmolLM2 drafting for itself (the draft-model plumbing):
+    the same greedy tokens as plain decoding, with drafts accepted."""
+    text = "Repeat this list exactly: apples, pears, plums, cherries, apples, pears, plums, cherries."
+    want = smol.batch_generate([text, FRANCE], max_tokens=24)
+    for spec in ("prompt-lookup", smol.model):
+        gen = Generator(smol.model, smol.tokenizer, system=SYSTEM, speculative=spec, draft_tokens=4)
+        got = gen.batch_generate([text, FRANCE], max_tokens=24)
+        assert [c.tokens for c in got] == [c.tokens for c in want], spec
+        assert gen.stats.verify_steps > 0 and gen.stats.accepted > 0, gen.summary()
