@@ -300,3 +300,18 @@ def test_soak_1000_steps_with_arrivals_cancels_and_leaves():
     assert all(n == 1 for n in eng.compiled.traces.values()), eng.compiled.traces  # bounded by keys used
     assert len(eng.scheduler.requests) == 0
     assert memory[1] <= memory[0] * 1.5 + (1 << 20), memory
+
+
+def test_retired_rows_hand_their_caches_to_on_retire_and_a_continuation_matches(llama):
+    """The hook a prefix cache builds on: a finished row's serial caches and
+    token ids; continuing a longer prompt from them gives the solo tokens."""
+    kept = {}
+    eng = Engine(llama, buckets=(1, 2), on_retire=lambda r, caches, toks: kept.setdefault(r.uid, (caches, toks)))
+    first = eng.add(NEIGHBOUR, max_tokens=6)
+    out = [ev.token for ev in eng.run()]
+    caches, toks = kept[first]
+    assert toks == (NEIGHBOUR + out)[: len(toks)] and len(toks) >= len(NEIGHBOUR)
+    follow = NEIGHBOUR + out + [7, 8]
+    assert len(toks) < len(follow)
+    eng.add(follow[len(toks):], max_tokens=5, cache=caches)
+    assert [ev.token for ev in eng.run()] == solo_tokens(llama, follow, 5)

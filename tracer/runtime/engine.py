@@ -18,7 +18,7 @@ retraces while requests come and go.
 
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -56,6 +56,11 @@ class Engine:
             step per bucket judges; None (default) decodes one token a step.
         draft_tokens: the most drafts per row and step (``k``; the verify
             window is ``k + 1`` tokens).
+        on_retire: called as ``on_retire(request, caches, tokens)`` for every
+            row that leaves the batch (finished or cancelled), before it
+            leaves: ``caches`` are owned serial mlx-lm caches of the row (one
+            per layer, as ``add(cache=...)`` takes them) and ``tokens`` the ids
+            whose keys and values they hold. A prefix cache is built on it.
     """
 
     def __init__(
@@ -67,6 +72,7 @@ class Engine:
         batched_prefill: Optional[bool] = None,
         speculative=None,
         draft_tokens: int = 4,
+        on_retire: Optional[Callable[[Request, list, List[int]], None]] = None,
     ):
         buckets = check_buckets(buckets)  # before the probe forward: bad input fails fast
         drafter = make_drafter(speculative)
@@ -77,6 +83,7 @@ class Engine:
         self.scheduler = Scheduler(buckets, prefill_chunks, self.compiled.vocab_size, self.compiled.max_positions, batched,
                                    self.compiled.context_length, lookahead=k)
         self.speculator = Speculator(drafter, k) if drafter else None
+        self.on_retire = on_retire
         self.stats = EngineStats()
         self.batch = RunningBatch(self.compiled, buckets, self.stats)
 
@@ -208,9 +215,12 @@ class Engine:
         events = [r.cancelled() for r in self.batch.rows if r.cancel_requested and not r.finished]
         keep = [i for i, r in enumerate(self.batch.rows) if not r.finished]
         if len(keep) < len(self.batch.rows):
-            for r in self.batch.rows:
+            for i, r in enumerate(self.batch.rows):
                 if r.finished:
                     self.scheduler.finish(r)
+                    if self.on_retire is not None:
+                        held = int(self.batch.caches[0].rows.offsets[i])
+                        self.on_retire(r, [c.extract(i) for c in self.batch.caches], r.context[:held])
             self.batch.keep(keep)
         return events
 
