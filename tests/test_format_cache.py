@@ -70,7 +70,7 @@ def valid_entry(source, **over) -> dict:
 def test_a_formats_file_of_the_wrong_shape_is_rebuilt(home, source, content, monkeypatch, capfd):
     (home / "formats.json").write_text(content)
     assert format_cache.list_choices() == []
-    assert "rebuilding it" in capfd.readouterr().err
+    assert "rebuilt it with the valid entries" in capfd.readouterr().err
     assert json.loads((home / "formats.json").read_text()) == {"version": 2, "entries": []}
     fake_timings(monkeypatch, {"as-is": 10.0, "float32": 5.0})
     assert choose(source) == "float32"  # measured again and recorded

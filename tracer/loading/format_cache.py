@@ -37,6 +37,8 @@ CHOSEN = ("as-is", "float32", "float32-blocks")  # what ``auto`` can resolve to
 
 Timings = Dict[str, Dict[int, float]]  # format -> {batch width: ms per decode step}
 
+_reported = set()  # formats files whose problems were said (once per process)
+
 
 @dataclass(frozen=True)
 class Setup:
@@ -160,12 +162,15 @@ def _read() -> Tuple[List[FormatChoice], List[str]]:
 
 def list_choices() -> List[FormatChoice]:
     """Every valid entry of the store (none when it is missing). A file with
-    invalid content is rewritten with the valid entries only."""
+    invalid content is rewritten with the valid entries only (said once)."""
     choices, problems = _read()
     if problems:
-        print(f"[mlx-tracer] {store_path()}: dropped what does not validate ({'; '.join(problems)[:300]}); "
-              f"rebuilding it", file=sys.stderr, flush=True)
-        _write(choices)
+        healed = _write(choices)
+        path = str(store_path())
+        if path not in _reported:
+            _reported.add(path)
+            outcome = "rebuilt it with the valid entries" if healed else "ignoring what does not validate"
+            print(f"[mlx-tracer] {path}: {'; '.join(problems)[:300]}: {outcome}", file=sys.stderr, flush=True)
     return choices
 
 
