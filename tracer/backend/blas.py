@@ -15,6 +15,12 @@ JIT anyway) exports the plain names. ``MLX_TRACER_BLAS=0`` switches this off;
 ``MLX_TRACER_BLAS_THREADS`` sets the thread count (default: all cores; 2
 threads beat 1 on the 2-core machine this was measured on).
 
+The shim is kept in the cache folder (:mod:`mlx_tracer.home`) as
+``blas-shim-<key>.so`` with its sha256 next to it. A kept file that does not
+match it (junk, 0 bytes, truncated) is rebuilt before it is loaded, rather
+than crashing dlopen or pinning the reference BLAS; a cache folder that takes no writes gets a process-private build in a
+temporary folder (and one stderr line saying nothing is cached).
+
 ``import mlx_tracer`` (and so the ``mlx-tracer`` command, and any import of a
 sub-package such as ``mlx_tracer.caches``) activates it first thing; this
 module and :mod:`mlx_tracer.home` are all that path imports. :func:`status`
@@ -29,12 +35,15 @@ import os
 import sys
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
+
+from ..home import cache_dir, writable_cache_dir
 
 ENV = "MLX_TRACER_BLAS"
 ENV_THREADS = "MLX_TRACER_BLAS_THREADS"
 
-_state = {"tried": False, "loaded": None, "error": None, "late": False, "threads": None}
+_state = {"tried": False, "loaded": None, "error": None, "late": False, "threads": None, "rebuilt": None}
 
 
 @dataclass
@@ -59,7 +68,8 @@ void cblas_cgemm(int o, int ta, int tb, int m, int n, int k, const void *al, con
 """
 
 
-def _openblas_path() -> Optional[str]:
+def openblas_path() -> Optional[str]:
+    """The ``libscipy_openblas.so`` of the installed scipy-openblas32, if any."""
     try:
         from importlib import metadata
 
@@ -72,30 +82,78 @@ def _openblas_path() -> Optional[str]:
     return None
 
 
-def _shim_path(openblas: str) -> str:
-    """The forwarding shim, compiled on first use into the cache directory."""
+def shim_file(openblas: str) -> Path:
+    """Where the shim for ``openblas`` is kept: the cache folder, one file per
+    shim source and OpenBLAS location."""
     import hashlib
+
+    key = hashlib.sha1((_SHIM + os.path.realpath(openblas)).encode()).hexdigest()[:12]
+    return cache_dir() / f"blas-shim-{key}.so"
+
+
+def _digest_file(shim: Path) -> Path:
+    return shim.with_name(shim.name + ".sha256")
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+def _open_shim(path: Path, verify: bool = True) -> ctypes.CDLL:
+    """dlopen the shim. A kept shim is first checked against the sha256
+    written next to it when it was built: dlopen of a damaged file can fail,
+    or crash the process (a truncated ELF faults when mapped), so a mismatch
+    raises OSError before it gets that far."""
+    if verify:
+        try:
+            want = _digest_file(path).read_text().strip()
+        except OSError:
+            want = None
+        if want != _sha256(path.read_bytes()):
+            raise OSError(f"{path} does not match the sha256 recorded when it was built")
+    lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    if not hasattr(lib, "cblas_sgemm"):
+        raise OSError(f"{path} defines no cblas_sgemm")
+    return lib
+
+
+def _build_shim(openblas: str, target: Path) -> ctypes.CDLL:
+    """Compile the shim into ``target`` (atomically, its sha256 next to it)
+    and load it. A cache folder that takes no writes gets a process-private
+    copy instead, built in a temporary folder removed once it is loaded."""
     import shutil
     import subprocess
     import tempfile
 
-    from ..home import cache_dir
-
-    key = hashlib.sha1((_SHIM + os.path.realpath(openblas)).encode()).hexdigest()[:12]
-    target = cache_dir() / f"blas-shim-{key}.so"
-    if target.exists():
-        return str(target)
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise OSError("no C compiler (cc/gcc/clang) to build the BLAS shim; set CC or install one")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        src, out = os.path.join(tmp, "shim.c"), os.path.join(tmp, "shim.so")
+    folder = writable_cache_dir()  # None: read-only (said once on stderr)
+    with tempfile.TemporaryDirectory(prefix=".blas-shim-build-", dir=folder) as tmp:
+        src, out = os.path.join(tmp, "shim.c"), Path(tmp) / target.name
         with open(src, "w") as f:
             f.write(_SHIM)
-        subprocess.run([cc, "-O2", "-shared", "-fPIC", src, "-o", out], check=True, capture_output=True)
-        os.replace(out, target)  # atomic: a concurrent build never leaves half a file
-    return str(target)
+        subprocess.run([cc, "-O2", "-shared", "-fPIC", src, "-o", str(out)], check=True, capture_output=True)
+        if folder is None:
+            return _open_shim(out, verify=False)  # stays mapped after the folder is gone
+        digest = _digest_file(out)
+        digest.write_text(_sha256(out.read_bytes()) + "\n")
+        os.replace(digest, _digest_file(target))  # same file system: atomic, never half a file
+        os.replace(out, target)
+    return _open_shim(target)
+
+
+def _load_shim(openblas: str) -> ctypes.CDLL:
+    """The cached shim, or a new one when it is missing or broken."""
+    target = shim_file(openblas)
+    if target.exists():
+        try:
+            return _open_shim(target)
+        except OSError as e:  # a corrupt cached shim must not pin the reference BLAS: rebuild it
+            _state["rebuilt"] = str(e)
+    return _build_shim(openblas, target)
 
 
 def activate() -> bool:
@@ -106,7 +164,7 @@ def activate() -> bool:
     _state["tried"] = True
     if os.environ.get(ENV, "").lower() in ("0", "off", "false", "no"):
         return False
-    openblas = _openblas_path()
+    openblas = openblas_path()
     if openblas is None:
         return False
     if "mlx.core" in sys.modules:
@@ -123,7 +181,7 @@ def activate() -> bool:
         lib = ctypes.CDLL(openblas, mode=ctypes.RTLD_GLOBAL)
         threads = int(os.environ.get(ENV_THREADS) or os.cpu_count() or 1)
         lib.scipy_openblas_set_num_threads(threads)
-        ctypes.CDLL(_shim_path(openblas), mode=ctypes.RTLD_GLOBAL)
+        _load_shim(openblas)
     except Exception as e:  # a broken BLAS must never stop the package from importing
         _state["error"] = str(e)
         warnings.warn(f"fast BLAS not active ({e}); MLX uses its reference BLAS", RuntimeWarning, stacklevel=3)
@@ -169,7 +227,7 @@ def status() -> BlasStatus:
         note = "mlx was imported before mlx_tracer: reference BLAS (import mlx_tracer first)"
     elif _state["error"]:
         note = f"reference BLAS: {_state['error']}"
-    elif _openblas_path() is None or os.environ.get(ENV, "").lower() in ("0", "off", "false", "no"):
+    elif openblas_path() is None or os.environ.get(ENV, "").lower() in ("0", "off", "false", "no"):
         note = f"reference BLAS (no scipy-openblas32 installed, or {ENV}=0)"
     else:
         note = "reference BLAS"

@@ -85,6 +85,7 @@ def main(argv=None) -> int:
         what = f"byte 0x{byte:02x}" if byte is not None else "a lone surrogate"
         parser.error(f"argument {i + 1} ({argv[i]!a}) is not valid UTF-8 text ({what}); pass text encoded as UTF-8")
     args = parser.parse_args(argv)
+    from ..backend.jit import CompilerUnavailable
     from ..loading.store import FetchError
 
     try:
@@ -95,6 +96,6 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"mlx-tracer: error: {e}", file=sys.stderr)
         return 2
-    except FetchError as e:
+    except (FetchError, CompilerUnavailable) as e:
         print(f"mlx-tracer: error: {e}", file=sys.stderr)
         return 1

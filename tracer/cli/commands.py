@@ -5,12 +5,14 @@ from __future__ import annotations
 import sys
 import time
 
+
 def log(msg: str):
     """Progress and set-up notes: stderr (stdout carries only the results)."""
     print(msg, file=sys.stderr, flush=True)
 
 
 def load_generator(args):
+    """A Generator for the model options of ``args``, timed, with progress on stderr."""
     from ..api import Generator
 
     t0 = time.perf_counter()
@@ -24,6 +26,7 @@ def load_generator(args):
 
 
 def warm(gen, buckets, prefill=True):
+    """Trace ``buckets`` ahead of use; ``{trace: ms}`` of the traces made."""
     log(f"tracing buckets {list(buckets)} ...")
     traces = {}
     for b in buckets:

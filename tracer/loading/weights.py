@@ -16,10 +16,22 @@ quantized embedding/head kept). ``auto``:
   reference BLAS ``as-is`` wins (its fp32 GEMM is slow); with the fast BLAS
   ``float32`` does (MLX's CPU 4-bit matmul does not reuse weights across
   rows).
+
+Re-measure rule. Timings taken while other work competes for the cores say
+little about the formats (a busy 2-core machine here timed float32 13x
+slower than a quiet one, and picked as-is). So each choice is stored with the
+1-minute load average (``os.getloadavg``) of its measurement, the larger of
+the values before and after timing. A choice measured while the load average
+exceeded the core count (or with no load average known) is *provisional*:
+it is used as long as the machine is still that busy, and measured again,
+replacing it, at the first ``auto`` load that finds the load average at or
+below the core count. A choice measured at or below the core count stands
+until its setup changes (model file, MLX, BLAS, cores).
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from pathlib import Path
@@ -97,6 +109,20 @@ def pick_format(timings: Timings) -> str:
     return best if score[best] * MARGIN <= score["as-is"] else "as-is"
 
 
+def current_load() -> Optional[float]:
+    """The 1-minute load average (None where the platform has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def should_remeasure(known: FormatChoice, load_now: Optional[float]) -> bool:
+    """The re-measure rule (module docstring): a choice timed on a busy
+    machine is measured again once the machine is quiet."""
+    return known.measured_busy and load_now is not None and load_now <= known.setup.cores
+
+
 def choose_format(model, source: Optional[Path], reload, log=lambda s: None) -> tuple:
     """Resolve ``auto``: ``(model in the chosen format, format, timings)``.
 
@@ -106,9 +132,13 @@ def choose_format(model, source: Optional[Path], reload, log=lambda s: None) -> 
         return model, "as-is", {}
     setup = Setup.of(source) if source is not None else None
     known = format_cache.find(setup) if setup is not None else None
-    if known is not None:
+    load_before = current_load()
+    if known is not None and not should_remeasure(known, load_before):
         fmt = known.format
         return (apply_format(model, fmt) if fmt != "as-is" else model), fmt, known.timings
+    if known is not None:
+        log(f"measuring weight formats again: the stored choice was timed at load average {known.load_avg} "
+            f"on {known.setup.cores} cores, now {load_before:.2f}")
     avail = available_memory()
     fits = avail is None or float32_bytes(model) < avail // 2
     # fp32 everywhere when it fits; else blocks only (the head stays quantized)
@@ -121,5 +151,6 @@ def choose_format(model, source: Optional[Path], reload, log=lambda s: None) -> 
         del m
     fmt = pick_format(timings)
     if setup is not None:
-        format_cache.record(FormatChoice(setup, fmt, timings))
+        loads = [x for x in (load_before, current_load()) if x is not None]
+        format_cache.record(FormatChoice(setup, fmt, timings, max(loads) if loads else None, time.time()))
     return (model if fmt == "as-is" else apply_format(reload(), fmt)), fmt, timings

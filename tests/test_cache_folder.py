@@ -1,0 +1,96 @@
+"""The cache folder heals, and a read-only one is no error
+(tracer/home.py, tracer/backend/blas.py, tracer/loading/format_cache.py).
+Each case runs in a fresh interpreter with its own $MLX_TRACER_HOME."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlx_tracer.backend import blas
+
+from .helpers import CLI, model_present
+
+STATUS = "import mlx_tracer\nfrom mlx_tracer.backend import blas\ns = blas.status()\nprint('FAST' if s.fast else 'REFERENCE', s.library)"
+
+
+def run(args, home, **extra):
+    env = dict(os.environ, MLX_TRACER_HOME=str(home), **extra)
+    env.pop("MLX_TRACER_BLAS", None)  # the suite pins the reference BLAS; these runs do not
+    return subprocess.run(args, capture_output=True, text=True, timeout=600, env=env)
+
+
+@contextlib.contextmanager
+def read_only(folder: Path):
+    """``folder`` refuses writes, also for root (immutable attribute), or the test skips."""
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        try:
+            yield
+        finally:
+            folder.chmod(0o755)
+        return
+    r = subprocess.run(["chattr", "+i", str(folder)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"running as root and `chattr +i` failed ({r.stderr.strip()}): no read-only folder to test with")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(folder)], check=True)
+
+
+@pytest.mark.skipif(blas.openblas_path() is None, reason="scipy-openblas32 not installed")
+@pytest.mark.parametrize("junk", [b"", b"junk bytes, not a shared library", "truncated"])
+def test_a_corrupt_blas_shim_is_rebuilt(tmp_path, junk):
+    home = tmp_path / "home"
+    r = run([sys.executable, "-c", STATUS], home)  # builds a good shim
+    assert r.returncode == 0 and r.stdout.startswith("FAST"), r.stderr
+    shim = Path(r.stdout.split()[1])
+    assert shim.parent == home
+    good = shim.read_bytes()
+    shim.write_bytes(good[: len(good) // 3] if junk == "truncated" else junk)
+    r = run([sys.executable, "-c", STATUS], home)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("FAST"), (r.stdout, r.stderr)
+    assert "fast BLAS not active" not in r.stderr
+    assert shim.read_bytes()[:4] == b"\x7fELF" and shim.stat().st_size == len(good)
+
+
+@pytest.mark.skipif(blas.openblas_path() is None, reason="scipy-openblas32 not installed")
+def test_a_read_only_home_still_gets_the_fast_blas_and_says_so_once(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    with read_only(home):
+        r = run([sys.executable, "-c", STATUS + "\nfrom mlx_tracer import home\nhome.writable_cache_dir()"], home)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("FAST") and "blas-shim" in r.stdout, r.stdout
+    assert r.stderr.count("is not writable") == 1 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert list(home.iterdir()) == []
+
+
+@pytest.mark.model
+@pytest.mark.skipif(not model_present(), reason="SmolLM2 GGUF not present: run `mlx-tracer fetch`")
+def test_generate_and_info_with_a_read_only_home_run_without_caching(tmp_path):
+    from mlx_tracer.loading.store import MODEL_FILENAME, resolve_model
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / MODEL_FILENAME).symlink_to(resolve_model())
+    (home / "formats.json").write_text("[]")  # wrong shape, and it cannot be rebuilt here
+    with read_only(home):
+        r = run([CLI, "generate", "What is the capital of France?", "--max-tokens", "8", "--weights", "auto"], home)
+        i = run([CLI, "info"], home)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip(), "no answer"
+    assert r.stderr.count("is not writable") == 1, r.stderr
+    assert r.stderr.count("formats.json: not a version-2 formats file (list): ignoring") == 1, r.stderr
+    assert "Traceback" not in r.stderr and "PermissionError" not in r.stderr
+    assert i.returncode == 0 and "Traceback" not in i.stderr, i.stderr
+    assert sorted(p.name for p in home.iterdir()) == sorted(["formats.json", MODEL_FILENAME])
+    assert json.loads((home / "formats.json").read_text()) == []
