@@ -38,6 +38,15 @@ def test_generate_batch_and_trace_with_dot(tmp_path):
     assert dot.exists() and "QuantizedMatmul" in r.stdout
 
 
+@pytest.mark.model
+@needs_model
+def test_generate_with_speculative_decoding_reports_acceptance():
+    text = "Repeat exactly: red, green, blue, red, green, blue, red, green, blue."
+    r = run("generate", text, "--max-tokens", "16", "--weights", "as-is", "--spec", "prompt-lookup", "--draft-tokens", "3")
+    assert r.returncode == 0, r.stderr
+    assert "red" in r.stdout and "speculative:" in r.stderr and "drafts accepted" in r.stderr
+
+
 def test_bad_input_gives_clear_errors(tmp_path):
     r = run("generate", "hello", "--model", str(tmp_path / "nope.gguf"))
     assert r.returncode == 2 and "mlx-tracer fetch" in r.stderr
@@ -67,6 +76,11 @@ def test_bad_input_gives_clear_errors(tmp_path):
         (["--top-p", "0"], "argument --top-p: top-p is a probability in (0, 1]"),
         (["--min-p", "2"], "argument --min-p: min-p is a probability in [0, 1]"),
         (["--top-k", "-1"], "argument --top-k: must be >= 0"),
+        (["--spec", "medusa"], "argument --spec: invalid choice"),
+        (["--spec", "prompt-lookup", "--draft-tokens", "0"], "argument --draft-tokens: must be > 0"),
+        (["--spec", "prompt-lookup", "--draft-tokens", "600"], "draft_tokens must be in [1, 511]"),
+        (["--draft-model", "/nonexistent/draft.gguf"], "that path does not exist"),
+        (["--spec", "prompt-lookup", "--draft-model", "x.gguf"], "not allowed with argument"),
     ],
 )
 def test_bad_options_exit_2_before_the_model_loads(args, message):

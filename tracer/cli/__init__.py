@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: when the model has one)")
     g.add_argument("--system", default=DEFAULT_SYSTEM, help="system message of chat prompts")
     g.add_argument("--no-warmup", dest="warmup", action="store_false", help="do not trace before generating")
+    spec = g.add_mutually_exclusive_group()
+    spec.add_argument("--spec", choices=("prompt-lookup",), help="speculative decoding: drafts judged by one compiled verify step")
+    spec.add_argument("--draft-model", help="speculative decoding with this draft model (GGUF / mlx-lm folder, same tokenizer)")
+    g.add_argument("--draft-tokens", type=opt.positive_int, default=4, help="most drafts per row and verify step (k)")
     g.set_defaults(func=commands.generate)
 
     t = sub.add_parser("trace", help="trace the buckets, print trace counts and times")

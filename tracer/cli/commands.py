@@ -14,10 +14,15 @@ def log(msg: str):
 def load_generator(args):
     """A Generator for the model options of ``args``, timed, with progress on stderr."""
     from ..api import Generator
+    from ..generator import check_options
 
+    kwargs = {"buckets": args.buckets} if getattr(args, "buckets", None) else {}
+    speculative = getattr(args, "draft_model", None) or getattr(args, "spec", None)
+    if speculative:
+        kwargs.update(speculative=speculative, draft_tokens=args.draft_tokens)
+    check_options(**kwargs)  # before the slow load
     t0 = time.perf_counter()
     log(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
-    kwargs = {"buckets": args.buckets} if getattr(args, "buckets", None) else {}
     gen = Generator.load(
         args.model, weights=args.weights, chat=getattr(args, "chat", None), system=getattr(args, "system", None), log=log, **kwargs
     )
@@ -54,13 +59,19 @@ def generate(args) -> int:
         warm(gen, [bucket_for(min(len(args.prompts), gen.engine.buckets[-1]), gen.engine.buckets)], prefill=False)
     opts = dict(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
     uids = [gen.submit(p, seed=None if args.seed is None else args.seed + i, **opts) for i, p in enumerate(args.prompts)]
-    single = len(uids) == 1
-    for ev in gen.events():
-        if single:
-            print(ev.text, end="", flush=True)
-        elif ev.finish_reason is not None:
-            c = gen.result(ev.uid)
-            print(f"[{uids.index(ev.uid)}] {c.text}", flush=True)
+    single, partial = len(uids) == 1, False
+    try:
+        for ev in gen.events():
+            if single:
+                print(ev.text, end="", flush=True)
+                partial = partial or bool(ev.text)
+            elif ev.finish_reason is not None:
+                c = gen.result(ev.uid)
+                print(f"[{uids.index(ev.uid)}] {c.text}", flush=True)
+    except KeyboardInterrupt:
+        if partial:
+            print(flush=True)  # end the partial line; main() reports the interrupt
+        raise
     if single:
         print()
     print(gen.summary(), file=sys.stderr)

@@ -34,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..adapters.contract import probe_layout
+from ..backend.jit import check_compiler
 from ..adapters.traced import FamilyMasks
 from ..caches import DEFAULT_CAPACITIES
 from ..caches.batch import StaticKVCache
@@ -105,6 +106,7 @@ class CompiledModel:
     """
 
     def __init__(self, model, capacities: Sequence[int] = DEFAULT_CAPACITIES):
+        check_compiler()  # without it mx.compile would silently retrace every step
         self.model = model
         self.capacities = tuple(capacities)
         self.layout = probe_layout(model, self.capacities)
