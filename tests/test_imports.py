@@ -52,7 +52,7 @@ def test_public_names_resolve_on_first_use():
         " 'engine_loaded': 'mlx_tracer.runtime.engine' in sys.modules, 'all': mlx_tracer.__all__,"
         " 'dir': [n for n in mlx_tracer.__all__ if n not in dir(mlx_tracer)]}))\n"
     )
-    assert out["gen"] == "mlx_tracer.api" and out["api"]
+    assert out["gen"] == "mlx_tracer.generator" and out["api"]
     assert not out["dir"], f"names in __all__ missing from dir(): {out['dir']}"
     assert {"Generator", "Engine", "SamplingParams", "CompiledModel", "TraceKey", "load", "generate"} <= set(out["all"])
 
