@@ -12,8 +12,9 @@ system libraries needed; a Linux dependency of mlx-tracer). Its symbols carry
 a ``scipy_`` prefix, so a three-function forwarding shim (C, compiled once
 with the system C compiler, which MLX's CPU backend needs for its own kernel
 JIT anyway) exports the plain names. ``MLX_TRACER_BLAS=0`` switches this off;
-``MLX_TRACER_BLAS_THREADS`` sets the thread count (default: all cores; 2
-threads beat 1 on the 2-core machine this was measured on).
+``MLX_TRACER_BLAS_THREADS`` pins the thread count; otherwise
+:mod:`mlx_tracer.backend.threads` picks it per phase (decode: 1, prefill:
+the idle cores).
 
 The shim is kept in the cache folder (:mod:`mlx_tracer.home`) as
 ``blas-shim-<key>.so`` with its sha256 next to it. A kept file that does not
@@ -181,6 +182,7 @@ def activate() -> bool:
         lib = ctypes.CDLL(openblas, mode=ctypes.RTLD_GLOBAL)
         threads = int(os.environ.get(ENV_THREADS) or os.cpu_count() or 1)
         lib.scipy_openblas_set_num_threads(threads)
+        _state["lib"] = lib
         _load_shim(openblas)
     except Exception as e:  # a broken BLAS must never stop the package from importing
         _state["error"] = str(e)
@@ -189,6 +191,14 @@ def activate() -> bool:
     _state["loaded"] = openblas
     _state["threads"] = threads
     return True
+
+
+def set_threads(n: int) -> None:
+    """Use ``n`` OpenBLAS threads from now on (no-op without the fast BLAS).
+    Call it only while no BLAS call runs (between evaluated steps)."""
+    if _state.get("lib") is not None and n != _state["threads"]:
+        _state["lib"].scipy_openblas_set_num_threads(int(n))
+        _state["threads"] = int(n)
 
 
 class _DlInfo(ctypes.Structure):
@@ -222,7 +232,9 @@ def status() -> BlasStatus:
     lib = _sgemm_library()
     fast = _state["loaded"] is not None and lib is not None and "libblas" not in os.path.basename(lib)
     if fast:
-        note = f"OpenBLAS (scipy-openblas32) via shim, {_state['threads']} threads"
+        pinned = os.environ.get(ENV_THREADS)
+        threads = f"{pinned} threads (pinned by {ENV_THREADS})" if pinned else "threads per phase: decode 1, prefill the idle cores"
+        note = f"OpenBLAS (scipy-openblas32) via shim, {threads}"
     elif _state["late"]:
         note = "mlx was imported before mlx_tracer: reference BLAS (import mlx_tracer first)"
     elif _state["error"]:

@@ -22,6 +22,7 @@ from typing import Callable, Iterable, List, Optional, Sequence
 
 import mlx.core as mx
 
+from ..backend import threads
 from ..caches import DEFAULT_CAPACITIES
 from .batch import RunningBatch
 from .drafters import make_drafter
@@ -204,9 +205,14 @@ class Engine:
         groups = self.scheduler.admission(len(self.batch.rows))
         if not groups:
             return
-        prefilled = [prefill(self.compiled, g, bucket_for(len(g), self.buckets), self.scheduler.prefill_windows, self.stats) for g in groups]
-        new = [r for g in groups for r in g]  # row order = join order
-        self.batch.join(new, prefilled)
+        threads.for_prefill()  # nothing is in flight: a safe point to change BLAS threads
+        try:
+            prefilled = [prefill(self.compiled, g, bucket_for(len(g), self.buckets), self.scheduler.prefill_windows, self.stats)
+                         for g in groups]
+            new = [r for g in groups for r in g]  # row order = join order
+            self.batch.join(new, prefilled)
+        finally:
+            threads.for_decode()
         self.scheduler.admitted(new)
         for r in new:
             r.cache = None  # the caller's serial caches were only read; drop our reference
