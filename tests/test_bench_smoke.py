@@ -37,6 +37,19 @@ def test_bench_command_writes_table_json_and_plot(tmp_path, capsys):
     assert all(r["stock_tps"] > 0 and r["tracer_tps"] > 0 and r["baseline_tps"] > 0 and r["traces"] == 1 for r in data["rows"])
     assert data["steady_state"]["step_early"] < data["steady_state"]["step_late"] == 60
     assert out_png.stat().st_size > 1000
+    cond = data["meta"]["conditions"]
+    assert "load average (1 min)" in table and cond["cores"] >= 1 and cond["load_after"] is not None
+    assert ("WARNING" in table) == (not cond["quiet"])
+
+
+def test_bench_busy_scenario_starts_and_stops_its_neighbours(tmp_path, capsys):
+    rc = main(["bench", "--models", "llama-h32", "--buckets", "1", "--contexts", "16", "--tokens", "2", "--runs", "1",
+               "--steady-steps", "0", "--no-baseline", "--busy", "1"])
+    assert rc == 0
+    assert "1 busy processes started beside the run on purpose" in capsys.readouterr().out
+    with bench.busy_processes(2) as hogs:
+        assert all(h.poll() is None for h in hogs)
+    assert all(h.poll() is not None for h in hogs)
 
 
 def test_pytest_benchmark_suite_runs_in_smoke_mode():

@@ -14,6 +14,7 @@ the library needs lives here.
 """
 
 from .baseline import baseline, baseline_main
+from .conditions import Conditions, busy_processes
 from .machine import Machine, model_costs, roofline_tps
 from .models import DEFAULT_MODELS, copy_caches, load_bench_model, random_llama, synthetic_context
 from .report import HEADER, UNITS, format_row, plot, write_json
@@ -21,7 +22,7 @@ from .run import BenchRow, bench_model, steady_state
 from .systems import stock_decode, stock_host_ms, tracer_decode
 
 __all__ = [
-    "BenchRow", "DEFAULT_MODELS", "HEADER", "Machine", "UNITS", "baseline", "baseline_main", "bench_model",
+    "BenchRow", "Conditions", "DEFAULT_MODELS", "busy_processes", "HEADER", "Machine", "UNITS", "baseline", "baseline_main", "bench_model",
     "copy_caches", "format_row", "load_bench_model", "model_costs", "plot", "random_llama", "roofline_tps",
     "steady_state", "stock_decode", "stock_host_ms", "synthetic_context", "tracer_decode", "write_json",
 ]

@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight format of the stock and tracer systems (the as-run baseline keeps them as loaded)")
     b.add_argument("--no-baseline", dest="baseline", action="store_false",
                    help="skip the as-run baseline (a subprocess on MLX's reference BLAS)")
+    b.add_argument("--busy", type=opt.non_negative_int, default=0,
+                   help="start N busy processes beside the run (the contended-machine scenario)")
     b.add_argument("--json", help="write the results as JSON")
     b.add_argument("--plot", help="write tokens/s vs bucket as PNG")
     b.set_defaults(func=tools.benchmark)

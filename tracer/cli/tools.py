@@ -10,9 +10,27 @@ from .commands import log
 
 def benchmark(args) -> int:
     from .. import bench
+
+    conditions = bench.Conditions.start(args.busy)
+    with bench.busy_processes(args.busy):
+        out = _bench_tables(args, conditions)
+    print(conditions.finish().line())
+    if args.json:
+        out["meta"]["conditions"] = conditions.as_dict()
+        bench.write_json(args.json, out["machine"], out["rows"], out["steady"], out["meta"])
+        log(f"wrote {args.json}")
+    if args.plot:
+        bench.plot(args.plot, out["rows"])
+        log(f"wrote {args.plot}")
+    return 0
+
+
+def _bench_tables(args, conditions) -> dict:
+    from .. import bench
     from ..backend import blas
 
     log(f"BLAS: {blas.status().note}")
+    log(conditions.line())
     log("measuring this machine (memory bandwidth by size, fp32 GEMM) ...")
     machine = bench.Machine.measure()
     bw = ", ".join(f"{size >> 20} MB {gbps:.1f}" for size, gbps in sorted(machine.copy_gbps.items()))
@@ -44,13 +62,8 @@ def benchmark(args) -> int:
             f"step {steady['step_late']}: {steady['tps_late']:.1f} tok/s ({steady['late_over_early']:.3f}x), "
             f"traces {steady['traces_at_early']} -> {steady['traces_at_end']}"
         )
-    if args.json:
-        bench.write_json(args.json, machine, rows, steady, {"tokens": args.tokens, "runs": args.runs, "blas": blas.status().note})
-        log(f"wrote {args.json}")
-    if args.plot:
-        bench.plot(args.plot, rows)
-        log(f"wrote {args.plot}")
-    return 0
+    meta = {"tokens": args.tokens, "runs": args.runs, "blas": blas.status().note}
+    return {"machine": machine, "rows": rows, "steady": steady, "meta": meta}
 
 
 def info(args) -> int:
