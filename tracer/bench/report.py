@@ -12,7 +12,7 @@ from .run import BenchRow
 
 HEADER = (
     f"{'model':<26} {'B':>2} {'ctx':>5} {'as-run':>7} {'stock':>7} {'tracer':>7} {'vs as-run':>9} {'vs stock':>8} "
-    f"{'host ms s/t':>11} {'traces':>6} {'trace ms':>8} {'peak MB':>7} {'roofline':>8}"
+    f"{'host ms s/t':>11} {'traces':>6} {'trace ms':>8} {'peak MB':>7} {'roof file':>9} {'roof fmt':>8}"
 )
 UNITS = "(tok/s: as-run = stock mlx-lm with MLX's reference BLAS and weights as loaded; stock = same process and weights as tracer)"
 
@@ -23,7 +23,7 @@ def format_row(r: BenchRow) -> str:
     return (
         f"{r.model:<26} {r.bucket:>2} {r.context:>5} {base} {r.stock_tps:>7.1f} {r.tracer_tps:>7.1f} {up} {r.ratio:>7.2f}x "
         f"{r.stock_host_ms:>5.1f}/{r.tracer_host_ms:<5.2f} {r.traces:>6} {r.first_trace_ms:>8.0f} {r.peak_mb:>7.0f} "
-        f"{r.tracer_roofline_pct:>7.1f}%"
+        f"{r.tracer_roofline_pct:>8.1f}% {r.format_roofline_pct:>7.1f}%"
     )
 
 

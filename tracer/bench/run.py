@@ -37,7 +37,9 @@ class BenchRow:
     first_trace_ms: float
     peak_mb: float
     roofline_tps: float
-    tracer_roofline_pct: float
+    tracer_roofline_pct: float  # against the ceiling of the model file's bytes (the headline)
+    format_roofline_tps: float = 0.0  # ceiling for the bytes of the weight format that ran
+    format_roofline_pct: float = 0.0
     stock_runs: List[float] = field(default_factory=list)
     tracer_runs: List[float] = field(default_factory=list)
     baseline_tps: Optional[float] = None  # stock mlx-lm as a user runs it: reference BLAS, weights as loaded
@@ -52,6 +54,7 @@ def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[in
     """Time every (context, bucket) of one model; ``on_row`` sees each row as it is done."""
     compiled = CompiledModel(model)
     costs = model_costs(model, compiled.layouts)
+    file_bytes = getattr(model, "mlx_tracer_file_bytes", costs["weight_bytes"])  # as loaded, before a format change
     rows = []
     for C in contexts:
         ctx = synthetic_context(model, compiled.layouts, C)
@@ -75,11 +78,13 @@ def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[in
             traces = sum(compiled.traces.values())
             assert traces == traces_before, "the timed runs retraced"
             s, t = statistics.median(s_runs), statistics.median(t_runs)
-            roof = roofline_tps(costs, compiled.layouts, machine, B, C)
+            roof = roofline_tps(costs, compiled.layouts, machine, B, C, weight_bytes=file_bytes)
+            fmt_roof = roofline_tps(costs, compiled.layouts, machine, B, C)
             row = BenchRow(
                 label, B, C, s, t, t / s, stock_host_ms(model, contexts_b), statistics.median(t_host),
                 len(warm),  # decode traces this configuration made (the timed runs made none)
-                max(warm.values(), default=float("nan")), peak, roof, 100 * t / roof, s_runs, t_runs,
+                max(warm.values(), default=float("nan")), peak, roof, 100 * t / roof, fmt_roof, 100 * t / fmt_roof,
+                s_runs, t_runs,
             )
             on_row(row)
             rows.append(row)

@@ -39,6 +39,8 @@ def load_model(path: Optional[Union[str, Path]] = None, progress: bool = True, w
     (:func:`mlx_tracer.backend.jit.check_compiler`; raises
     ``CompilerUnavailable`` naming what to install), before any download.
     """
+    from mlx.utils import tree_flatten
+
     from ..backend.jit import check_compiler
     from . import store
     from .weights import apply_format, check_format, choose_format
@@ -59,9 +61,11 @@ def load_model(path: Optional[Union[str, Path]] = None, progress: bool = True, w
         return load_gguf(target)
 
     model, tokenizer = read()
+    file_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))  # the weights as the file holds them
     if weights == "auto":
         model, weights, _ = choose_format(model, target, lambda: read()[0], log)
     else:
         apply_format(model, weights)
     model.mlx_tracer_weights = weights
+    model.mlx_tracer_file_bytes = file_bytes
     return model, tokenizer
