@@ -42,7 +42,8 @@ def test_generate_batch_and_trace_with_dot(tmp_path):
 @needs_model
 def test_generate_with_speculative_decoding_reports_acceptance():
     text = "Repeat exactly: red, green, blue, red, green, blue, red, green, blue."
-    r = run("generate", text, "--max-tokens", "16", "--weights", "as-is", "--spec", "prompt-lookup", "--draft-tokens", "3")
+    r = run("generate", text, "--max-tokens", "16", "--weights", "as-is", "--spec", "prompt-lookup", "--draft-tokens", "3",
+            "--spec-policy", "always")
     assert r.returncode == 0, r.stderr
     assert "red" in r.stdout and "speculative:" in r.stderr and "drafts accepted" in r.stderr
 

@@ -84,7 +84,8 @@ def test_speculative_decoding_on_smollm2_keeps_the_greedy_tokens(smol):
     text = "Repeat this list exactly: apples, pears, plums, cherries, apples, pears, plums, cherries."
     want = smol.batch_generate([text, FRANCE], max_tokens=16)
     for spec in ("prompt-lookup", smol.model):
-        gen = Generator(smol.model, smol.tokenizer, system=SYSTEM, speculative=spec, draft_tokens=4)
+        gen = Generator(smol.model, smol.tokenizer, system=SYSTEM, speculative=spec, draft_tokens=4,
+                        spec_policy="always")
         got = gen.batch_generate([text, FRANCE], max_tokens=16)
         assert [c.tokens for c in got] == [c.tokens for c in want], spec
         assert gen.stats.verify_steps > 0 and gen.stats.accepted > 0, gen.summary()

@@ -24,6 +24,8 @@ ARRIVALS = [0, 0, 3, 7, 12]  # steps at which the requests join
 
 
 def _run(model, arrivals=ARRIVALS, budget=40, **kw):
+    if "speculative" in kw:
+        kw.setdefault("spec_policy", "always")  # exercise verify steps whenever there are drafts
     eng = Engine(model, buckets=(1, 2, 4), prefill_chunks=(8, 16), **kw)
     out, uids, step = {}, [], 0
     pending = list(zip(arrivals, PROMPTS))
@@ -108,7 +110,8 @@ def _filtered(logprobs, p: SamplingParams):
 
 def test_sampled_speculative_runs_reproduce_with_their_seed():
     model = tiny_model("llama")
-    gen = Generator(model, IdTokenizer(), chat=False, speculative="prompt-lookup", draft_tokens=3)
+    gen = Generator(model, IdTokenizer(), chat=False, speculative="prompt-lookup", draft_tokens=3,
+                    spec_policy="always")
     a = gen.batch_generate([PROMPTS[0], PROMPTS[2]], max_tokens=20, temp=0.9, seed=7)
     b = gen.batch_generate([PROMPTS[0], PROMPTS[2]], max_tokens=20, temp=0.9, seed=7)
     assert [c.tokens for c in a] == [c.tokens for c in b]
@@ -118,7 +121,8 @@ def test_sampled_speculative_runs_reproduce_with_their_seed():
 def test_greedy_rows_in_a_sampled_batch_stay_greedy():
     model = tiny_model("llama")
     plain, _ = _run(model, arrivals=[0, 0, 0, 0, 0])
-    eng = Engine(model, buckets=(1, 2, 4, 8), prefill_chunks=(8, 16), speculative="prompt-lookup", draft_tokens=4)
+    eng = Engine(model, buckets=(1, 2, 4, 8), prefill_chunks=(8, 16), speculative="prompt-lookup", draft_tokens=4,
+                 spec_policy="always")
     uids = [eng.add(p, max_tokens=40, sampling=GREEDY) for p in PROMPTS]
     hot = eng.add(PROMPTS[0], max_tokens=40, sampling=SamplingParams(temperature=1.0, seed=3))
     out = {u: [] for u in uids + [hot]}
@@ -182,8 +186,41 @@ def test_generator_loads_a_draft_model_from_a_path(tmp_path):
     from .helpers import save_model_dir
 
     target_dir, draft_dir = save_model_dir(tmp_path / "target", "llama"), save_model_dir(tmp_path / "draft", "llama", seed=0)
-    gen = Generator.load(str(target_dir), weights="as-is", speculative=str(draft_dir), draft_tokens=3, chat=False)
+    gen = Generator.load(str(target_dir), weights="as-is", speculative=str(draft_dir), draft_tokens=3, chat=False,
+                         spec_policy="always")
     plain = Generator.load(str(target_dir), weights="as-is", chat=False)
     prompt = PROMPTS[2]
     assert gen.batch_generate([prompt], max_tokens=12)[0].tokens == plain.batch_generate([prompt], max_tokens=12)[0].tokens
     assert gen.stats.verify_steps > 0 and gen.stats.acceptance > 0.9
+
+
+def test_the_auto_policy_verifies_only_when_it_pays():
+    """The rule on given step times: expected tokens per second of a verify
+    step against a plain step's, per row acceptance; rows recover toward the prior."""
+    from mlx_tracer.runtime.requests import Request
+    from mlx_tracer.runtime.speculator import PRIOR, Speculator
+
+    spec = Speculator(PromptLookup(), k=4)
+    rows = [Request(i, [1, 2, 3, 1, 2, 3, 1, 2], 50, GREEDY, frozenset(), initial_key(0)) for i in range(2)]
+    assert spec.drafts(rows, 2) is None  # no plain step measured yet: decode first
+    spec.observe("decode", 2, 0.100)
+    assert spec.drafts(rows, 2) is not None  # prior 0.5, guessed cost 1.5x: 2 * (1 + 0.5 * n) / 0.15 > 2 / 0.1
+    spec.observe("verify", 2, 0.300)  # measured: a verify step costs 3 plain steps
+    for r in rows:
+        r.accept_rate = 0.3
+    assert spec.drafts(rows, 2) is None  # 2 * (1 + 0.3 * n <= 2.2) / 0.3 < 2 / 0.1
+    for r in rows:
+        r.accept_rate = 0.95
+    assert spec.drafts(rows, 2) is not None  # 2 * (1 + 0.95 * n) / 0.3 > 20 for n >= 3
+    low = rows[0].accept_rate = rows[1].accept_rate = 0.0
+    for _ in range(100):
+        spec.plain_step(rows)
+    assert low < rows[0].accept_rate <= PRIOR and abs(rows[0].accept_rate - PRIOR) < 0.01
+
+
+def test_the_auto_policy_keeps_greedy_output_equal():
+    model = tiny_model("llama")
+    plain, _ = _run(model)
+    for drafter in (tiny_model("llama"), tiny_model("llama", seed=5), "prompt-lookup"):
+        spec, eng = _run(model, speculative=drafter, draft_tokens=4, spec_policy="auto")
+        assert spec == plain and eng.stats.steps > 0

@@ -19,6 +19,7 @@ import mlx.core as mx
 from .caches import DEFAULT_CAPACITIES
 from .runtime.engine import DEFAULT_PREFILL_CHUNKS, Engine
 from .runtime.drafters import make_drafter
+from .runtime.speculator import Speculator
 from .runtime.options import (
     check_buckets, check_draft_tokens, check_max_tokens, check_prefill_chunks, check_stop_strings, check_token_ids,
 )
@@ -60,6 +61,7 @@ class Generator:
         speculative: ``"prompt-lookup"`` for batched speculative decoding
             (see :class:`~mlx_tracer.runtime.engine.Engine`); None: off.
         draft_tokens: the most drafts per row and verify step.
+        spec_policy: ``"auto"`` (verify steps when they pay) or ``"always"``.
     """
 
     def __init__(
@@ -73,15 +75,17 @@ class Generator:
         system: Optional[str] = None,
         speculative=None,
         draft_tokens: int = 4,
+        spec_policy: str = "auto",
     ):
-        check_options(buckets, prefill_chunks, chat, system, speculative, draft_tokens)
+        check_options(buckets, prefill_chunks, chat, system, speculative, draft_tokens, spec_policy)
         if _is_draft_path(speculative):
             from .api import load
 
             speculative = load(speculative, weights="as-is")[0]
         self.model = model
         self.tokenizer = tokenizer
-        self.engine = Engine(model, buckets, prefill_chunks, capacities, speculative=speculative, draft_tokens=draft_tokens)
+        self.engine = Engine(model, buckets, prefill_chunks, capacities, speculative=speculative, draft_tokens=draft_tokens,
+                             spec_policy=spec_policy)
         self.chat = getattr(tokenizer, "has_chat_template", False) if chat is None else chat
         self.system = system
         self._live: Dict[int, _Live] = {}
@@ -93,7 +97,7 @@ class Generator:
         Generator. The options are checked before the model loads."""
         log = kwargs.pop("log", lambda s: None)
         check_options(kwargs.get("buckets", DEFAULT_BUCKETS), kwargs.get("prefill_chunks", DEFAULT_PREFILL_CHUNKS),
-                       kwargs.get("chat"), kwargs.get("system"), kwargs.get("speculative"), kwargs.get("draft_tokens", 4))
+                       kwargs.get("chat"), kwargs.get("system"), kwargs.get("speculative"), kwargs.get("draft_tokens", 4), kwargs.get("spec_policy", "auto"))
         from .api import load
 
         model, tokenizer = load(path, progress=progress, weights=weights, log=log)
@@ -300,9 +304,11 @@ def _is_draft_path(speculative) -> bool:
 
 
 def check_options(buckets=DEFAULT_BUCKETS, prefill_chunks=DEFAULT_PREFILL_CHUNKS, chat=None, system=None,
-                  speculative=None, draft_tokens=4):
+                  speculative=None, draft_tokens=4, spec_policy="auto"):
     """Check a Generator's options without a model (raises ValueError/TypeError)."""
     check_buckets(buckets)
+    if spec_policy not in Speculator.POLICIES:
+        raise ValueError(f"spec_policy must be one of {Speculator.POLICIES}, got {spec_policy!r}")
     chunks = check_prefill_chunks(prefill_chunks)
     if _is_draft_path(speculative):
         if not Path(speculative).expanduser().exists():

@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--spec", choices=("prompt-lookup",), help="speculative decoding: drafts judged by one compiled verify step")
     spec.add_argument("--draft-model", help="speculative decoding with this draft model (GGUF / mlx-lm folder, same tokenizer)")
     g.add_argument("--draft-tokens", type=opt.positive_int, default=4, help="most drafts per row and verify step (k)")
+    g.add_argument("--spec-policy", choices=("auto", "always"), default="auto",
+                   help="auto: a verify step when it is expected to pay; always: whenever a row has drafts")
     g.set_defaults(func=commands.generate)
 
     t = sub.add_parser("trace", help="trace the buckets, print trace counts and times")

@@ -19,7 +19,7 @@ def load_generator(args):
     kwargs = {"buckets": args.buckets} if getattr(args, "buckets", None) else {}
     speculative = getattr(args, "draft_model", None) or getattr(args, "spec", None)
     if speculative:
-        kwargs.update(speculative=speculative, draft_tokens=args.draft_tokens)
+        kwargs.update(speculative=speculative, draft_tokens=args.draft_tokens, spec_policy=args.spec_policy)
     check_options(**kwargs)  # before the slow load
     t0 = time.perf_counter()
     log(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")

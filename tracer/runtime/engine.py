@@ -18,6 +18,7 @@ retraces while requests come and go.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Iterable, List, Optional, Sequence
 
 import mlx.core as mx
@@ -57,6 +58,9 @@ class Engine:
             step per bucket judges; None (default) decodes one token a step.
         draft_tokens: the most drafts per row and step (``k``; the verify
             window is ``k + 1`` tokens).
+        spec_policy: ``"auto"`` runs a verify step only when it is expected to
+            emit more tokens per second than a plain step (measured step times,
+            each row's recent acceptance); ``"always"`` whenever a row has drafts.
         on_retire: called as ``on_retire(request, caches, tokens)`` for every
             row that leaves the batch (finished or cancelled), before it
             leaves: ``caches`` are owned serial mlx-lm caches of the row (one
@@ -73,6 +77,7 @@ class Engine:
         batched_prefill: Optional[bool] = None,
         speculative=None,
         draft_tokens: int = 4,
+        spec_policy: str = "auto",
         on_retire: Optional[Callable[[Request, list, List[int]], None]] = None,
     ):
         buckets = check_buckets(buckets)  # before the probe forward: bad input fails fast
@@ -83,7 +88,7 @@ class Engine:
         batched = mx.default_device() == mx.gpu if batched_prefill is None else batched_prefill
         self.scheduler = Scheduler(buckets, prefill_chunks, self.compiled.vocab_size, self.compiled.max_positions, batched,
                                    self.compiled.context_length, lookahead=k)
-        self.speculator = Speculator(drafter, k) if drafter else None
+        self.speculator = Speculator(drafter, k, spec_policy) if drafter else None
         self.on_retire = on_retire
         self.stats = EngineStats()
         self.batch = RunningBatch(self.compiled, buckets, self.stats)
@@ -184,12 +189,17 @@ class Engine:
         self.admit()
         if not self.batch.rows:
             return []
-        drafts = self.speculator.drafts(self.batch.rows)
+        width = self.batch.width
+        drafts = self.speculator.drafts(self.batch.rows, width)
+        t0 = time.perf_counter()
         if drafts is not None:
             events = self.batch.verify(drafts, self.speculator.k, self.speculator)
+            self.speculator.observe("verify", width, time.perf_counter() - t0)
         else:
             self.batch.dispatch()
             events = self.batch.read()
+            self.speculator.observe("decode", width, time.perf_counter() - t0)
+            self.speculator.plain_step(self.batch.rows)
         return events + self._retire()
 
     def run(self) -> Iterable[TokenEvent]:
