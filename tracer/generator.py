@@ -15,8 +15,10 @@ from pathlib import Path
 from typing import Deque, Dict, Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
+import numpy as np
 
 from .caches import DEFAULT_CAPACITIES
+from .runtime.distributed import Lockstep, init_group, load_sharded, shard_model
 from .runtime.engine import DEFAULT_PREFILL_CHUNKS, Engine
 from .runtime.options import check_buckets, check_max_tokens, check_prefill_chunks, check_stop_strings, check_token_ids
 from .runtime.requests import TokenEvent
@@ -112,6 +114,12 @@ class Generator:
         chat: apply the tokenizer's chat template to string prompts
             (default: when the tokenizer has one).
         system: the system message of chat prompts.
+        distributed: run as one rank of a sharded model (see
+            :mod:`mlx_tracer.runtime.distributed`): ``True`` joins the group
+            ``mlx.launch`` started, or pass an ``mx.distributed.Group``. The
+            model is sharded in place (unless it already is); every rank must
+            then get the same requests in the same order, and only
+            :attr:`is_primary` (rank 0) should print.
     """
 
     def __init__(
@@ -123,27 +131,58 @@ class Generator:
         capacities: Sequence[int] = DEFAULT_CAPACITIES,
         chat: Optional[bool] = None,
         system: Optional[str] = None,
+        distributed: Union[bool, "mx.distributed.Group"] = False,
     ):
         _check_options(buckets, prefill_chunks, chat, system)
         self.model = model
         self.tokenizer = tokenizer
-        self.engine = Engine(model, buckets, prefill_chunks, capacities)
+        self.lockstep: Optional[Lockstep] = None
+        if distributed is False:
+            self.engine = Engine(model, buckets, prefill_chunks, capacities)
+        else:
+            group = init_group() if distributed is True else distributed
+            shard_model(model, group)
+            self.lockstep = lock = Lockstep(group)
+            rng = np.random.default_rng(lock.shared_seed())
+            self.engine = lock.collective("probing the sharded model", Engine, model, buckets, prefill_chunks, capacities,
+                                          None, rng)
         self.chat = getattr(tokenizer, "has_chat_template", False) if chat is None else chat
         self.system = system
         self._live: Dict[int, _Live] = {}
         self._outbox: Deque[GenerationEvent] = deque()  # events of requests that are not streamed
 
     @classmethod
-    def load(cls, path: Optional[Union[str, Path]] = None, progress: bool = True, weights: str = "auto", **kwargs) -> "Generator":
+    def load(cls, path: Optional[Union[str, Path]] = None, progress: bool = True, weights: str = "auto",
+             distributed: bool = False, **kwargs) -> "Generator":
         """Load a model (see :func:`load`; ``weights="auto"`` by default) into a
-        Generator. The options are checked before the model loads."""
+        Generator. The options are checked before the model loads.
+        ``distributed=True``: one rank of a sharded model started by
+        ``mlx.launch`` (a model ``shard()`` cannot split fails with a
+        ``ValueError`` before any work)."""
         log = kwargs.pop("log", lambda s: None)
         _check_options(kwargs.get("buckets", DEFAULT_BUCKETS), kwargs.get("prefill_chunks", DEFAULT_PREFILL_CHUNKS),
                        kwargs.get("chat"), kwargs.get("system"))
+        if distributed:
+            model, tokenizer, group = load_sharded(path, progress=progress, weights=weights, log=log)
+            return cls(model, tokenizer, distributed=group, **kwargs)
         from .api import load
 
         model, tokenizer = load(path, progress=progress, weights=weights, log=log)
         return cls(model, tokenizer, **kwargs)
+
+    @property
+    def is_primary(self) -> bool:
+        """Whether this process prints: always, except on ranks other than 0 of a sharded model."""
+        return self.lockstep is None or self.lockstep.is_primary
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.lockstep is None else self.lockstep.rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the model is sharded over (1: not sharded)."""
+        return 1 if self.lockstep is None else self.lockstep.size
 
     @property
     def weights(self) -> str:
@@ -261,7 +300,7 @@ class Generator:
     # ----------------------------------------------------------- event routing
     def _pump(self):
         """One engine step; every event goes to its request (none dropped)."""
-        for ev in self.engine.step():
+        for ev in self.engine.step() if self.lockstep is None else self.lockstep.step(self.engine):
             self._route(ev)
 
     def _route(self, ev: TokenEvent):
@@ -316,6 +355,8 @@ class Generator:
     # ---------------------------------------------------------------- stats
     def warmup(self, buckets: Optional[Sequence[int]] = None, prefill: bool = True) -> dict:
         """Trace ahead of time; returns ``{trace: ms}`` of the traces it made."""
+        if self.lockstep is not None:
+            return self.lockstep.collective("warmup", self.engine.warmup, buckets, prefill)
         return self.engine.warmup(buckets, prefill)
 
     @property

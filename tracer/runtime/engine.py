@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Iterable, List, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from ..caches import DEFAULT_CAPACITIES
 from .batch import RunningBatch
@@ -49,6 +50,7 @@ class Engine:
             (default on GPUs). On the CPU, quantized matmuls do not reuse
             weights across rows, so each newcomer is prefilled alone (no
             padding waste) and all are joined at once.
+        rng: draws the seeds of unseeded requests (see :class:`Scheduler`).
     """
 
     def __init__(
@@ -58,12 +60,13 @@ class Engine:
         prefill_chunks: Sequence[int] = DEFAULT_PREFILL_CHUNKS,
         capacities: Sequence[int] = DEFAULT_CAPACITIES,
         batched_prefill: Optional[bool] = None,
+        rng: Optional[np.random.Generator] = None,
     ):
         buckets = check_buckets(buckets)  # before the probe forward: bad input fails fast
         self.compiled = model if isinstance(model, CompiledModel) else CompiledModel(model, capacities)
         batched = mx.default_device() == mx.gpu if batched_prefill is None else batched_prefill
         self.scheduler = Scheduler(buckets, prefill_chunks, self.compiled.vocab_size, self.compiled.max_positions, batched,
-                                   self.compiled.context_length)
+                                   self.compiled.context_length, rng)
         self.stats = EngineStats()
         self.batch = RunningBatch(self.compiled, buckets, self.stats)
 

@@ -13,6 +13,8 @@ import itertools
 from collections import deque
 from typing import Deque, Dict, Iterable, List, Optional, Sequence
 
+import numpy as np
+
 from .options import check_buckets, check_max_tokens, check_prefill_chunks, check_token_ids
 from .requests import Request, TokenEvent
 from .sampling import GREEDY, SamplingParams, initial_key
@@ -29,16 +31,20 @@ class Scheduler:
         context_length: the model's own context length (None: not stated).
         batched_prefill: prefill newcomers together in one padded batch, or
             each alone (see :class:`~mlx_tracer.runtime.engine.Engine`).
+        rng: draws the seeds of requests that give none (default: fresh
+            entropy per request); ranks in lockstep pass identically seeded ones.
     """
 
     def __init__(self, buckets: Sequence[int], prefill_chunks: Sequence[int], vocab_size: int,
-                 max_positions: Optional[int], batched_prefill: bool, context_length: Optional[int] = None):
+                 max_positions: Optional[int], batched_prefill: bool, context_length: Optional[int] = None,
+                 rng: Optional[np.random.Generator] = None):
         self.buckets = check_buckets(buckets)
         self.prefill_chunks = check_prefill_chunks(prefill_chunks)
         self.vocab_size = vocab_size
         self.max_positions = max_positions
         self.context_length = context_length
         self.batched_prefill = batched_prefill
+        self.rng = rng
         self.queue: Deque[Request] = deque()
         self.requests: Dict[int, Request] = {}  # queued or running, until finished
         self._uids = itertools.count()
@@ -67,7 +73,7 @@ class Scheduler:
                     f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} exceed the largest capacity bucket "
                     f"{self.max_positions}: shorten the prompt, lower max_tokens or pass larger capacities"
                 )
-        req = Request(next(self._uids), prompt, max_tokens, sampling, stop_ids, initial_key(sampling.seed),
+        req = Request(next(self._uids), prompt, max_tokens, sampling, stop_ids, initial_key(sampling.seed, self.rng),
                       list(cache) if cache else None)
         self.queue.append(req)
         self.requests[req.uid] = req

@@ -1,0 +1,121 @@
+"""Sharded decode on 1 vs N ranks: tok/s, and each step split into compute and collective.
+
+    python benchmarks/bench_distributed.py                                  # 1 rank
+    mlx.launch --backend ring -n 2 python benchmarks/bench_distributed.py   # 2 ranks on this machine
+
+Per configuration it decodes ``--batch`` greedy rows of a random llama for
+``--tokens`` tokens (``--runs`` timed runs after a warm one) three ways:
+``real`` (the all-sums of the sharded layers in the graph), ``stub`` (every
+``mx.distributed.all_sum`` replaced by the identity: the same per-rank compute
+with no communication, so ``real - stub`` is the step's collective time) and
+the lockstep token check every step vs every ``DEFAULT_CHECK_EVERY`` steps.
+Only rank 0 prints (one JSON line per configuration with ``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_tracer.runtime.distributed import DEFAULT_CHECK_EVERY, Lockstep, init_group, shard_model
+from mlx_tracer.runtime.engine import Engine
+from mlx_tracer.runtime.requests import EngineStats
+
+
+def tiny_llama(hidden: int, layers: int, heads: int, kv_heads: int, vocab: int, seed: int = 0):
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=2 * hidden,
+                           num_attention_heads=heads, num_key_value_heads=kv_heads, rms_norm_eps=1e-5,
+                           vocab_size=vocab, tie_word_embeddings=False)
+    mx.random.seed(seed)  # the same weights on every rank
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def decode_run(engine: Engine, step, batch: int, tokens: int) -> tuple:
+    """(tok/s, ms per step) of ``batch`` rows decoding ``tokens`` tokens after a 16-token prompt."""
+    rng = np.random.default_rng(0)
+    for _ in range(batch):
+        engine.add(rng.integers(1, engine.vocab_size, size=16).tolist(), max_tokens=tokens)
+    engine.admit()  # prefill stays out of the decode timing
+    engine.stats = EngineStats()
+    while engine.has_work():
+        step(engine)
+    s = engine.stats
+    return s.decode_tps, 1e3 * s.decode_s / s.steps
+
+
+def measure(make_model, group, args, stub: bool, check_every: int) -> dict:
+    real_all_sum = mx.distributed.all_sum
+    if stub:
+        mx.distributed.all_sum = lambda x, *a, **k: x
+    try:
+        model = make_model()
+        if group is not None:
+            shard_model(model, group)
+        lock = Lockstep(group, check_every=check_every) if group is not None and group.size() > 1 and not stub else None
+        step = (lambda e: e.step()) if lock is None else lock.step
+        engine = Engine(model, buckets=(args.batch,), prefill_chunks=(16,))
+        decode_run(engine, step, args.batch, args.tokens)  # traces, kernel builds
+        runs = [decode_run(engine, step, args.batch, args.tokens) for _ in range(args.runs)]
+        assert all(n == 1 for n in engine.compiled.traces.values())
+    finally:
+        mx.distributed.all_sum = real_all_sum
+    return {"tok_s": statistics.median(r[0] for r in runs), "ms_step": statistics.median(r[1] for r in runs)}
+
+
+def collective_latency(group, shape, reps: int = 200) -> float:
+    """Median µs of one eager all_sum of a float32 array of ``shape``."""
+    x = mx.ones(shape)
+    mx.eval(mx.distributed.all_sum(x, group=group))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        mx.eval(mx.distributed.all_sum(x, group=group))
+        times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=101)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    launched = "MLX_RANK" in os.environ
+    group = init_group() if launched else None
+    size, rank = (group.size(), group.rank()) if group is not None else (1, 0)
+
+    def make_model():
+        return tiny_llama(args.hidden, args.layers, args.heads, args.kv_heads, args.vocab)
+
+    row = {"ranks": size, "hidden": args.hidden, "layers": args.layers, "batch": args.batch, "tokens": args.tokens,
+           "load_before": os.getloadavg()}
+    row["real"] = measure(make_model, group, args, stub=False, check_every=DEFAULT_CHECK_EVERY)
+    if size > 1:
+        row["check_every_step"] = measure(make_model, group, args, stub=False, check_every=1)
+        row["stub"] = measure(make_model, group, args, stub=True, check_every=0)
+        row["collective_ms_step"] = row["real"]["ms_step"] - row["stub"]["ms_step"]
+        row["all_sum_us"] = collective_latency(group, (args.batch, 1, args.hidden))
+        row["all_sums_per_step"] = 2 * args.layers
+    row["load_after"] = os.getloadavg()
+    if rank == 0:
+        print(json.dumps(row) if args.json else "\n".join(f"{k}: {v}" for k, v in row.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()

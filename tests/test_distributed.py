@@ -1,0 +1,272 @@
+"""Sharded models over mx.distributed: 2 ranks on 127.0.0.1 (ring backend).
+
+The ranks run tests/dist_rank.py, started by ``mlx.launch`` (or, where the
+test is how a rank behaves on its own when a peer fails, through the same
+environment variables mlx.launch sets: MLX_RANK and MLX_HOSTFILE; mlx.launch
+itself would kill the survivor and hide that). Every launch runs in its own
+process group, bounded by a timeout and killed in a ``finally``.
+
+Measured tolerance: the 2-rank logits differ from the single-process ones by
+at most 5.7e-6 (tiny fp32 models whose logits reach ~12: ~5e-7 relative; the
+sharded matmuls sum in another order), and are bit-identical across ranks
+(every rank reads the same all-summed values). The test allows 5e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+from mlx_tracer import Generator
+from mlx_tracer.runtime.distributed import Lockstep, check_shardable, shard_model
+from mlx_tracer.runtime.watchdog import Watchdog
+
+from . import dist_rank
+from .helpers import IdTokenizer
+from .tiny_models import VOCAB, _config, tiny_model
+
+HERE = Path(__file__).resolve().parent
+RANK = str(HERE / "dist_rank.py")
+FAMILIES = ["llama", "llama_mixed"]  # full attention; sliding-window (RotatingKVCache) + full layers
+LOGITS_ATOL = 5e-5  # measured max |2 ranks - 1 process|: 5.7e-6 (logits up to ~12)
+
+
+# ------------------------------------------------------------------ helpers
+def save_model_dir(model, cfg: dict, path: Path) -> Path:
+    """An mlx-lm model directory (config, weights, a word-level tokenizer)."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    tok = {
+        "version": "1.0",
+        "model": {"type": "WordLevel", "vocab": {str(i): i for i in range(cfg["vocab_size"])}, "unk_token": "0"},
+        "pre_tokenizer": {"type": "Whitespace"},
+        "decoder": None,
+        "added_tokens": [],
+    }
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "0"}))
+    return path
+
+
+def unsplittable_config() -> dict:
+    """SmolLM2's head counts (9 heads, 3 KV heads) on a tiny llama."""
+    return dict(_config("llama"), hidden_size=72, intermediate_size=96, num_attention_heads=9, num_key_value_heads=3)
+
+
+def free_port_pair() -> int:
+    """A port P with P and P+1 free (mlx.launch numbers ranks' ports upwards)."""
+    for _ in range(50):
+        p = random.randint(20000, 60000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 1))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair on 127.0.0.1")
+
+
+def run_group(cmds, timeout: float, env=None):
+    """Run commands (each in its own process group) to the end or to
+    ``timeout``; returns ``[(returncode, stdout, stderr)]``; always killed."""
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                              env=dict(os.environ, **(e or {}))) for c, e in zip(cmds, env or [None] * len(cmds))]
+    try:
+        deadline = time.monotonic() + timeout
+        outs = []
+        for p in procs:
+            out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            outs.append((p.returncode, out, err))
+        return outs
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def single_process(model_dir: Path):
+    gen = Generator.load(model_dir, **dist_rank.OPTIONS)
+    tokens = dist_rank.run_plan(gen.engine, lambda e: e.step())
+    return tokens, dist_rank.logits_trace(gen.engine.compiled)
+
+
+# ------------------------------------------------------------ 2-rank runs
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """One ``mlx.launch -n 2`` run of every family: results per (family, rank)."""
+    root = tmp_path_factory.mktemp("dist")
+    bad = save_model_dir(_unsplittable_model(), unsplittable_config(), root / "smollm2_heads")
+    dirs = [save_model_dir(tiny_model(f), _config(f), root / f) for f in FAMILIES]
+    cmd = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "-n", "2",
+           "--starting-port", str(free_port_pair()), sys.executable, RANK, "main", str(root), str(bad), *map(str, dirs)]
+    [(rc, out, err)] = run_group([cmd], timeout=120)
+    assert rc == 0, f"mlx.launch failed ({rc}):\n{out}\n{err[-3000:]}"
+    res = {(f, r): json.loads((root / f"{f}.rank{r}.json").read_text()) for f in FAMILIES for r in (0, 1)}
+    logits = {(f, r): np.load(root / f"{f}.rank{r}.npy") for f in FAMILIES for r in (0, 1)}
+    return dict(root=root, out=out, res=res, logits=logits)
+
+
+def _unsplittable_model():
+    from mlx_lm.models import llama
+
+    return llama.Model(llama.ModelArgs.from_dict(unsplittable_config()))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_two_ranks_equal_one_process(launched, family):
+    """Greedy tokens under continuous batching, and logits, match one process."""
+    want_tokens, want_logits = single_process(launched["root"] / family)
+    for r in (0, 1):
+        res = launched["res"][family, r]
+        assert res["rank"] == r and res["size"] == 2 and res["primary"] == (r == 0)
+        assert res["tokens"] == want_tokens, f"rank {r} differs from the single-process run"
+        assert res["steady_tokens"] == want_tokens
+        got = launched["logits"][family, r]
+        assert got.shape == want_logits.shape
+        assert np.abs(got - want_logits).max() < LOGITS_ATOL
+    assert np.array_equal(launched["logits"][family, 0], launched["logits"][family, 1])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_rank_keeps_the_compiled_step_guarantees(launched, family):
+    full = tiny_model(family).layers[0].self_attn.n_kv_heads
+    for r in (0, 1):
+        res = launched["res"][family, r]
+        assert set(res["kv_heads"]) == {full // 2}, "caches must be sized from the local KV heads"
+        assert res["traces"] and all(n == 1 for n in res["traces"].values()), res["traces"]
+        assert res["steady"] == "ok"
+        assert res["in_place_growth"] < 0.25, "the sharded step copied its KV buffers"
+    assert launched["res"][family, 0]["traces"] == launched["res"][family, 1]["traces"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sampling_agrees_across_ranks(launched, family):
+    a, b = launched["res"][family, 0], launched["res"][family, 1]
+    assert a["seeded"] == b["seeded"] and a["unseeded"] == b["unseeded"]
+    assert a["checks"] == b["checks"] > 0
+
+
+def test_only_the_primary_rank_prints(launched):
+    lines = [l for l in launched["out"].splitlines() if l.startswith("PRIMARY")]
+    assert [l.split(":")[0] for l in lines] == [f"PRIMARY {f}" for f in FAMILIES]
+
+
+def test_unsplittable_model_fails_clearly_on_every_rank(launched):
+    for r in (0, 1):
+        err = launched["res"]["llama", r]["bad_error"]
+        assert err.startswith("ValueError: llama.Model cannot be split across 2 ranks"), err
+        assert "9 attention heads, 3 KV heads do not divide by 2" in err and "(1, 3)" in err
+
+
+# --------------------------------------------------------- failing peers
+def _direct_ranks(tmp_path: Path, kind: str, extra_env=None):
+    """Both ranks of a failure scenario started with mlx.launch's variables."""
+    model_dir = save_model_dir(tiny_model("llama"), _config("llama"), tmp_path / "llama")
+    port = free_port_pair()
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    env = [dict(MLX_RANK=str(r), MLX_HOSTFILE=str(hostfile), **(extra_env or {})) for r in (0, 1)]
+    return [[sys.executable, RANK, kind, str(tmp_path), str(model_dir)]] * 2, env
+
+
+def test_a_rank_that_dies_ends_the_other_with_an_error(tmp_path):
+    # a long step timeout: the ring backend itself must notice (it does within ~0.5 s)
+    cmds, env = _direct_ranks(tmp_path, "die", dict(RANK_TEST_TIMEOUT="20"))
+    t0 = time.monotonic()
+    (rc0, _, err0), (rc1, _, _) = run_group(cmds, timeout=60, env=env)
+    assert rc1 == 3
+    assert rc0 == 1, err0[-2000:]
+    assert "DistributedError" in err0 and "another rank probably died" in err0
+    assert time.monotonic() - t0 < 60
+
+
+def test_a_stuck_rank_trips_the_watchdog(tmp_path):
+    """A peer that stops answering leaves rank 0 blocked inside a collective:
+    the watchdog ends it after the step timeout (2 s here)."""
+    cmds, env = _direct_ranks(tmp_path, "hang", dict(RANK_TEST_TIMEOUT="2"))
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                              env=dict(os.environ, **e)) for c, e in zip(cmds, env)]
+    try:
+        _, err0 = procs[0].communicate(timeout=60)
+        assert procs[0].returncode == -signal.SIGKILL, err0[-2000:]
+        assert "rank 0/2: decode step" in err0 and "made no progress for 2 s: a peer rank is stuck" in err0
+        assert procs[1].poll() is None  # the stuck one is still there: the test ends it
+    finally:
+        for p in procs:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def test_a_peer_that_never_connects_trips_the_watchdog(tmp_path):
+    hostfile = tmp_path / "hosts.json"
+    port = free_port_pair()
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    code = "from mlx_tracer.runtime.distributed import init_group; init_group()"
+    env = dict(MLX_RANK="0", MLX_HOSTFILE=str(hostfile), MLX_TRACER_STEP_TIMEOUT="2")
+    [(rc, _, err)] = run_group([[sys.executable, "-c", code]], timeout=30, env=[env])
+    assert rc == -signal.SIGKILL and "rank 0: starting the distributed group" in err
+
+
+# ------------------------------------------------------------- in-process
+def test_models_without_shard_or_with_odd_heads_are_refused_before_any_work():
+    with pytest.raises(ValueError, match=r"gemma3_text.Model has no shard\(\)"):
+        check_shardable(tiny_model("gemma3_text"), 2)
+    odd = _unsplittable_model()
+    with pytest.raises(ValueError, match="9 attention heads, 3 KV heads do not divide by 2"):
+        check_shardable(odd, 2)
+    check_shardable(odd, 3)
+    check_shardable(tiny_model("qwen3"), 2)
+
+
+def test_a_single_process_group_runs_unsharded():
+    """distributed= with a group of one (no launcher) shards nothing and runs as usual."""
+    model = tiny_model("llama")
+    gen = Generator(model, IdTokenizer(), distributed=mx.distributed.init())
+    assert gen.is_primary and gen.world_size == 1 and model.mlx_tracer_shards == 1
+    want = Generator(tiny_model("llama"), IdTokenizer()).batch_generate([[1, 2, 3]], max_tokens=6)[0].tokens
+    assert gen.batch_generate([[1, 2, 3]], max_tokens=6)[0].tokens == want
+    assert gen.lockstep.checks >= 1
+    assert shard_model(model, mx.distributed.init()) is model
+
+
+def test_diverged_ranks_fail_loudly():
+    lock = Lockstep(mx.distributed.init(), check_every=1)
+    lock._pending = mx.array([[3, 10], [3, 11]], dtype=mx.int32)  # what an all_gather of two diverged ranks returns
+    with pytest.raises(RuntimeError, match="ranks disagree on the generated tokens"):
+        lock.verify()
+
+
+def test_watchdog_kills_only_when_a_guarded_region_overruns():
+    victim = subprocess.Popen(["sleep", "30"])
+    dog = Watchdog(0.5, rank="0/2", pid=victim.pid)
+    try:
+        with dog.guard("a fast step"):
+            time.sleep(0.05)
+        time.sleep(1.0)
+        assert victim.poll() is None
+        with dog.guard("a slow step"):
+            assert victim.wait(timeout=10) == -signal.SIGKILL
+    finally:
+        victim.kill()
+        victim.wait()
+        dog.close()

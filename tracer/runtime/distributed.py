@@ -1,0 +1,273 @@
+"""Sharded decode: one rank per process over ``mx.distributed``, in lockstep.
+
+Started by ``mlx.launch`` (e.g. ``mlx.launch --backend ring -n 2 python app.py``),
+every rank loads the same model, shards it with the model's own mlx-lm
+``shard(group)`` (tensor parallel: attention heads and MLP columns split,
+one all-sum after each attention and each MLP) and runs the same scheduler on
+the same inputs. Each rank traces its own compiled step; the all-sums are
+inside the graph, so every trace, cache and in-place guarantee holds per rank.
+Caches are sized from the local (sharded) KV heads by the probe forward.
+
+Lockstep needs three things, all here:
+
+* **the same decisions**: the scheduler is deterministic given its inputs;
+  seeds of unseeded requests come from one generator seeded identically on
+  every rank (:meth:`Lockstep.shared_seed`);
+* **a loud failure if ranks ever disagree**: a running checksum of every
+  token event, compared across ranks every ``check_every`` steps by one tiny
+  ``all_gather`` dispatched behind the step (read at the next check, so the
+  pipeline never waits for it) and once more when the engine runs dry;
+* **no silent hang**: a peer that dies closes its sockets and MLX's ring
+  backend raises ("connection to a peer was lost"), re-raised here as
+  :class:`DistributedError`; a peer that hangs, or one that never connects,
+  leaves the others blocked inside a collective forever, so a watchdog
+  (:mod:`~mlx_tracer.runtime.watchdog`) kills the rank with a clear message
+  when one step (or the group's start) makes no progress for
+  ``MLX_TRACER_STEP_TIMEOUT`` seconds (default 300).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Callable, List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .requests import TokenEvent
+from .watchdog import Watchdog
+
+DEFAULT_STEP_TIMEOUT = 300.0  # s: covers first traces (g++ JIT) and long prefill windows
+DEFAULT_CHECK_EVERY = 8  # steps between cross-rank checksum comparisons
+ENV_TIMEOUT = "MLX_TRACER_STEP_TIMEOUT"
+
+_FINISH_CODES = {None: 0, "stop": 1, "length": 2, "cancelled": 3}
+_HASH_MOD = 2_147_483_629  # a prime below 2**31: the checksum fits an int32
+
+
+class DistributedError(RuntimeError):
+    """A collective failed, or the ranks disagree: the run cannot go on."""
+
+
+# ----------------------------------------------------------------- group
+def step_timeout() -> float:
+    """Seconds a step may wait on its peers (``$MLX_TRACER_STEP_TIMEOUT``)."""
+    raw = os.environ.get(ENV_TIMEOUT)
+    if raw is None:
+        return DEFAULT_STEP_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or not math.isfinite(value):
+        raise ValueError(f"{ENV_TIMEOUT} must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+def init_group(timeout: Optional[float] = None) -> mx.distributed.Group:
+    """The global group of the ranks ``mlx.launch`` started (backend from its
+    environment). Without a launcher there is no group: a clear error.
+    A peer that never connects ends the process after ``timeout`` seconds."""
+    dog = Watchdog(step_timeout() if timeout is None else timeout, rank=os.environ.get("MLX_RANK", "?"))
+    try:
+        with dog.guard("starting the distributed group (waiting for every rank to connect)"):
+            return mx.distributed.init(strict=True)
+    except RuntimeError as e:
+        raise DistributedError(
+            f"the distributed group could not start ({e}): launch every rank with mlx.launch, "
+            "e.g. `mlx.launch --backend ring -n 2 python app.py`"
+        ) from e
+    finally:
+        dog.close()
+
+
+# --------------------------------------------------------------- sharding
+def check_shardable(model, size: int) -> None:
+    """Raise ``ValueError`` naming the reason unless mlx-lm's ``model.shard()``
+    can split ``model`` over ``size`` ranks (checked on shapes, before any work)."""
+    name = type(model).__module__.rsplit(".", 1)[-1] + "." + type(model).__name__
+    if not callable(getattr(model, "shard", None)):
+        raise ValueError(
+            f"{name} has no shard(): mlx-lm implements tensor-parallel sharding only for some model "
+            "families (llama, qwen2, qwen3, ...); run this model on one process"
+        )
+    if size == 1:
+        return
+    counts = _split_counts(model)
+    bad = {what: n for what, n in counts.items() if n % size}
+    if bad:
+        ok = [d for d in range(1, math.gcd(*counts.values()) + 1) if all(n % d == 0 for n in counts.values())]
+        listed = ", ".join(f"{n} {what}" for what, n in bad.items())
+        raise ValueError(
+            f"{name} cannot be split across {size} ranks: {listed} do not divide by {size}; "
+            f"run with a number of ranks that divides them ({', '.join(map(str, ok))})"
+        )
+
+
+def _split_counts(model) -> dict:
+    """What ``shard()`` divides among ranks: attention heads, KV heads, MLP
+    width, and quantization groups along the split input dimensions."""
+    counts = {}
+    for i, layer in enumerate(getattr(model, "layers", [])):
+        attn = getattr(layer, "self_attn", None)
+        for what, names in (("attention heads", ("n_heads", "num_heads", "num_attention_heads")),
+                            ("KV heads", ("n_kv_heads", "num_key_value_heads", "num_kv_heads"))):
+            n = next((getattr(attn, a) for a in names if isinstance(getattr(attn, a, None), int)), None)
+            if n is not None:
+                counts[what] = math.gcd(counts.get(what, 0), n)
+        for proj, what in (("o_proj", "attention output columns"), ("down_proj", "MLP columns")):
+            owner = attn if proj == "o_proj" else getattr(layer, "mlp", None)
+            lin = getattr(owner, proj, None)
+            if lin is None or not hasattr(lin, "weight"):
+                continue
+            if what == "MLP columns":
+                cols = lin.weight.shape[-1] * (32 // lin.bits if hasattr(lin, "bits") else 1)
+                counts[what] = math.gcd(counts.get(what, 0), cols)
+            if hasattr(lin, "group_size"):  # a quantized input dimension splits by whole groups
+                counts["quantization groups"] = math.gcd(counts.get("quantization groups", 0), lin.scales.shape[-1])
+    if not counts:
+        args = getattr(model, "args", None)
+        for what, a in (("attention heads", "num_attention_heads"), ("KV heads", "num_key_value_heads")):
+            if isinstance(getattr(args, a, None), int):
+                counts[what] = getattr(args, a)
+    return counts
+
+
+def shard_model(model, group: mx.distributed.Group):
+    """Check, then shard ``model`` in place over ``group`` with its own
+    ``shard()``; a model already sharded over this group size is left as is."""
+    size = group.size()
+    done = getattr(model, "mlx_tracer_shards", 1)
+    if done != 1:
+        if done == size:
+            return model
+        raise ValueError(f"the model is already sharded over {done} ranks, not {size}: load it again")
+    check_shardable(model, size)
+    if size > 1:
+        model.shard(group)
+        mx.eval(model.parameters())
+    model.mlx_tracer_shards = size
+    return model
+
+
+# --------------------------------------------------------------- lockstep
+class Lockstep:
+    """Runs engine steps of one rank in lockstep with its peers (see the
+    module docstring): guarded by the watchdog, collective failures made
+    clear, and token events compared across ranks.
+
+    Args:
+        group: the ranks' group (``init_group()``).
+        check_every: steps between checksum comparisons (0: only when the
+            engine runs dry).
+        timeout: seconds one step may take (default ``$MLX_TRACER_STEP_TIMEOUT``).
+    """
+
+    def __init__(self, group: mx.distributed.Group, check_every: int = DEFAULT_CHECK_EVERY, timeout: Optional[float] = None):
+        self.group = group
+        self.rank, self.size = group.rank(), group.size()
+        self.check_every = check_every
+        self.watchdog = Watchdog(step_timeout() if timeout is None else timeout, rank=f"{self.rank}/{self.size}")
+        self.steps = 0
+        self.checksum = 0  # over every event so far, in order
+        self._pending: Optional[mx.array] = None  # the last dispatched comparison [size, 2]
+        self.checks = 0
+
+    @property
+    def is_primary(self) -> bool:
+        """Rank 0: the one that prints."""
+        return self.rank == 0
+
+    def collective(self, what: str, fn: Callable, *args):
+        """Run ``fn(*args)`` (which waits on peers) under the watchdog, with a
+        failed collective re-raised as :class:`DistributedError`."""
+        with self.watchdog.guard(what):
+            try:
+                return fn(*args)
+            except RuntimeError as e:
+                if isinstance(e, DistributedError):
+                    raise
+                raise DistributedError(
+                    f"rank {self.rank}/{self.size}: {what} failed: {e}; another rank probably died (see its output)"
+                ) from e
+
+    def shared_seed(self) -> int:
+        """One random seed, equal on every rank (rank 0's, all-summed)."""
+        mine = int(np.random.default_rng().integers(0, 2**31 - 1)) if self.is_primary else 0
+
+        def agree():
+            return int(mx.distributed.all_sum(mx.array([mine], dtype=mx.int32), group=self.group).item())
+
+        return self.collective("agreeing on a seed", agree)
+
+    def step(self, engine) -> List[TokenEvent]:
+        """One ``engine.step()`` in lockstep; raises :class:`DistributedError`
+        when the ranks' events have diverged."""
+        events = self.collective(f"decode step {self.steps}", engine.step)
+        self.steps += 1
+        for ev in events:
+            self.checksum = _fold(self.checksum, ev)
+        if not engine.has_work():
+            self.collective("comparing tokens across ranks", self.verify)
+        elif self.check_every and self.steps % self.check_every == 0:
+            self.collective("comparing tokens across ranks", self._dispatch_check)
+        return events
+
+    def verify(self):
+        """Compare every rank's checksum now (waits for the steps in flight)."""
+        self._dispatch_check()
+        self._read_check()
+
+    def _dispatch_check(self):
+        self._read_check()  # the previous comparison: finished long ago
+        mine = mx.array([self.steps % _HASH_MOD, self.checksum], dtype=mx.int32)
+        self._pending = mx.distributed.all_gather(mine[None], group=self.group)  # [size, 2]
+        mx.async_eval(self._pending)
+
+    def _read_check(self):
+        if self._pending is None:
+            return
+        seen = np.array(self._pending)  # [size, 2] (step, checksum) per rank
+        self._pending = None
+        self.checks += 1
+        if (seen != seen[0]).any():
+            raise DistributedError(
+                f"ranks disagree on the generated tokens (rank {self.rank} sees (step, checksum) per rank "
+                f"{seen.tolist()}): their logits or scheduler decisions diverged; every rank must get the "
+                "same requests in the same order"
+            )
+
+
+def _fold(h: int, ev: TokenEvent) -> int:
+    for x in (ev.uid, -1 if ev.token is None else ev.token, _FINISH_CODES[ev.finish_reason]):
+        h = (h * 1_000_003 + x + 7) % _HASH_MOD
+    return h
+
+
+def rank0_value(group: mx.distributed.Group, value: int) -> int:
+    """Rank 0's integer ``value``, on every rank."""
+    mine = value if group.rank() == 0 else 0
+    return int(mx.distributed.all_sum(mx.array([mine], dtype=mx.int32), group=group).item())
+
+
+def load_sharded(path, progress: bool = True, weights: str = "auto", log=lambda s: None):
+    """``(model, tokenizer, group)``: start the group, load the model on every
+    rank, agree on rank 0's weight format, check and shard the model."""
+    from ..api import load
+    from ..weights import FORMATS, check_format
+
+    check_format(weights)
+    group = init_group()
+    model, tokenizer = load(path, progress=progress, weights=weights, log=log)
+    check_shardable(model, group.size())  # every rank raises the same error, before any work
+    chosen = FORMATS.index(model.mlx_tracer_weights)
+    dog = Watchdog(step_timeout(), rank=f"{group.rank()}/{group.size()}")
+    try:
+        with dog.guard("agreeing on the weights format"):
+            agreed = rank0_value(group, chosen)
+    finally:
+        dog.close()
+    if agreed != chosen:  # "auto" timed differently on this rank: take rank 0's format
+        model, tokenizer = load(path, progress=progress, weights=FORMATS[agreed], log=log)
+    return shard_model(model, group), tokenizer, group
