@@ -30,7 +30,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_tracer import Generator
-from mlx_tracer.runtime.distributed import Lockstep, check_shardable, shard_model
+from mlx_tracer.runtime.distributed import Lockstep, check_shardable, rank0_text, shard_model
 from mlx_tracer.runtime.watchdog import Watchdog
 
 from . import dist_rank
@@ -238,6 +238,24 @@ def test_models_without_shard_or_with_odd_heads_are_refused_before_any_work():
     check_shardable(tiny_model("qwen3"), 2)
 
 
+@pytest.mark.model
+def test_smollm2_cannot_be_split_by_two():
+    from mlx_tracer.api import load
+    from mlx_tracer.model_store import is_valid_model_file, resolve_model
+
+    try:
+        path = resolve_model()
+    except FileNotFoundError:
+        path = None
+    if path is None or not is_valid_model_file(path):
+        pytest.skip("SmolLM2 GGUF not present: run `mlx-tracer fetch` (or ./dev setup)")
+    model = load(path, weights="as-is")[0]
+    with pytest.raises(ValueError, match=r"cannot be split across 2 ranks: 9 attention heads, 3 KV heads do not divide by 2; "
+                                         r"run with a number of ranks that divides them \(1, 3\)"):
+        check_shardable(model, 2)
+    check_shardable(model, 3)  # 4-bit groups of o_proj and down_proj split by 3 too
+
+
 def test_a_single_process_group_runs_unsharded():
     """distributed= with a group of one (no launcher) shards nothing and runs as usual."""
     model = tiny_model("llama")
@@ -247,6 +265,7 @@ def test_a_single_process_group_runs_unsharded():
     assert gen.batch_generate([[1, 2, 3]], max_tokens=6)[0].tokens == want
     assert gen.lockstep.checks >= 1
     assert shard_model(model, mx.distributed.init()) is model
+    assert rank0_text(mx.distributed.init(), "float32-blocks") == "float32-blocks"
 
 
 def test_diverged_ranks_fail_loudly():

@@ -42,6 +42,7 @@ DEFAULT_STEP_TIMEOUT = 300.0  # s: covers first traces (g++ JIT) and long prefil
 DEFAULT_CHECK_EVERY = 8  # steps between cross-rank checksum comparisons
 ENV_TIMEOUT = "MLX_TRACER_STEP_TIMEOUT"
 
+_BACKEND_TAGS = ("[ring]", "[mpi]", "[nccl]", "[jaccl]", "[distributed]")  # how MLX's collective errors begin
 _FINISH_CODES = {None: 0, "stop": 1, "length": 2, "cancelled": 3}
 _HASH_MOD = 2_147_483_629  # a prime below 2**31: the checksum fits an int32
 
@@ -106,31 +107,32 @@ def check_shardable(model, size: int) -> None:
 
 
 def _split_counts(model) -> dict:
-    """What ``shard()`` divides among ranks: attention heads, KV heads, MLP
-    width, and quantization groups along the split input dimensions."""
+    """What ``shard()`` divides among ranks (gcd over layers): attention heads,
+    KV heads, MLP columns, and quantization groups of the input dimensions it
+    splits (o_proj, down_proj)."""
     counts = {}
-    for i, layer in enumerate(getattr(model, "layers", [])):
-        attn = getattr(layer, "self_attn", None)
-        for what, names in (("attention heads", ("n_heads", "num_heads", "num_attention_heads")),
-                            ("KV heads", ("n_kv_heads", "num_key_value_heads", "num_kv_heads"))):
+
+    def add(what, n):
+        counts[what] = math.gcd(counts.get(what, 0), n)
+
+    for layer in getattr(model, "layers", []):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        for what, names in (("attention heads", ("n_heads", "num_heads")), ("KV heads", ("n_kv_heads", "num_key_value_heads"))):
             n = next((getattr(attn, a) for a in names if isinstance(getattr(attn, a, None), int)), None)
             if n is not None:
-                counts[what] = math.gcd(counts.get(what, 0), n)
-        for proj, what in (("o_proj", "attention output columns"), ("down_proj", "MLP columns")):
-            owner = attn if proj == "o_proj" else getattr(layer, "mlp", None)
-            lin = getattr(owner, proj, None)
-            if lin is None or not hasattr(lin, "weight"):
-                continue
-            if what == "MLP columns":
-                cols = lin.weight.shape[-1] * (32 // lin.bits if hasattr(lin, "bits") else 1)
-                counts[what] = math.gcd(counts.get(what, 0), cols)
+                add(what, n)
+        down = getattr(mlp, "down_proj", None)
+        if hasattr(down, "weight"):
+            packed = 32 // down.bits if hasattr(down, "bits") else 1  # quantized weights pack 32/bits values per word
+            add("MLP columns", down.weight.shape[-1] * packed)
+        for lin in (getattr(attn, "o_proj", None), down):
             if hasattr(lin, "group_size"):  # a quantized input dimension splits by whole groups
-                counts["quantization groups"] = math.gcd(counts.get("quantization groups", 0), lin.scales.shape[-1])
+                add("quantization groups", lin.scales.shape[-1])
     if not counts:
         args = getattr(model, "args", None)
         for what, a in (("attention heads", "num_attention_heads"), ("KV heads", "num_key_value_heads")):
             if isinstance(getattr(args, a, None), int):
-                counts[what] = getattr(args, a)
+                add(what, getattr(args, a))
     return counts
 
 
@@ -186,7 +188,7 @@ class Lockstep:
             try:
                 return fn(*args)
             except RuntimeError as e:
-                if isinstance(e, DistributedError):
+                if isinstance(e, DistributedError) or not str(e).startswith(_BACKEND_TAGS):
                     raise
                 raise DistributedError(
                     f"rank {self.rank}/{self.size}: {what} failed: {e}; another rank probably died (see its output)"
@@ -194,12 +196,8 @@ class Lockstep:
 
     def shared_seed(self) -> int:
         """One random seed, equal on every rank (rank 0's, all-summed)."""
-        mine = int(np.random.default_rng().integers(0, 2**31 - 1)) if self.is_primary else 0
-
-        def agree():
-            return int(mx.distributed.all_sum(mx.array([mine], dtype=mx.int32), group=self.group).item())
-
-        return self.collective("agreeing on a seed", agree)
+        mine = int(np.random.default_rng().integers(0, 2**31 - 1))
+        return self.collective("agreeing on a seed", rank0_value, self.group, mine)
 
     def step(self, engine) -> List[TokenEvent]:
         """One ``engine.step()`` in lockstep; raises :class:`DistributedError`
@@ -246,28 +244,36 @@ def _fold(h: int, ev: TokenEvent) -> int:
 
 
 def rank0_value(group: mx.distributed.Group, value: int) -> int:
-    """Rank 0's integer ``value``, on every rank."""
+    """Rank 0's int32 ``value``, on every rank."""
     mine = value if group.rank() == 0 else 0
     return int(mx.distributed.all_sum(mx.array([mine], dtype=mx.int32), group=group).item())
+
+
+def rank0_text(group: mx.distributed.Group, text: str, size: int = 64) -> str:
+    """Rank 0's short ``text`` (at most ``size`` bytes), on every rank."""
+    raw = np.zeros(size, dtype=np.int32)
+    if group.rank() == 0:
+        data = text.encode()[:size]
+        raw[: len(data)] = list(data)
+    summed = np.array(mx.distributed.all_sum(mx.array(raw), group=group))
+    return bytes(summed[summed > 0].astype(np.uint8).tolist()).decode()
 
 
 def load_sharded(path, progress: bool = True, weights: str = "auto", log=lambda s: None):
     """``(model, tokenizer, group)``: start the group, load the model on every
     rank, agree on rank 0's weight format, check and shard the model."""
     from ..api import load
-    from ..weights import FORMATS, check_format
 
-    check_format(weights)
     group = init_group()
     model, tokenizer = load(path, progress=progress, weights=weights, log=log)
     check_shardable(model, group.size())  # every rank raises the same error, before any work
-    chosen = FORMATS.index(model.mlx_tracer_weights)
+    chosen = getattr(model, "mlx_tracer_weights", weights)
     dog = Watchdog(step_timeout(), rank=f"{group.rank()}/{group.size()}")
     try:
         with dog.guard("agreeing on the weights format"):
-            agreed = rank0_value(group, chosen)
+            agreed = rank0_text(group, chosen)
     finally:
         dog.close()
-    if agreed != chosen:  # "auto" timed differently on this rank: take rank 0's format
-        model, tokenizer = load(path, progress=progress, weights=FORMATS[agreed], log=log)
+    if agreed != chosen:  # "auto" measured differently on this rank: take rank 0's format
+        model, tokenizer = load(path, progress=progress, weights=agreed, log=log)
     return shard_model(model, group), tokenizer, group
