@@ -27,7 +27,7 @@ import numpy as np
 
 OPTIONS = dict(chat=False, weights="as-is", buckets=(1, 2, 4), prefill_chunks=(8, 16))
 # (arrival step, prompt length, max tokens): requests join a running batch at different steps
-PLAN = [(0, 5, 24), (0, 12, 16), (3, 7, 20), (9, 1, 10), (14, 17, 12)]
+PLAN = [(0, 5, 16), (0, 12, 10), (3, 7, 14), (6, 1, 8), (9, 17, 8)]
 
 
 def prompts(vocab: int):
@@ -49,7 +49,7 @@ def run_plan(engine, step) -> list:
     return got
 
 
-def logits_trace(compiled, steps: int = 20) -> np.ndarray:
+def logits_trace(compiled, steps: int = 12) -> np.ndarray:
     """Logits ``[1 + steps, 2, V]`` of a 2-row window step (prompts of 11 and
     16 tokens) and the greedy decode steps after it (past the sliding window)."""
     ps = [list(range(3, 14)), list(range(20, 36))]
@@ -108,7 +108,9 @@ def main_scenario(out: Path, bad: str, dirs):
         rank, lock = gen.rank, gen.lockstep
         res = {"rank": rank, "size": gen.world_size, "primary": gen.is_primary, "bad_error": bad_error,
                "kv_heads": [l.kv_heads for l in gen.engine.compiled.layout]}
+        res["phase_s"] = {"load": time.perf_counter() - t0}
         res["tokens"] = run_plan(gen.engine, lock.step)
+        res["phase_s"]["plan"] = time.perf_counter() - t0
         res["traces"] = _traces(gen.engine.compiled)
         try:
             with gen.engine.compiled.no_new_traces():
@@ -117,10 +119,12 @@ def main_scenario(out: Path, bad: str, dirs):
         except NewTraceError as e:
             res["steady"] = str(e)
         ps = prompts(gen.engine.vocab_size)[:3]
-        res["seeded"] = [c.tokens for c in gen.batch_generate(ps, max_tokens=10, temp=0.9, seed=11)]
-        res["unseeded"] = [c.tokens for c in gen.batch_generate(ps, max_tokens=10, temp=1.0)]
+        res["seeded"] = [c.tokens for c in gen.batch_generate(ps, max_tokens=8, temp=0.9, seed=11)]
+        res["unseeded"] = [c.tokens for c in gen.batch_generate(ps, max_tokens=8, temp=1.0)]
+        res["phase_s"]["sampling"] = time.perf_counter() - t0
         res["checks"] = lock.checks
         res["in_place_growth"] = in_place_growth(gen.model)
+        res["phase_s"]["in_place"] = time.perf_counter() - t0
         np.save(out / f"{Path(d).name}.rank{rank}.npy", logits_trace(gen.engine.compiled))
         res["seconds"] = time.perf_counter() - t0
         (out / f"{Path(d).name}.rank{rank}.json").write_text(json.dumps(res))
