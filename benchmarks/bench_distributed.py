@@ -20,8 +20,10 @@ import os
 import statistics
 import time
 
-import mlx.core as mx
-import numpy as np
+import mlx_tracer  # noqa: F401  (first: it binds the fast BLAS before mlx loads)
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 
 from mlx_tracer.runtime.distributed import DEFAULT_CHECK_EVERY, Lockstep, init_group, shard_model
 from mlx_tracer.runtime.engine import Engine

@@ -94,6 +94,7 @@ def _traces(compiled) -> dict:
 
 def main_scenario(out: Path, bad: str, dirs):
     from mlx_tracer import Generator
+    from mlx_tracer.runtime.distributed import shard_model, sharded_size
     from mlx_tracer.runtime.step import NewTraceError
 
     rank = None
@@ -107,8 +108,11 @@ def main_scenario(out: Path, bad: str, dirs):
         gen = Generator.load(d, distributed=True, **OPTIONS)
         rank, lock = gen.rank, gen.lockstep
         res = {"rank": rank, "size": gen.world_size, "primary": gen.is_primary, "bad_error": bad_error,
+               "sharded_size": sharded_size(gen.model),
                "kv_heads": [l.kv_heads for l in gen.engine.compiled.layout]}
         res["phase_s"] = {"load": time.perf_counter() - t0}
+        shape = gen.model.layers[0].self_attn.q_proj.weight.shape
+        res["reshard_noop"] = shard_model(gen.model, lock.group) is gen.model and gen.model.layers[0].self_attn.q_proj.weight.shape == shape
         res["tokens"] = run_plan(gen.engine, lock.step)
         res["phase_s"]["plan"] = time.perf_counter() - t0
         res["traces"] = _traces(gen.engine.compiled)

@@ -30,7 +30,7 @@ import pytest
 from mlx.utils import tree_flatten
 
 from mlx_tracer import Generator
-from mlx_tracer.runtime.distributed import Lockstep, check_shardable, rank0_text, shard_model
+from mlx_tracer.runtime.distributed import Lockstep, check_shardable, rank0_text, shard_model, sharded_size
 from mlx_tracer.runtime.watchdog import Watchdog
 
 from . import dist_rank
@@ -135,7 +135,8 @@ def test_two_ranks_equal_one_process(launched, family):
     want_tokens, want_logits = single_process(launched["root"] / family)
     for r in (0, 1):
         res = launched["res"][family, r]
-        assert res["rank"] == r and res["size"] == 2 and res["primary"] == (r == 0)
+        assert res["rank"] == r and res["size"] == 2 and res["primary"] == (r == 0) and res["sharded_size"] == 2
+        assert res["reshard_noop"], "a sharded model must not be sharded again"
         assert res["tokens"] == want_tokens, f"rank {r} differs from the single-process run"
         assert res["steady_tokens"] == want_tokens
         got = launched["logits"][family, r]
@@ -260,7 +261,7 @@ def test_a_single_process_group_runs_unsharded():
     """distributed= with a group of one (no launcher) shards nothing and runs as usual."""
     model = tiny_model("llama")
     gen = Generator(model, IdTokenizer(), distributed=mx.distributed.init())
-    assert gen.is_primary and gen.world_size == 1 and model.mlx_tracer_shards == 1
+    assert gen.is_primary and gen.world_size == 1 and sharded_size(model) == 1
     want = Generator(tiny_model("llama"), IdTokenizer()).batch_generate([[1, 2, 3]], max_tokens=6)[0].tokens
     assert gen.batch_generate([[1, 2, 3]], max_tokens=6)[0].tokens == want
     assert gen.lockstep.checks >= 1

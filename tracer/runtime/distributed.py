@@ -33,6 +33,7 @@ import os
 from typing import Callable, List, Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from .requests import TokenEvent
@@ -136,11 +137,18 @@ def _split_counts(model) -> dict:
     return counts
 
 
+_SHARDED = (nn.AllToShardedLinear, nn.ShardedToAllLinear, nn.QuantizedAllToShardedLinear, nn.QuantizedShardedToAllLinear)
+
+
+def sharded_size(model) -> int:
+    """The number of ranks ``model`` is sharded over (1: not sharded), read off its sharded layers."""
+    return next((m.group.size() for m in model.modules() if isinstance(m, _SHARDED)), 1)
+
+
 def shard_model(model, group: mx.distributed.Group):
     """Check, then shard ``model`` in place over ``group`` with its own
-    ``shard()``; a model already sharded over this group size is left as is."""
-    size = group.size()
-    done = getattr(model, "mlx_tracer_shards", 1)
+    ``shard()``; a model already sharded over this group's size is left as is."""
+    size, done = group.size(), sharded_size(model)
     if done != 1:
         if done == size:
             return model
@@ -149,7 +157,6 @@ def shard_model(model, group: mx.distributed.Group):
     if size > 1:
         model.shard(group)
         mx.eval(model.parameters())
-    model.mlx_tracer_shards = size
     return model
 
 
