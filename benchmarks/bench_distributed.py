@@ -1,7 +1,12 @@
 """Sharded decode on 1 vs N ranks: tok/s, and each step split into compute and collective.
 
     python benchmarks/bench_distributed.py                                  # 1 rank
-    mlx.launch --backend ring -n 2 python benchmarks/bench_distributed.py   # 2 ranks on this machine
+    python benchmarks/bench_distributed.py --ranks 2                        # 2 ranks on 127.0.0.1
+    mlx.launch --backend ring -n 2 python benchmarks/bench_distributed.py   # the same, through mlx.launch
+
+``--ranks N`` starts the ranks itself with the variables mlx.launch sets
+(MLX_RANK, MLX_HOSTFILE): mlx.launch's own I/O loop busy-polls (measured
+here: ~1.4 of the 2 cores while the ranks run), which would be timed too.
 
 Per configuration it decodes ``--batch`` greedy rows of a random llama for
 ``--tokens`` tokens (``--runs`` timed runs after a warm one) three ways:
@@ -86,6 +91,30 @@ def collective_latency(group, shape, reps: int = 200) -> float:
     return 1e6 * statistics.median(times)
 
 
+def spawn_ranks(n: int, port: int) -> int:
+    """Run this script as ``n`` ranks on 127.0.0.1 (ring backend); returns the worst exit status."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump([[f"127.0.0.1:{port + r}"] for r in range(n)], f)
+    argv, skip = [], False
+    for a in sys.argv[1:]:  # the same options, less --ranks
+        if skip or a == "--ranks" or a.startswith("--ranks="):
+            skip = a == "--ranks"
+            continue
+        argv.append(a)
+    procs = [subprocess.Popen([sys.executable, __file__, *argv], env=dict(os.environ, MLX_RANK=str(r), MLX_HOSTFILE=f.name))
+             for r in range(n)]
+    try:
+        return max(abs(p.wait()) for p in procs)
+    finally:
+        for p in procs:
+            p.kill()
+        os.unlink(f.name)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hidden", type=int, default=64)
@@ -97,7 +126,11 @@ def main():
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--ranks", type=int, default=0, help="start this many ranks on 127.0.0.1 (without mlx.launch)")
+    p.add_argument("--port", type=int, default=42323, help="first ring port of --ranks")
     args = p.parse_args()
+    if args.ranks:
+        return spawn_ranks(args.ranks, args.port)
     launched = "MLX_RANK" in os.environ
     group = init_group() if launched else None
     size, rank = (group.size(), group.rank()) if group is not None else (1, 0)
@@ -117,7 +150,8 @@ def main():
     row["load_after"] = os.getloadavg()
     if rank == 0:
         print(json.dumps(row) if args.json else "\n".join(f"{k}: {v}" for k, v in row.items()), flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -145,7 +145,7 @@ class Generator:
             self.lockstep = lock = Lockstep(group)
             rng = np.random.default_rng(lock.shared_seed())
             self.engine = lock.collective("probing the sharded model", Engine, model, buckets, prefill_chunks, capacities,
-                                          None, rng)
+                                          rng=rng)
         self.chat = getattr(tokenizer, "has_chat_template", False) if chat is None else chat
         self.system = system
         self._live: Dict[int, _Live] = {}

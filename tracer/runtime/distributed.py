@@ -188,12 +188,12 @@ class Lockstep:
         """Rank 0: the one that prints."""
         return self.rank == 0
 
-    def collective(self, what: str, fn: Callable, *args):
-        """Run ``fn(*args)`` (which waits on peers) under the watchdog, with a
-        failed collective re-raised as :class:`DistributedError`."""
+    def collective(self, what: str, fn: Callable, *args, **kwargs):
+        """Run ``fn(*args, **kwargs)`` (which waits on peers) under the
+        watchdog, with a failed collective re-raised as :class:`DistributedError`."""
         with self.watchdog.guard(what):
             try:
-                return fn(*args)
+                return fn(*args, **kwargs)
             except RuntimeError as e:
                 if isinstance(e, DistributedError) or not str(e).startswith(_BACKEND_TAGS):
                     raise
