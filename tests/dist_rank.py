@@ -1,14 +1,16 @@
 """One rank of the sharded-model tests (tests/test_distributed.py starts them).
 
-    mlx.launch --backend ring -n 2 python tests/dist_rank.py main OUT BAD_DIR MODEL_DIR...
-    MLX_RANK=r MLX_HOSTFILE=... python tests/dist_rank.py die|hang OUT MODEL_DIR
+    MLX_RANK=r MLX_HOSTFILE=hosts.json python tests/dist_rank.py main OUT BAD_DIR MODEL_DIR...
+    MLX_RANK=r MLX_HOSTFILE=hosts.json python tests/dist_rank.py die|hang OUT MODEL_DIR
+    mlx.launch --backend ring -n 2 -- python tests/dist_rank.py generate OUT MODEL_DIR
 
 ``main``: the unsplittable model in ``BAD_DIR`` must fail clearly; then, per
 model directory, continuous batching (greedy tokens per request), trace
 counts, a steady-state rerun under ``no_new_traces``, sampling (seeded and
 unseeded), in-place decode writes and a logits trace. Each rank writes
 ``OUT/<model>.rank<r>.json`` (+ ``.npy`` logits). ``die``/``hang``: rank 1
-exits / stops after a few decode steps; rank 0 must not hang.
+exits / stops after a few decode steps; rank 0 must not hang. ``generate``:
+a user's script (rank 0 prints).
 
 The functions used by both sides (the request plan, the logits trace) live
 here so that the single-process reference runs exactly the same steps.
@@ -151,9 +153,21 @@ def failure_scenario(kind: str, out: Path, model_dir: str):
     print("rank", gen.rank, "finished without noticing", flush=True)
 
 
+def generate_scenario(model_dir: str):
+    """What a user's script does: load, generate, print on rank 0 only."""
+    from mlx_tracer import Generator
+
+    gen = Generator.load(model_dir, distributed=True, **OPTIONS)
+    out = gen.batch_generate([[1, 2, 3]], max_tokens=6)[0]
+    if gen.is_primary:
+        print(f"PRIMARY {out.tokens}", flush=True)
+
+
 if __name__ == "__main__":
     kind, out = sys.argv[1], Path(sys.argv[2])
     if kind == "main":
         main_scenario(out, sys.argv[3], sys.argv[4:])
+    elif kind == "generate":
+        generate_scenario(sys.argv[3])
     else:
         failure_scenario(kind, out, sys.argv[3])

@@ -1,10 +1,12 @@
 """Sharded models over mx.distributed: 2 ranks on 127.0.0.1 (ring backend).
 
-The ranks run tests/dist_rank.py, started by ``mlx.launch`` (or, where the
-test is how a rank behaves on its own when a peer fails, through the same
-environment variables mlx.launch sets: MLX_RANK and MLX_HOSTFILE; mlx.launch
-itself would kill the survivor and hide that). Every launch runs in its own
-process group, bounded by a timeout and killed in a ``finally``.
+The ranks run tests/dist_rank.py, started with the environment variables
+``mlx.launch`` sets (MLX_RANK, MLX_HOSTFILE), and once through ``mlx.launch``
+itself. Direct starts keep the tests fast (mlx.launch's I/O loop busy-polls:
+~1.4 of this machine's 2 cores, 10 s instead of 3 s for the main run) and
+show how a rank behaves on its own when a peer fails (mlx.launch would kill
+the survivor and hide that). Every process runs in its own process group,
+bounded by a timeout and killed in a ``finally``.
 
 Measured tolerance: the 2-rank logits differ from the single-process ones by
 at most 5.7e-6 (tiny fp32 models whose logits reach ~12: ~5e-7 relative; the
@@ -81,18 +83,26 @@ def free_port_pair() -> int:
     raise RuntimeError("no free port pair on 127.0.0.1")
 
 
-def run_group(cmds, timeout: float, env=None):
-    """Run commands (each in its own process group) to the end or to
-    ``timeout``; returns ``[(returncode, stdout, stderr)]``; always killed."""
-    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                              env=dict(os.environ, **(e or {}))) for c, e in zip(cmds, env or [None] * len(cmds))]
+def run_group(cmds, logs: Path, timeout: float, envs=None, wait_for=None):
+    """Run commands, each in its own process group with its output in files
+    under ``logs``, until the processes ``wait_for`` (default all) end or
+    ``timeout`` passes; then kill every group. Returns ``[(returncode or
+    None, stdout, stderr)]``."""
+    logs.mkdir(parents=True, exist_ok=True)
+    envs = envs or [{}] * len(cmds)
+    procs = []
     try:
+        for i, (c, e) in enumerate(zip(cmds, envs)):
+            with open(logs / f"{i}.out", "w") as out, open(logs / f"{i}.err", "w") as err:
+                procs.append(subprocess.Popen(c, stdout=out, stderr=err, text=True, start_new_session=True,
+                                              env=dict(os.environ, **e)))
         deadline = time.monotonic() + timeout
-        outs = []
-        for p in procs:
-            out, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-            outs.append((p.returncode, out, err))
-        return outs
+        for i in range(len(procs)) if wait_for is None else wait_for:
+            try:
+                procs[i].wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
+        return [(p.poll(), (logs / f"{i}.out").read_text(), (logs / f"{i}.err").read_text()) for i, p in enumerate(procs)]
     finally:
         for p in procs:
             try:
@@ -100,6 +110,16 @@ def run_group(cmds, timeout: float, env=None):
             except ProcessLookupError:
                 pass
             p.wait()
+
+
+def run_ranks(args, tmp: Path, timeout: float, env=None, wait_for=None):
+    """Two ranks of tests/dist_rank.py on 127.0.0.1, started with the variables
+    mlx.launch sets (MLX_RANK, MLX_HOSTFILE)."""
+    port = free_port_pair()
+    hostfile = tmp / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
+    envs = [dict(MLX_RANK=str(r), MLX_HOSTFILE=str(hostfile), **(env or {})) for r in (0, 1)]
+    return run_group([[sys.executable, RANK, *map(str, args)]] * 2, tmp / "logs", timeout, envs, wait_for)
 
 
 def single_process(model_dir: Path):
@@ -111,17 +131,16 @@ def single_process(model_dir: Path):
 # ------------------------------------------------------------ 2-rank runs
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    """One ``mlx.launch -n 2`` run of every family: results per (family, rank)."""
+    """One 2-rank run over every family: results per (family, rank)."""
     root = tmp_path_factory.mktemp("dist")
     bad = save_model_dir(_unsplittable_model(), unsplittable_config(), root / "smollm2_heads")
     dirs = [save_model_dir(tiny_model(f), _config(f), root / f) for f in FAMILIES]
-    cmd = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "-n", "2",
-           "--starting-port", str(free_port_pair()), sys.executable, RANK, "main", str(root), str(bad), *map(str, dirs)]
-    [(rc, out, err)] = run_group([cmd], timeout=120)
-    assert rc == 0, f"mlx.launch failed ({rc}):\n{out}\n{err[-3000:]}"
+    outs = run_ranks(["main", root, bad, *dirs], root, timeout=120)
+    for r, (rc, out, err) in enumerate(outs):
+        assert rc == 0, f"rank {r} failed ({rc}):\n{out}\n{err[-3000:]}"
     res = {(f, r): json.loads((root / f"{f}.rank{r}.json").read_text()) for f in FAMILIES for r in (0, 1)}
     logits = {(f, r): np.load(root / f"{f}.rank{r}.npy") for f in FAMILIES for r in (0, 1)}
-    return dict(root=root, out=out, res=res, logits=logits)
+    return dict(root=root, out=[o for _, o, _ in outs], res=res, logits=logits)
 
 
 def _unsplittable_model():
@@ -166,8 +185,21 @@ def test_sampling_agrees_across_ranks(launched, family):
 
 
 def test_only_the_primary_rank_prints(launched):
-    lines = [line.split(":")[0] for line in launched["out"].splitlines() if line.startswith("PRIMARY")]
+    lines = [line.split(":")[0] for line in launched["out"][0].splitlines() if line.startswith("PRIMARY")]
     assert lines == [f"PRIMARY {f}" for f in FAMILIES]
+    assert launched["out"][1] == ""
+
+
+def test_mlx_launch_starts_two_ranks(tmp_path):
+    """The documented command: ``mlx.launch --backend ring -n 2 python ...``."""
+    model_dir = save_model_dir(tiny_model("llama"), _config("llama"), tmp_path / "llama")
+    launch = str(Path(sys.executable).parent / "mlx.launch")
+    cmd = [launch, "--backend", "ring", "-n", "2", "--starting-port", str(free_port_pair()), "--",
+           sys.executable, RANK, "generate", tmp_path, model_dir]
+    [(rc, out, err)] = run_group([list(map(str, cmd))], tmp_path / "logs", timeout=60)
+    # (mlx.launch exits 0 even when a rank fails: the output is the check)
+    want = Generator(tiny_model("llama"), IdTokenizer()).batch_generate([[1, 2, 3]], max_tokens=6)[0].tokens
+    assert out.splitlines() == [f"PRIMARY {want}"], f"{out}\n{err[-3000:]}"
 
 
 def test_unsplittable_model_fails_clearly_on_every_rank(launched):
@@ -178,21 +210,11 @@ def test_unsplittable_model_fails_clearly_on_every_rank(launched):
 
 
 # --------------------------------------------------------- failing peers
-def _direct_ranks(tmp_path: Path, kind: str, extra_env=None):
-    """Both ranks of a failure scenario started with mlx.launch's variables."""
-    model_dir = save_model_dir(tiny_model("llama"), _config("llama"), tmp_path / "llama")
-    port = free_port_pair()
-    hostfile = tmp_path / "hosts.json"
-    hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
-    env = [dict(MLX_RANK=str(r), MLX_HOSTFILE=str(hostfile), **(extra_env or {})) for r in (0, 1)]
-    return [[sys.executable, RANK, kind, str(tmp_path), str(model_dir)]] * 2, env
-
-
 def test_a_rank_that_dies_ends_the_other_with_an_error(tmp_path):
+    model_dir = save_model_dir(tiny_model("llama"), _config("llama"), tmp_path / "llama")
     # a long step timeout: the ring backend itself must notice (it does within ~0.5 s)
-    cmds, env = _direct_ranks(tmp_path, "die", dict(RANK_TEST_TIMEOUT="20"))
     t0 = time.monotonic()
-    (rc0, _, err0), (rc1, _, _) = run_group(cmds, timeout=60, env=env)
+    (rc0, _, err0), (rc1, _, _) = run_ranks(["die", tmp_path, model_dir], tmp_path, 60, dict(RANK_TEST_TIMEOUT="20"))
     assert rc1 == 3
     assert rc0 == 1, err0[-2000:]
     assert "DistributedError" in err0 and "another rank probably died" in err0
@@ -201,23 +223,14 @@ def test_a_rank_that_dies_ends_the_other_with_an_error(tmp_path):
 
 def test_a_stuck_rank_trips_the_watchdog(tmp_path):
     """A peer that stops answering leaves rank 0 blocked inside a collective:
-    the watchdog ends it after the step timeout (2 s here)."""
-    cmds, env = _direct_ranks(tmp_path, "hang", dict(RANK_TEST_TIMEOUT="2"))
-    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                              env=dict(os.environ, **e)) for c, e in zip(cmds, env)]
-    try:
-        _, err0 = procs[0].communicate(timeout=60)
-        assert procs[0].returncode == -signal.SIGKILL, err0[-2000:]
-        stuck = re.search(r"rank 0/2: decode step (\d+) made no progress for 2 s: a peer rank is stuck", err0)
-        assert stuck and int(stuck.group(1)) > 5, err0[-2000:]  # the step where rank 1 stopped, not a slow early one
-        assert procs[1].poll() is None  # the stuck one is still there: the test ends it
-    finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.wait()
+    the watchdog kills it after the step timeout (2 s here)."""
+    model_dir = save_model_dir(tiny_model("llama"), _config("llama"), tmp_path / "llama")
+    (rc0, _, err0), (rc1, _, _) = run_ranks(["hang", tmp_path, model_dir], tmp_path, 60, dict(RANK_TEST_TIMEOUT="2"),
+                                            wait_for=[0])
+    assert rc0 == -signal.SIGKILL, err0[-2000:]
+    stuck = re.search(r"rank 0/2: decode step (\d+) made no progress for 2 s: a peer rank is stuck", err0)
+    assert stuck and int(stuck.group(1)) > 5, err0[-2000:]  # the step where rank 1 stopped, not a slow early one
+    assert rc1 is None  # the stuck one was still there: run_ranks ended it
 
 
 def test_a_peer_that_never_connects_trips_the_watchdog(tmp_path):
@@ -226,7 +239,7 @@ def test_a_peer_that_never_connects_trips_the_watchdog(tmp_path):
     hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"], [f"127.0.0.1:{port + 1}"]]))
     code = "from mlx_tracer.runtime.distributed import init_group; init_group()"
     env = dict(MLX_RANK="0", MLX_HOSTFILE=str(hostfile), MLX_TRACER_STEP_TIMEOUT="2")
-    [(rc, _, err)] = run_group([[sys.executable, "-c", code]], timeout=30, env=[env])
+    [(rc, _, err)] = run_group([[sys.executable, "-c", code]], tmp_path / "logs", timeout=30, envs=[env])
     assert rc == -signal.SIGKILL and "rank 0: starting the distributed group" in err
 
 
