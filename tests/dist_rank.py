@@ -136,6 +136,25 @@ def main_scenario(out: Path, bad: str, dirs):
         (out / f"{Path(d).name}.rank{rank}.json").write_text(json.dumps(res))
         if gen.is_primary:
             print(f"PRIMARY {Path(d).name}: {gen.summary()}", flush=True)
+    res["diverged"] = diverge(gen)
+    (out / f"{Path(d).name}.rank{rank}.json").write_text(json.dumps(res))
+
+
+def diverge(gen):
+    """Each rank asks for something else (same lengths, so the steps still
+    match; the tokens even agree: the all-sums mix the ranks' inputs): the
+    lockstep check must fail on every rank."""
+    from mlx_tracer.runtime.distributed import DistributedError
+
+    engine, lock = gen.engine, gen.lockstep
+    engine.add([1 + gen.rank, 2, 3], max_tokens=3 * lock.check_every)
+    start = lock.steps
+    try:
+        while engine.has_work():
+            lock.step(engine)
+    except DistributedError as e:
+        return {"error": str(e), "steps": lock.steps - start}
+    return None
 
 
 def failure_scenario(kind: str, out: Path, model_dir: str):

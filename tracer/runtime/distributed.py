@@ -14,9 +14,14 @@ Lockstep needs three things, all here:
   seeds of unseeded requests come from one generator seeded identically on
   every rank (:meth:`Lockstep.shared_seed`);
 * **a loud failure if ranks ever disagree**: a running checksum of every
-  token event, compared across ranks every ``check_every`` steps by one tiny
+  request admitted (prompt, budget, sampler, PRNG key) and every token event,
+  compared across ranks every ``check_every`` steps by one tiny
   ``all_gather`` dispatched behind the step (read at the next check, so the
-  pipeline never waits for it) and once more when the engine runs dry;
+  pipeline never waits for it: a divergence shows within ``2 * check_every``
+  steps) and once more when the engine runs dry.
+  Requests must be compared, not only tokens: ranks given different prompts
+  still agree on every token (each rank's partial sums are all-summed into
+  one shared, wrong result), so the tokens alone would not show it;
 * **no silent hang**: a peer that dies closes its sockets and MLX's ring
   backend raises ("connection to a peer was lost"), re-raised here as
   :class:`DistributedError`; a peer that hangs, or one that never connects,
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import math
 import os
+import zlib
 from typing import Callable, List, Optional
 
 import mlx.core as mx
@@ -179,7 +185,8 @@ class Lockstep:
         self.check_every = check_every
         self.watchdog = Watchdog(step_timeout() if timeout is None else timeout, rank=f"{self.rank}/{self.size}")
         self.steps = 0
-        self.checksum = 0  # over every event so far, in order
+        self.checksum = 0  # over every request and event so far, in order
+        self._next_uid = 0  # requests below this uid are in the checksum
         self._pending: Optional[mx.array] = None  # the last dispatched comparison [size, 2]
         self.checks = 0
 
@@ -209,10 +216,14 @@ class Lockstep:
     def step(self, engine) -> List[TokenEvent]:
         """One ``engine.step()`` in lockstep; raises :class:`DistributedError`
         when the ranks' events have diverged."""
+        for req in engine.queue:  # uids only grow: the new ones are the requests added since the last step
+            if req.uid >= self._next_uid:
+                self.checksum = _fold(self.checksum, _request_values(req))
+                self._next_uid = req.uid + 1
         events = self.collective(f"decode step {self.steps}", engine.step)
         self.steps += 1
         for ev in events:
-            self.checksum = _fold(self.checksum, ev)
+            self.checksum = _fold(self.checksum, (ev.uid, -1 if ev.token is None else ev.token, _FINISH_CODES[ev.finish_reason]))
         if not engine.has_work():
             self.collective("comparing tokens across ranks", self.verify)
         elif self.check_every and self.steps % self.check_every == 0:
@@ -238,16 +249,21 @@ class Lockstep:
         self.checks += 1
         if (seen != seen[0]).any():
             raise DistributedError(
-                f"ranks disagree on the generated tokens (rank {self.rank} sees (step, checksum) per rank "
-                f"{seen.tolist()}): their logits or scheduler decisions diverged; every rank must get the "
-                "same requests in the same order"
+                f"ranks disagree on their requests or generated tokens (rank {self.rank} sees (step, checksum) "
+                f"per rank {seen.tolist()}): every rank must get the same requests in the same order"
             )
 
 
-def _fold(h: int, ev: TokenEvent) -> int:
-    for x in (ev.uid, -1 if ev.token is None else ev.token, _FINISH_CODES[ev.finish_reason]):
-        h = (h * 1_000_003 + x + 7) % _HASH_MOD
+def _fold(h: int, values) -> int:
+    for x in values:
+        h = (h * 1_000_003 + int(x) + 7) % _HASH_MOD
     return h
+
+
+def _request_values(req) -> list:
+    """What must be equal about a request on every rank, as integers."""
+    sampler = zlib.crc32(repr(req.sampling).encode())  # (str hashes differ between processes)
+    return [req.uid, req.max_tokens, sampler, *req.key.tolist(), len(req.prompt), *req.prompt]
 
 
 def rank0_value(group: mx.distributed.Group, value: int) -> int:
