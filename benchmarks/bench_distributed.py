@@ -8,13 +8,14 @@
 (MLX_RANK, MLX_HOSTFILE): mlx.launch's own I/O loop busy-polls (measured
 here: ~1.4 of the 2 cores while the ranks run), which would be timed too.
 
-Per configuration it decodes ``--batch`` greedy rows of a random llama for
-``--tokens`` tokens (``--runs`` timed runs after a warm one) three ways:
-``real`` (the all-sums of the sharded layers in the graph), ``stub`` (every
-``mx.distributed.all_sum`` replaced by the identity: the same per-rank compute
-with no communication, so ``real - stub`` is the step's collective time) and
-the lockstep token check every step vs every ``DEFAULT_CHECK_EVERY`` steps.
-Only rank 0 prints (one JSON line per configuration with ``--json``).
+It decodes ``--batch`` greedy rows of a random llama for ``--tokens`` tokens
+(median of ``--runs`` timed runs after a warm one), on N > 1 ranks three
+ways, run interleaved so that a busy moment of a shared machine hits each
+alike: ``real`` (the all-sums of the sharded layers in the graph, lockstep
+check every ``DEFAULT_CHECK_EVERY`` steps), ``stub`` (traced with every
+``mx.distributed.all_sum`` replaced by the identity: the same per-rank
+compute with no communication, so ``real - stub`` is the step's collective
+time) and ``check_every_step``. Only rank 0 prints (one JSON line with ``--json``).
 """
 
 from __future__ import annotations
@@ -60,33 +61,40 @@ def decode_run(engine: Engine, step, batch: int, tokens: int) -> tuple:
     return s.decode_tps, 1e3 * s.decode_s / s.steps
 
 
-def measure(make_model, group, args, stub: bool, check_every: int) -> dict:
-    real_all_sum = mx.distributed.all_sum
-    if stub:
-        mx.distributed.all_sum = lambda x, *a, **k: x
-    try:
-        model = make_model()
-        if group is not None:
-            shard_model(model, group)
-        lock = Lockstep(group, check_every=check_every) if group is not None and group.size() > 1 and not stub else None
-        step = (lambda e: e.step()) if lock is None else lock.step
-        engine = Engine(model, buckets=(args.batch,), prefill_chunks=(16,))
-        decode_run(engine, step, args.batch, args.tokens)  # traces, kernel builds
-        runs = [decode_run(engine, step, args.batch, args.tokens) for _ in range(args.runs)]
-        assert all(n == 1 for n in engine.compiled.traces.values())
-    finally:
-        mx.distributed.all_sum = real_all_sum
-    return {"tok_s": statistics.median(r[0] for r in runs), "ms_step": statistics.median(r[1] for r in runs)}
+class Config:
+    """One way to run the decode: an engine (traced and warmed) and its step function."""
+
+    def __init__(self, name: str, model, group, args, check_every: int = DEFAULT_CHECK_EVERY, stub: bool = False):
+        self.name, self.args, self.runs = name, args, []
+        real_all_sum = mx.distributed.all_sum
+        if stub:  # traced without the all-sums: replays never call them
+            mx.distributed.all_sum = lambda x, *a, **k: x
+        try:
+            sharded = group is not None and group.size() > 1
+            lock = Lockstep(group, check_every=check_every) if sharded and not stub else None
+            self.step = (lambda e: e.step()) if lock is None else lock.step
+            self.engine = Engine(model, buckets=(args.batch,), prefill_chunks=(16,))
+            self.run()  # traces, kernel builds
+            self.runs.clear()
+        finally:
+            mx.distributed.all_sum = real_all_sum
+
+    def run(self):
+        self.runs.append(decode_run(self.engine, self.step, self.args.batch, self.args.tokens))
+        assert all(n == 1 for n in self.engine.compiled.traces.values()), "a timed run traced"
+
+    def result(self) -> dict:
+        return {"tok_s": statistics.median(r[0] for r in self.runs), "ms_step": statistics.median(r[1] for r in self.runs)}
 
 
-def collective_latency(group, shape, reps: int = 200) -> float:
-    """Median µs of one eager all_sum of a float32 array of ``shape``."""
+def collective_latency(op, group, shape, reps: int = 200) -> float:
+    """Median µs of one eager collective ``op`` (all_sum, all_gather) of a float32 array of ``shape``."""
     x = mx.ones(shape)
-    mx.eval(mx.distributed.all_sum(x, group=group))
+    mx.eval(op(x, group=group))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        mx.eval(mx.distributed.all_sum(x, group=group))
+        mx.eval(op(x, group=group))
         times.append(time.perf_counter() - t0)
     return 1e6 * statistics.median(times)
 
@@ -135,17 +143,24 @@ def main():
     group = init_group() if launched else None
     size, rank = (group.size(), group.rank()) if group is not None else (1, 0)
 
-    def make_model():
-        return tiny_llama(args.hidden, args.layers, args.heads, args.kv_heads, args.vocab)
-
     row = {"ranks": size, "hidden": args.hidden, "layers": args.layers, "batch": args.batch, "tokens": args.tokens,
            "load_before": os.getloadavg()}
-    row["real"] = measure(make_model, group, args, stub=False, check_every=DEFAULT_CHECK_EVERY)
+    model = tiny_llama(args.hidden, args.layers, args.heads, args.kv_heads, args.vocab)
+    configs = []
     if size > 1:
-        row["check_every_step"] = measure(make_model, group, args, stub=False, check_every=1)
-        row["stub"] = measure(make_model, group, args, stub=True, check_every=0)
+        shard_model(model, group)
+        configs.append(Config("stub", model, group, args, stub=True))
+        configs.append(Config("check_every_step", model, group, args, check_every=1))
+    configs.append(Config("real", model, group, args))
+    for _ in range(args.runs):  # interleaved, so that a busy moment hits every configuration alike
+        for c in configs:
+            c.run()
+    row.update({c.name: c.result() for c in configs})
+    if size > 1:
         row["collective_ms_step"] = row["real"]["ms_step"] - row["stub"]["ms_step"]
-        row["all_sum_us"] = collective_latency(group, (args.batch, 1, args.hidden))
+        row["check_ms_step"] = row["check_every_step"]["ms_step"] - row["real"]["ms_step"]
+        row["all_sum_us"] = collective_latency(mx.distributed.all_sum, group, (args.batch, 1, args.hidden))
+        row["all_gather_us"] = collective_latency(mx.distributed.all_gather, group, (1, 2))
         row["all_sums_per_step"] = 2 * args.layers
     row["load_after"] = os.getloadavg()
     if rank == 0:
