@@ -24,8 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
-import numpy as np
+import mlx_tracer  # noqa: F401  (before mlx: it picks the BLAS; the tests pin MLX_TRACER_BLAS=0)
+
+import mlx.core as mx  # noqa: E402
+import numpy as np  # noqa: E402
 
 OPTIONS = dict(chat=False, weights="as-is", buckets=(1, 2, 4), prefill_chunks=(8, 16))
 # (arrival step, prompt length, max tokens): requests join a running batch at different steps
