@@ -20,8 +20,8 @@ Lockstep needs three things, all here:
   pipeline never waits for it: a divergence shows within ``2 * check_every``
   steps) and once more when the engine runs dry.
   Requests must be compared, not only tokens: ranks given different prompts
-  still agree on every token (each rank's partial sums are all-summed into
-  one shared, wrong result), so the tokens alone would not show it;
+  can still agree on every token (each rank's partial sums are all-summed
+  into one shared, wrong result), so the tokens alone may not show it;
 * **no silent hang**: a peer that dies closes its sockets and MLX's ring
   backend raises ("connection to a peer was lost"), re-raised here as
   :class:`DistributedError`; a peer that hangs, or one that never connects,
