@@ -74,7 +74,7 @@ def test_abandoned_stream_leaves_the_neighbour_intact_and_frees_its_row(llama, n
     assert gen.result(neighbour).tokens == neighbour_solo
     assert len(got) <= len(neighbour_solo)
     assert all(r.uid != abandoned for r in gen.engine.rows)
-    assert abandoned not in gen._live and not gen.engine.has_work()  # nothing kept
+    assert abandoned not in gen.router.live and not gen.engine.has_work()  # nothing kept
 
 
 def test_abandoned_stream_row_is_freed_at_the_next_step(llama):
@@ -140,7 +140,7 @@ def test_generate_interrupted_cancels_its_request(llama, monkeypatch):
         gen.generate([9, 9, 3], max_tokens=50)
     monkeypatch.setattr(gen.engine, "step", real)
     assert gen.generate(NEIGHBOUR, max_tokens=40) == "".join(f"<{t}>" for t in solo_tokens(llama, NEIGHBOUR, 40))
-    assert not gen._live and not gen.engine.has_work()
+    assert not gen.router.live and not gen.engine.has_work()
 
 
 def test_module_level_generators_do_not_keep_models_alive():
@@ -193,11 +193,11 @@ def test_bucket_widths_are_deduplicated_and_sorted(llama):
 def test_bad_options_get_clear_errors_and_change_nothing(llama, kwargs, error, words):
     gen = _gen(llama)
     keep = gen.submit(NEIGHBOUR, max_tokens=5)
-    before = (len(gen.engine.queue), dict(gen._live))
+    before = (len(gen.engine.queue), dict(gen.router.live))
     prompt = kwargs.pop("prompt")
     with pytest.raises(error, match=words):
         gen.submit(prompt, **kwargs)
-    assert (len(gen.engine.queue), dict(gen._live)) == before
+    assert (len(gen.engine.queue), dict(gen.router.live)) == before
     assert gen.generate(NEIGHBOUR, max_tokens=5) and gen.result(keep).tokens == solo_tokens(llama, NEIGHBOUR, 5)
 
 
@@ -253,17 +253,17 @@ def test_any_api_input_returns_or_fails_clearly_and_never_touches_a_neighbour(bu
     opts = {k: v for k, v in opts.items() if v is not None}
     if isinstance(opts.get("max_tokens"), int) and not isinstance(opts["max_tokens"], bool):
         opts["max_tokens"] = min(opts["max_tokens"], 3)
-    queued, live = len(gen.engine.queue), set(gen._live)
+    queued, live = len(gen.engine.queue), set(gen.router.live)
     try:
         uid = gen.submit(prompt, **opts)
     except (ValueError, TypeError) as e:
         assert str(e)  # says what is wrong
-        assert len(gen.engine.queue) == queued and set(gen._live) == live  # refused before touching anything
+        assert len(gen.engine.queue) == queued and set(gen.router.live) == live  # refused before touching anything
     else:
-        assert isinstance(uid, int) and uid in gen._live
-    gen._pump()  # the loop goes on between calls
-    while gen._outbox:
-        ev = gen._outbox.popleft()
+        assert isinstance(uid, int) and uid in gen.router.live
+    gen.router.pump()  # the loop goes on between calls
+    while gen.router.outbox:
+        ev = gen.router.outbox.popleft()
         if ev.uid == neighbour:
             seen.append(ev.token)
         elif ev.finish_reason is not None:

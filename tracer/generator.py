@@ -9,42 +9,28 @@ a consumer stops early; a stream closed early cancels its own request only.
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Deque, Dict, Iterator, List, Optional, Sequence, Union
+from typing import Iterator, List, Optional, Sequence, Union
 
 import mlx.core as mx
+import numpy as np
 
 from .caches import DEFAULT_CAPACITIES
+from .runtime.distributed import Lockstep, init_group, load_sharded, shard_model
 from .runtime.engine import DEFAULT_PREFILL_CHUNKS, Engine
 from .runtime.drafters import make_drafter
 from .runtime.speculator import Speculator
 from .runtime.options import (
     check_buckets, check_draft_tokens, check_max_tokens, check_prefill_chunks, check_stop_strings, check_token_ids,
 )
-from .runtime.requests import TokenEvent
 from .runtime.sampling import SamplingParams
 from .runtime.step import DEFAULT_BUCKETS
 from .stream import Completion, GenerationEvent, TokenStream
+from .router import EventRouter
 from .text import TextStream
 
 Prompt = Union[str, Sequence[int]]
-
-
-@dataclass
-class _Live:
-    """A request the Generator still tracks (until its result is taken)."""
-
-    uid: int
-    prompt_tokens: int
-    text: TextStream
-    streamed: bool = False  # its events go to its own stream, not to events()
-    pending: Deque[GenerationEvent] = field(default_factory=deque)  # delivered, not yet consumed
-    completion: Optional[Completion] = None
-    discard: bool = False  # nobody will read it (a closed stream): forget it once finished
-    tokens: List[int] = field(default_factory=list)
-    logprobs: List[float] = field(default_factory=list)
 
 
 class Generator:
@@ -62,6 +48,12 @@ class Generator:
             (see :class:`~mlx_tracer.runtime.engine.Engine`); None: off.
         draft_tokens: the most drafts per row and verify step.
         spec_policy: ``"auto"`` (verify steps when they pay) or ``"always"``.
+        distributed: run as one rank of a sharded model (see
+            :mod:`mlx_tracer.runtime.distributed`): ``True`` joins the group
+            ``mlx.launch`` started, or pass an ``mx.distributed.Group``. The
+            model is sharded in place (unless it already is); every rank must
+            then get the same requests in the same order, and only
+            :attr:`is_primary` (rank 0) should print.
     """
 
     def __init__(
@@ -76,6 +68,7 @@ class Generator:
         speculative=None,
         draft_tokens: int = 4,
         spec_policy: str = "auto",
+        distributed: Union[bool, "mx.distributed.Group"] = False,
     ):
         check_options(buckets, prefill_chunks, chat, system, speculative, draft_tokens, spec_policy)
         if _is_draft_path(speculative):
@@ -84,26 +77,61 @@ class Generator:
             speculative = load(speculative, weights="as-is")[0]
         self.model = model
         self.tokenizer = tokenizer
-        self.engine = Engine(model, buckets, prefill_chunks, capacities, speculative=speculative, draft_tokens=draft_tokens,
-                             spec_policy=spec_policy)
+        self.lockstep: Optional[Lockstep] = None
+        engine_args = (model, buckets, prefill_chunks, capacities)
+        engine_kwargs = dict(speculative=speculative, draft_tokens=draft_tokens, spec_policy=spec_policy)
+        if distributed is False:
+            self.engine = Engine(*engine_args, **engine_kwargs)
+        else:
+            group = init_group() if distributed is True else distributed
+            shard_model(model, group)
+            self.lockstep = lock = Lockstep(group)
+            rng = np.random.default_rng(lock.shared_seed())
+            self.engine = lock.collective("probing the sharded model", Engine, *engine_args, rng=rng, **engine_kwargs)
         self.chat = getattr(tokenizer, "has_chat_template", False) if chat is None else chat
         self.system = system
-        self._live: Dict[int, _Live] = {}
-        self._outbox: Deque[GenerationEvent] = deque()  # events of requests that are not streamed
+        step = (lambda: self.engine.step()) if self.lockstep is None else partial(self.lockstep.step, self.engine)
+        self.router = EventRouter(self.engine, step)
 
     @classmethod
-    def load(cls, path: Optional[Union[str, Path]] = None, progress: bool = True, weights: str = "auto", **kwargs) -> "Generator":
+    def load(cls, path: Optional[Union[str, Path]] = None, progress: bool = True, weights: str = "auto",
+             distributed: bool = False, **kwargs) -> "Generator":
         """Load a model (see :func:`load`; ``weights="auto"`` by default) into a
-        Generator. The options are checked before the model loads."""
+        Generator. The options are checked before the model loads.
+        ``distributed=True``: one rank of a sharded model started by
+        ``mlx.launch`` (a model ``shard()`` cannot split fails with a
+        ``ValueError`` before any work)."""
         log = kwargs.pop("log", lambda s: None)
         check_options(kwargs.get("buckets", DEFAULT_BUCKETS), kwargs.get("prefill_chunks", DEFAULT_PREFILL_CHUNKS),
-                       kwargs.get("chat"), kwargs.get("system"), kwargs.get("speculative"), kwargs.get("draft_tokens", 4), kwargs.get("spec_policy", "auto"))
+                      kwargs.get("chat"), kwargs.get("system"), kwargs.get("speculative"), kwargs.get("draft_tokens", 4),
+                      kwargs.get("spec_policy", "auto"))
+        if distributed:
+            if _is_draft_path(kwargs.get("speculative")):
+                raise ValueError("a draft model is not supported with distributed=True yet: use speculative='prompt-lookup'")
+            from .api import load
+
+            model, tokenizer, group = load_sharded(load, path, progress=progress, weights=weights, log=log)
+            return cls(model, tokenizer, distributed=group, **kwargs)
         from .api import load
 
         model, tokenizer = load(path, progress=progress, weights=weights, log=log)
         if _is_draft_path(kwargs.get("speculative")):  # the draft model in the target's weight format
             kwargs["speculative"] = load(kwargs["speculative"], progress=progress, weights=model.mlx_tracer_weights, log=log)[0]
         return cls(model, tokenizer, **kwargs)
+
+    @property
+    def is_primary(self) -> bool:
+        """Whether this process prints: always, except on ranks other than 0 of a sharded model."""
+        return self.lockstep is None or self.lockstep.is_primary
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.lockstep is None else self.lockstep.rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks the model is sharded over (1: not sharded)."""
+        return 1 if self.lockstep is None else self.lockstep.size
 
     @property
     def weights(self) -> str:
@@ -153,7 +181,7 @@ class Generator:
         tokens = self.encode(prompt, chat, system)
         stops = self.tokenizer.eos_token_ids if stop_tokens is None else stop_tokens
         uid = self.engine.add(tokens, max_tokens, sampling, stops)
-        self._live[uid] = _Live(uid, len(tokens), TextStream(self.tokenizer, stop), streamed=_streamed)
+        self.router.track(uid, len(tokens), TextStream(self.tokenizer, stop), streamed=_streamed)
         return uid
 
     def cancel(self, uid: int):
@@ -166,27 +194,21 @@ class Generator:
         token of the requests submitted with :meth:`submit` (streams get their
         own). Leaving the loop early loses nothing: the next call goes on."""
         while True:
-            if self._outbox:
-                yield self._outbox.popleft()
+            if self.router.outbox:
+                yield self.router.outbox.popleft()
             elif self.engine.has_work():
-                self._pump()
+                self.router.pump()
             else:
                 return
 
     def result(self, uid: int) -> Completion:
         """The completion of a finished request (and forget it)."""
-        live = self._live.get(uid)
-        if live is None:
-            raise KeyError(f"no request {uid} (unknown, or its result was already taken)")
-        if live.completion is None:
-            raise ValueError(f"request {uid} has not finished: run events() (or cancel it) first")
-        del self._live[uid]
-        return live.completion
+        return self.router.result(uid)
 
     # ------------------------------------------------------------ mlx-lm style
     def stream_generate(self, prompt: Prompt, **kwargs) -> TokenStream:
         """The events of one request as they come; closing the stream early cancels it."""
-        return TokenStream(self, self.submit(prompt, _streamed=True, **kwargs))
+        return TokenStream(self.router, self.submit(prompt, _streamed=True, **kwargs))
 
     def generate(self, prompt: Prompt, **kwargs) -> str:
         return self._run([self.submit(prompt, _streamed=True, **kwargs)])[0].text
@@ -203,79 +225,26 @@ class Generator:
                 uids.append(self.submit(p, max_tokens=m, _streamed=True, **kwargs))
         except BaseException:
             for u in uids:
-                self._abandon(u)
+                self.router.abandon(u)
             raise
         return self._run(uids)
 
     def _run(self, uids: List[int]) -> List[Completion]:
         """Run until the requests ``uids`` finish; an exception (Ctrl-C) cancels them."""
         try:
-            while any(self._live[u].completion is None for u in uids):
-                self._pump()
+            while not all(self.router.finished(u) for u in uids):
+                self.router.pump()
         except BaseException:
             for u in uids:
-                self._abandon(u)
+                self.router.abandon(u)
             raise
         return [self.result(u) for u in uids]
-
-    # ----------------------------------------------------------- event routing
-    def _pump(self):
-        """One engine step; every event goes to its request (none dropped)."""
-        for ev in self.engine.step():
-            self._route(ev)
-
-    def _route(self, ev: TokenEvent):
-        live = self._live.get(ev.uid)
-        if live is None or live.completion is not None:
-            return  # e.g. the "cancelled" echo of a request a stop string already ended
-        reason = ev.finish_reason
-        if reason == "cancelled":
-            delta, _ = live.text.add(None, True)
-        else:
-            stop_token = reason == "stop"
-            delta, hit = live.text.add(None if stop_token else ev.token, reason is not None)
-            if hit and reason is None:
-                reason = "stop"
-                self.engine.cancel(ev.uid)
-            if not stop_token:  # a stop token ends the request and is not part of it
-                live.tokens.append(ev.token)
-                live.logprobs.append(ev.logprob)
-        if reason is not None:
-            live.completion = Completion(ev.uid, live.text.text, live.tokens, live.logprobs, reason, live.prompt_tokens)
-        if live.discard:
-            if reason is not None:
-                del self._live[ev.uid]
-            return
-        event = GenerationEvent(ev.uid, ev.token, delta, ev.logprob, reason)
-        (live.pending if live.streamed else self._outbox).append(event)
-
-    def _next_event(self, uid: int) -> GenerationEvent:
-        live = self._live[uid]
-        while not live.pending:
-            self._pump()
-        return live.pending.popleft()
-
-    def _forget(self, uid: int):
-        self._live.pop(uid, None)
-
-    def _abandon(self, uid: int):
-        """Nobody will read ``uid`` any more: cancel it if it runs, forget it when done."""
-        live = self._live.get(uid)
-        if live is None:
-            return
-        if live.completion is not None:
-            del self._live[uid]
-            return
-        live.discard = True
-        live.pending.clear()
-        try:
-            self.engine.cancel(uid)
-        except KeyError:  # finished in the engine already; its last event is on its way
-            pass
 
     # ---------------------------------------------------------------- stats
     def warmup(self, buckets: Optional[Sequence[int]] = None, prefill: bool = True) -> dict:
         """Trace ahead of time; returns ``{trace: ms}`` of the traces it made."""
+        if self.lockstep is not None:
+            return self.lockstep.collective("warmup", self.engine.warmup, buckets, prefill)
         return self.engine.warmup(buckets, prefill)
 
     @property

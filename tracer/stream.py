@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, List, Optional
 
 if TYPE_CHECKING:
-    from .generator import Generator
+    from .router import EventRouter
 
 
 @dataclass
@@ -41,8 +41,8 @@ class TokenStream:
     request: its row is freed at the next step, and other requests lose nothing.
     """
 
-    def __init__(self, gen: "Generator", uid: int):
-        self.gen, self.uid, self.done = gen, uid, False
+    def __init__(self, router: "EventRouter", uid: int):
+        self.router, self.uid, self.done = router, uid, False
 
     def __iter__(self):
         return self
@@ -50,16 +50,16 @@ class TokenStream:
     def __next__(self) -> GenerationEvent:
         if self.done:
             raise StopIteration
-        ev = self.gen._next_event(self.uid)
+        ev = self.router.next_event(self.uid)
         if ev.finish_reason is not None:
             self.done = True
-            self.gen._forget(self.uid)
+            self.router.forget(self.uid)
         return ev
 
     def close(self):
         if not self.done:
             self.done = True
-            self.gen._abandon(self.uid)
+            self.router.abandon(self.uid)
 
     def __del__(self):
         try:

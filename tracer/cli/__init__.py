@@ -3,7 +3,8 @@
 Exit codes: 0 done; 1 the environment let it down (the download failed, no
 C++ compiler for MLX's CPU kernels); 2 bad input (an option, a prompt, a
 model file), reported before any model loads when the arguments alone show
-it; 130 interrupted (Ctrl-C). Every error is one line on stderr, never a
+it; 130 interrupted (Ctrl-C). A ``--distributed`` run whose peers fail or
+disagree exits 1 as well. Every error is one line on stderr, never a
 traceback; stdout carries only results (text, the model path, tables).
 """
 
@@ -50,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     spec.add_argument("--spec", choices=("prompt-lookup",), help="speculative decoding: drafts judged by one compiled verify step")
     spec.add_argument("--draft-model", help="speculative decoding with this draft model (GGUF / mlx-lm folder, same tokenizer)")
     g.add_argument("--draft-tokens", type=opt.positive_int, default=4, help="most drafts per row and verify step (k)")
+    g.add_argument("--distributed", action="store_true",
+                   help="one rank of a model sharded over the processes mlx.launch started, e.g. "
+                        "mlx.launch --backend ring -n 2 -- mlx-tracer generate --distributed ...; rank 0 prints")
     g.add_argument("--spec-policy", choices=("auto", "always"), default="auto",
                    help="auto: a verify step when it is expected to pay; always: whenever a row has drafts")
     g.set_defaults(func=commands.generate)
@@ -105,5 +109,10 @@ def main(argv=None) -> int:
         print(f"mlx-tracer: error: {e}", file=sys.stderr)
         return 2
     except (FetchError, CompilerUnavailable) as e:
+        print(f"mlx-tracer: error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:  # a sharded run whose peers failed or disagree
+        if type(e).__name__ != "DistributedError":
+            raise
         print(f"mlx-tracer: error: {e}", file=sys.stderr)
         return 1

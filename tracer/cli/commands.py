@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -11,27 +12,38 @@ def log(msg: str):
     print(msg, file=sys.stderr, flush=True)
 
 
+def _primary(args) -> bool:
+    """Whether this process prints: ranks other than 0 of a --distributed run
+    (``mlx.launch`` sets MLX_RANK) stay quiet."""
+    return not getattr(args, "distributed", False) or os.environ.get("MLX_RANK", "0") == "0"
+
+
 def load_generator(args):
     """A Generator for the model options of ``args``, timed, with progress on stderr."""
     from ..api import Generator
     from ..generator import check_options
 
+    log = globals()["log"] if _primary(args) else (lambda msg: None)
     kwargs = {"buckets": args.buckets} if getattr(args, "buckets", None) else {}
     speculative = getattr(args, "draft_model", None) or getattr(args, "spec", None)
     if speculative:
         kwargs.update(speculative=speculative, draft_tokens=args.draft_tokens, spec_policy=args.spec_policy)
     check_options(**kwargs)  # before the slow load
+    if getattr(args, "distributed", False):
+        kwargs["distributed"] = True
     t0 = time.perf_counter()
     log(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
     gen = Generator.load(
         args.model, weights=args.weights, chat=getattr(args, "chat", None), system=getattr(args, "system", None), log=log, **kwargs
     )
-    log(f"loaded in {time.perf_counter() - t0:.1f} s (weights: {gen.weights})")
+    shards = f", sharded over {gen.world_size} ranks" if gen.world_size > 1 else ""
+    log(f"loaded in {time.perf_counter() - t0:.1f} s (weights: {gen.weights}{shards})")
     return gen
 
 
 def warm(gen, buckets, prefill=True):
     """Trace ``buckets`` ahead of use; ``{trace: ms}`` of the traces made."""
+    log = globals()["log"] if gen.is_primary else (lambda msg: None)
     log(f"tracing buckets {list(buckets)} ...")
     traces = {}
     for b in buckets:
@@ -59,22 +71,24 @@ def generate(args) -> int:
         warm(gen, [bucket_for(min(len(args.prompts), gen.engine.buckets[-1]), gen.engine.buckets)], prefill=False)
     opts = dict(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
     uids = [gen.submit(p, seed=None if args.seed is None else args.seed + i, **opts) for i, p in enumerate(args.prompts)]
-    single, partial = len(uids) == 1, False
+    single, partial, show = len(uids) == 1, False, gen.is_primary  # every rank runs the loop; rank 0 prints
     try:
         for ev in gen.events():
-            if single:
+            if single and show:
                 print(ev.text, end="", flush=True)
                 partial = partial or bool(ev.text)
             elif ev.finish_reason is not None:
                 c = gen.result(ev.uid)
-                print(f"[{uids.index(ev.uid)}] {c.text}", flush=True)
+                if show:
+                    print(f"[{uids.index(ev.uid)}] {c.text}", flush=True)
     except KeyboardInterrupt:
         if partial:
             print(flush=True)  # end the partial line; main() reports the interrupt
         raise
-    if single:
-        print()
-    print(gen.summary(), file=sys.stderr)
+    if show:
+        if single:
+            print()
+        print(gen.summary(), file=sys.stderr)
     return 0
 
 

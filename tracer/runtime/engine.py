@@ -22,6 +22,7 @@ import time
 from typing import Callable, Iterable, List, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from ..backend import threads
 from ..caches import DEFAULT_CAPACITIES
@@ -66,6 +67,7 @@ class Engine:
             leaves: ``caches`` are owned serial mlx-lm caches of the row (one
             per layer, as ``add(cache=...)`` takes them) and ``tokens`` the ids
             whose keys and values they hold. A prefix cache is built on it.
+        rng: draws the seeds of unseeded requests (see :class:`Scheduler`).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class Engine:
         draft_tokens: int = 4,
         spec_policy: str = "auto",
         on_retire: Optional[Callable[[Request, list, List[int]], None]] = None,
+        rng: Optional[np.random.Generator] = None,
     ):
         buckets = check_buckets(buckets)  # before the probe forward: bad input fails fast
         drafter = make_drafter(speculative)
@@ -87,7 +90,7 @@ class Engine:
         drafter = make_drafter(speculative, self.compiled.vocab_size)
         batched = mx.default_device() == mx.gpu if batched_prefill is None else batched_prefill
         self.scheduler = Scheduler(buckets, prefill_chunks, self.compiled.vocab_size, self.compiled.max_positions, batched,
-                                   self.compiled.context_length, lookahead=k)
+                                   self.compiled.context_length, rng=rng, lookahead=k)
         self.speculator = Speculator(drafter, k, spec_policy) if drafter else None
         self.on_retire = on_retire
         self.stats = EngineStats()

@@ -58,10 +58,11 @@ class SamplingParams:
 GREEDY = SamplingParams()
 
 
-def initial_key(seed: Optional[int]) -> np.ndarray:
-    """A row's PRNG key ``[2] uint32`` from its seed (a fresh random one if None)."""
+def initial_key(seed: Optional[int], rng: Optional[np.random.Generator] = None) -> np.ndarray:
+    """A row's PRNG key ``[2] uint32`` from its seed (if None: a seed drawn
+    from ``rng``, fresh entropy by default)."""
     if seed is None:
-        seed = int(np.random.default_rng().integers(0, 2**63))
+        seed = int((rng or np.random.default_rng()).integers(0, 2**63))
     return np.array(mx.random.key(seed)).astype(np.uint32)
 
 

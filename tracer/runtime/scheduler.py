@@ -13,6 +13,8 @@ import itertools
 from collections import deque
 from typing import Deque, Dict, Iterable, List, Optional, Sequence
 
+import numpy as np
+
 from .options import check_buckets, check_max_tokens, check_prefill_chunks, check_token_ids
 from .requests import Request, TokenEvent
 from .sampling import GREEDY, SamplingParams, initial_key
@@ -30,11 +32,13 @@ class Scheduler:
         lookahead: speculative drafts per step (a verify window writes them too).
         batched_prefill: prefill newcomers together in one padded batch, or
             each alone (see :class:`~mlx_tracer.runtime.engine.Engine`).
+        rng: draws the seeds of requests that give none (default: fresh
+            entropy per request); ranks in lockstep pass identically seeded ones.
     """
 
     def __init__(self, buckets: Sequence[int], prefill_chunks: Sequence[int], vocab_size: int,
                  max_positions: Optional[int], batched_prefill: bool, context_length: Optional[int] = None,
-                 lookahead: int = 0):
+                 rng: Optional[np.random.Generator] = None, lookahead: int = 0):
         self.buckets = check_buckets(buckets)
         self.prefill_chunks = check_prefill_chunks(prefill_chunks)
         self.vocab_size = vocab_size
@@ -42,6 +46,7 @@ class Scheduler:
         self.context_length = context_length
         self.lookahead = lookahead  # columns a verify step may write past a row's last token
         self.batched_prefill = batched_prefill
+        self.rng = rng
         self.queue: Deque[Request] = deque()
         self.requests: Dict[int, Request] = {}  # queued or running, until finished
         self._uids = itertools.count()
@@ -70,7 +75,7 @@ class Scheduler:
                     f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} exceed the largest capacity bucket "
                     f"{self.max_positions}: shorten the prompt, lower max_tokens or pass larger capacities"
                 )
-        req = Request(next(self._uids), prompt, max_tokens, sampling, stop_ids, initial_key(sampling.seed),
+        req = Request(next(self._uids), prompt, max_tokens, sampling, stop_ids, initial_key(sampling.seed, self.rng),
                       list(cache) if cache else None)
         self.queue.append(req)
         self.requests[req.uid] = req
