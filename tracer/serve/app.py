@@ -136,7 +136,7 @@ def create_app(worker: EngineWorker, timeout: Optional[float] = 600.0) -> Starle
     async def generate(request: Request, spec: GenerationSpec, received: float):
         limit = worker.context_limit
         if limit is not None and spec.max_tokens >= limit:
-            name = "max_completion_tokens" if spec.endpoint == "chat" else "max_tokens"
+            name = spec.max_tokens_param
             raise bad_request(f"{name} {spec.max_tokens} leaves no room for a prompt: the model holds {limit} positions "
                               "(prompt + completion)", name, "context_length_exceeded")
         job = worker.submit(spec, asyncio.get_running_loop(), received)

@@ -40,6 +40,7 @@ class GenerationSpec:
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
     ignore_eos: bool = False  # extension (as vLLM): generate past end-of-sequence tokens
+    max_tokens_param: str = "max_tokens"  # the name the request gave it (errors name it back)
 
 
 # parameters read here; the rest of OpenAI's are refused by name below
@@ -72,10 +73,8 @@ def parse_chat(body, served: str) -> GenerationSpec:
         raise unsupported("top_logprobs", "top_logprobs > 0 is not supported: the compiled step returns the chosen "
                                           "token's log-probability only; use logprobs=true with top_logprobs=0")
     logprobs = bool(_get(body, "logprobs", bool) or False)
-    limit = _int(body, "max_completion_tokens", None)
-    if limit is None:
-        limit = _int(body, "max_tokens", None)
-    return _spec("chat", body, served, messages, limit, logprobs, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens")
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return _spec("chat", body, served, messages, _int(body, name, None), logprobs, name)
 
 
 def parse_completion(body, served: str) -> GenerationSpec:
@@ -130,7 +129,8 @@ def _spec(endpoint, body, served, prompt, limit, logprobs, limit_name) -> Genera
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
     include_usage = bool(_get(options or {}, "include_usage", bool, "stream_options.include_usage") or False)
     ignore_eos = bool(_get(body, "ignore_eos", bool) or False)
-    return GenerationSpec(endpoint, served, prompt, max_tokens, sampling, stop, logprobs, stream, include_usage, ignore_eos)
+    return GenerationSpec(endpoint, served, prompt, max_tokens, sampling, stop, logprobs, stream, include_usage, ignore_eos,
+                          limit_name)
 
 
 def _object(body) -> dict:
