@@ -32,17 +32,6 @@ class Histogram:
         self.sum += value
         self.count += 1
 
-    def quantile(self, q: float) -> float:
-        """The upper bound of the bucket holding quantile ``q`` (inf above the last)."""
-        if not self.count:
-            return float("nan")
-        rank, seen = q * self.count, 0
-        for bound, n in zip(self.bounds + (float("inf"),), self.counts):
-            seen += n
-            if seen >= rank:
-                return bound
-        return float("inf")
-
 
 @dataclass
 class EngineSnapshot:

@@ -31,7 +31,6 @@ class GenerationSpec:
     """One checked request: what to generate and how to answer."""
 
     endpoint: str  # "chat" | "completion"
-    model: str
     prompt: Union[Messages, str, List[int]]  # chat messages, or a completion's text or token ids
     max_tokens: int = DEFAULT_MAX_TOKENS
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=DEFAULT_TEMPERATURE))
@@ -129,7 +128,7 @@ def _spec(endpoint, body, served, prompt, limit, logprobs, limit_name) -> Genera
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
     include_usage = bool(_get(options or {}, "include_usage", bool, "stream_options.include_usage") or False)
     ignore_eos = bool(_get(body, "ignore_eos", bool) or False)
-    return GenerationSpec(endpoint, served, prompt, max_tokens, sampling, stop, logprobs, stream, include_usage, ignore_eos,
+    return GenerationSpec(endpoint, prompt, max_tokens, sampling, stop, logprobs, stream, include_usage, ignore_eos,
                           limit_name)
 
 

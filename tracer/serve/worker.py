@@ -159,9 +159,6 @@ class EngineWorker:
                 pass
 
     def _admit(self, job: Job):
-        if job.abandoned:  # cancelled while in the inbox
-            self._left_queue(job)
-            return
         spec = job.spec
         try:
             ids = self._encode(spec)
