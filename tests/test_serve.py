@@ -325,6 +325,25 @@ def test_a_request_past_the_timeout_is_cancelled(model_dir):
         wait_for(lambda: metrics(url)["mlx_tracer_live_rows"] == 0, what="the row to be freed")
 
 
+def test_a_speculative_server_gives_the_same_greedy_answers(model_dir, refs):
+    gen = Generator.load(model_dir, progress=False, weights="as-is", speculative="prompt-lookup", draft_tokens=3)
+    with running_server(gen, prefix_cache_bytes=1 << 20) as (url, _):
+        c = client(url)
+        got = {}
+        threads = [threading.Thread(target=lambda i=i: got.setdefault(i, c.completions.create(
+            model="tiny", prompt=SIXTEEN[i][0], max_tokens=SIXTEEN[i][1], temperature=0).choices[0].text)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert [got[i] for i in range(4)] == [refs(*SIXTEEN[i]).text for i in range(4)]
+        first = c.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, temperature=0).choices[0].message.content
+        turn2 = CHAT + [{"role": "assistant", "content": first}, {"role": "user", "content": TURN2_USER}]
+        r = c.chat.completions.create(model="tiny", messages=turn2, max_tokens=8, temperature=0)
+        assert r.choices[0].message.content == refs(refs.ids(turn2), 8).text
+        assert r.usage.prompt_tokens_details.cached_tokens > 0
+
+
 def test_an_engine_failure_answers_500_and_health_turns_503(model_dir):
     gen = Generator.load(model_dir, progress=False, weights="as-is", buckets=(1,))
 
