@@ -9,7 +9,7 @@ engine's own figure to compare it with.
 HTTP); prints aggregate completion tokens/s, time to first token (p50, p99)
 and the server's own decode figures over the run (from ``/metrics``).
 ``chat``: a multi-turn conversation; prints per turn the prompt tokens, the
-tokens the prefix cache served and the tokens prefilled. ``engine``: the same
+tokens the prefix cache served, the tokens prefilled and the turn's time. ``engine``: the same
 batch decoded by an in-process Generator, no HTTP: the engine's batched
 decode tokens/s at that bucket.
 """
@@ -132,7 +132,7 @@ def clients(args) -> int:
 def chat(args) -> int:
     server = Server(args.url)
     messages = [{"role": "system", "content": "You are a helpful assistant. Answer briefly."}]
-    print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'prefilled':>9} {'ttft ms':>8}")
+    print(f"{'turn':>4} {'prompt':>7} {'cached':>7} {'prefilled':>9} {'ms':>8}")
     total = 0
     for i, text in enumerate(TURNS[: args.turns]):
         messages.append({"role": "user", "content": text})

@@ -19,7 +19,7 @@ PREFIX = "mlx_tracer"
 
 
 class Histogram:
-    """Cumulative-bucket histogram (Prometheus ``le`` buckets, seconds)."""
+    """Counts per bucket (rendered cumulatively, as Prometheus ``le`` buckets)."""
 
     def __init__(self, bounds: Sequence[float]):
         self.bounds = tuple(sorted(bounds))
