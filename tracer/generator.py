@@ -169,10 +169,13 @@ class Generator:
         stop_tokens: Optional[Sequence[int]] = None,
         chat: Optional[bool] = None,
         system: Optional[str] = None,
+        cache: Optional[Sequence] = None,
         _streamed: bool = False,
     ) -> int:
         """Queue a request (it joins the running batch at the next step).
-        ``stop``: a string or a list of strings that end the text."""
+        ``stop``: a string or a list of strings that end the text.
+        ``cache``: serial mlx-lm caches holding the context before ``prompt``
+        (see :meth:`Engine.add <mlx_tracer.runtime.engine.Engine.add>`)."""
         sampling = SamplingParams(temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed)
         check_max_tokens(max_tokens)
         stop = check_stop_strings(stop)
@@ -180,7 +183,7 @@ class Generator:
             raise TypeError(f"system must be a string, got {type(system).__name__}")
         tokens = self.encode(prompt, chat, system)
         stops = self.tokenizer.eos_token_ids if stop_tokens is None else stop_tokens
-        uid = self.engine.add(tokens, max_tokens, sampling, stops)
+        uid = self.engine.add(tokens, max_tokens, sampling, stops, cache=cache)
         self.router.track(uid, len(tokens), TextStream(self.tokenizer, stop), streamed=_streamed)
         return uid
 
@@ -200,6 +203,16 @@ class Generator:
                 self.router.pump()
             else:
                 return
+
+    def step(self) -> List[GenerationEvent]:
+        """One engine step; returns the events it gave requests submitted with
+        :meth:`submit` (streams get their own). For a loop that does other
+        work between steps, such as a server's engine thread."""
+        if self.engine.has_work():
+            self.router.pump()
+        events = list(self.router.outbox)
+        self.router.outbox.clear()
+        return events
 
     def result(self, uid: int) -> Completion:
         """The completion of a finished request (and forget it)."""

@@ -1,4 +1,4 @@
-"""The ``mlx-tracer`` command line: fetch, generate, trace, info, bench.
+"""The ``mlx-tracer`` command line: fetch, generate, trace, serve, info, bench.
 
 Exit codes: 0 done; 1 the environment let it down (the download failed, no
 C++ compiler for MLX's CPU kernels); 2 bad input (an option, a prompt, a
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import commands, tools
+from . import commands, serve, tools
 from . import options as opt
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--dot", help="write the decode graph of the smallest bucket as DOT to this file")
     t.add_argument("--top-ops", type=opt.non_negative_int, default=12, help="op counts to print with --dot")
     t.set_defaults(func=commands.trace, chat=None, system=None)
+    serve.add_parser(sub, model_args)
     i = sub.add_parser("info", help="backend, BLAS in use and its measured GEMM rate, weight format, caches")
     i.set_defaults(func=tools.info)
 

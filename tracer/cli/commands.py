@@ -27,7 +27,7 @@ def load_generator(args):
     kwargs = {"buckets": args.buckets} if getattr(args, "buckets", None) else {}
     speculative = getattr(args, "draft_model", None) or getattr(args, "spec", None)
     if speculative:
-        kwargs.update(speculative=speculative, draft_tokens=args.draft_tokens, spec_policy=args.spec_policy)
+        kwargs.update(speculative=speculative, draft_tokens=args.draft_tokens, spec_policy=getattr(args, "spec_policy", "auto"))
     check_options(**kwargs)  # before the slow load
     if getattr(args, "distributed", False):
         kwargs["distributed"] = True

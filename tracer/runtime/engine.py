@@ -66,7 +66,9 @@ class Engine:
             row that leaves the batch (finished or cancelled), before it
             leaves: ``caches`` are owned serial mlx-lm caches of the row (one
             per layer, as ``add(cache=...)`` takes them) and ``tokens`` the ids
-            whose keys and values they hold. A prefix cache is built on it.
+            whose keys and values they hold after the ``request.context_len``
+            positions of the caches the request started from (0 without
+            ``add(cache=...)``). A prefix cache is built on it.
         rng: draws the seeds of unseeded requests (see :class:`Scheduler`).
     """
 
@@ -238,7 +240,7 @@ class Engine:
                 if r.finished:
                     self.scheduler.finish(r)
                     if self.on_retire is not None:
-                        held = int(self.batch.caches[0].rows.offsets[i])
+                        held = int(self.batch.caches[0].rows.offsets[i]) - r.context_len
                         self.on_retire(r, [c.extract(i) for c in self.batch.caches], r.context[:held])
             self.batch.keep(keep)
         return events

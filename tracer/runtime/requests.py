@@ -23,6 +23,7 @@ class Request:
     stop_ids: frozenset
     key: np.ndarray  # [2] uint32: the row's PRNG key, advanced by every sampled token
     cache: Optional[list] = None  # serial mlx-lm caches holding context before the prompt
+    context_len: int = 0  # positions those caches held (before the prompt)
     tokens: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
     finish_reason: Optional[str] = None  # one of FINISH_REASONS once finished

@@ -77,6 +77,7 @@ class Scheduler:
                 )
         req = Request(next(self._uids), prompt, max_tokens, sampling, stop_ids, initial_key(sampling.seed, self.rng),
                       list(cache) if cache else None)
+        req.context_len = context
         self.queue.append(req)
         self.requests[req.uid] = req
         return req

@@ -1,0 +1,77 @@
+"""``mlx-tracer serve`` as a user runs it: options checked before the model
+loads, and a real server process on 127.0.0.1 that Ctrl-C stops."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from .helpers import CLI
+from .serve_helpers import save_chat_model_dir
+
+
+def run(*args, timeout=120):
+    return subprocess.run([CLI, "serve", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--port", "70000"], "a port is 0 to 65535"),
+    (["--max-queue", "0"], "--max-queue: must be > 0"),
+    (["--prefix-cache-mb", "-1"], "--prefix-cache-mb: must be >= 0"),
+    (["--timeout", "0"], "expected seconds > 0"),
+    (["--buckets", "0"], "must be >= 1"),
+    (["--spec", "magic"], "invalid choice"),
+    (["--draft-model", "/no/such/draft.gguf"], "that path does not exist"),
+    (["--host", "no.such.host.invalid"], "cannot listen on no.such.host.invalid"),
+])
+def test_bad_options_fail_before_the_model_loads(args, message):
+    r = run("--model", "/no/such/model.gguf", *args)  # a load would fail differently
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]  # (argparse's usage lines may come before it)
+    assert last.startswith("mlx-tracer") and message in last, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_a_busy_port_fails_before_the_model_loads():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        r = run("--model", "/no/such/model.gguf", "--port", str(busy.getsockname()[1]))
+    assert r.returncode == 2 and "cannot listen on 127.0.0.1" in r.stderr, r.stderr
+
+
+def test_python_m_mlx_tracer_serve_answers_and_stops_on_ctrl_c(tmp_path):
+    model = save_chat_model_dir(tmp_path / "tiny")
+    env = dict(os.environ, MLX_TRACER_BLAS="0")
+    proc = subprocess.Popen([sys.executable, "-m", "mlx_tracer", "serve", "--model", str(model), "--port", "0",
+                             "--weights", "as-is", "--buckets", "1,2"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url, lines, t0 = None, [], time.monotonic()
+        while url is None and time.monotonic() - t0 < 90:
+            line = proc.stderr.readline()
+            if not line and proc.poll() is not None:
+                break
+            lines.append(line)
+            m = re.search(r"serving tiny at (http://127\.0\.0\.1:\d+)/v1", line)
+            url = m.group(1) if m else None
+        assert url, "".join(lines)
+        assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "5 6"}],
+                                                           "max_tokens": 3, "temperature": 0}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()

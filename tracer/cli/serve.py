@@ -1,0 +1,78 @@
+"""``mlx-tracer serve``: the OpenAI-compatible server (:mod:`mlx_tracer.serve`).
+
+Every option is checked, and the address bound, before the model loads: a
+bad option or a busy port fails at once (exit 2, one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from . import options as opt
+from .commands import load_generator, log
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def port(text: str) -> int:
+    value = opt.non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0 to 65535 (0: any free port), got {value}")
+    return value
+
+
+def seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}") from None
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return value
+
+
+def add_parser(sub, model_args):
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and text completions, streaming, metrics)")
+    model_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=port, default=8080, help="port to listen on (default 8080; 0: any free port)")
+    s.add_argument("--max-queue", type=opt.positive_int, default=64,
+                   help="most requests waiting for a row (default 64); more are answered 503 with Retry-After")
+    s.add_argument("--prefix-cache-mb", type=opt.non_negative_int, default=512,
+                   help="MiB of keys and values kept for requests sharing a prompt prefix (default 512; 0: off)")
+    spec = s.add_mutually_exclusive_group()
+    spec.add_argument("--spec", choices=("prompt-lookup",), help="speculative decoding: drafts judged by one compiled verify step")
+    spec.add_argument("--draft-model", help="speculative decoding with this draft model (GGUF / mlx-lm folder, same tokenizer)")
+    s.add_argument("--draft-tokens", type=opt.positive_int, default=4, help="most drafts per row and verify step (k)")
+    s.add_argument("--timeout", type=seconds, default=600.0, help="seconds a request may take before it is cancelled (default 600; answered 504)")
+    s.add_argument("--no-warmup", dest="warmup", action="store_false", help="do not trace the buckets before serving")
+    s.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="uvicorn's log level (info: access log too)")
+    s.set_defaults(func=serve)
+
+
+def serve(args) -> int:
+    try:
+        from ..serve.app import create_app
+        from ..serve.server import address, bind, model_id, run
+        from ..serve.worker import EngineWorker
+    except ImportError as e:
+        log(f"mlx-tracer: error: the server needs the serve extra: pip install 'mlx-tracer[serve]' ({e})")
+        return 1
+    sock = bind(args.host, args.port)  # before the slow load: a busy port fails now
+    try:
+        gen = load_generator(args)
+        worker = EngineWorker(gen, model_id(args.model), max_queue=args.max_queue, prefix_cache_bytes=args.prefix_cache_mb << 20)
+        if args.warmup:
+            log(f"tracing buckets {list(gen.engine.buckets)} ...")
+        worker.start(warmup=gen.engine.buckets if args.warmup else None)
+        if worker.warmup_ms:
+            log(f"traced {len(worker.warmup_ms)} step shapes in {sum(worker.warmup_ms.values()):.0f} ms")
+        try:
+            log(f"serving {worker.model_id} at {address(sock)}/v1 (also /health, /metrics); Ctrl-C stops")
+            run(create_app(worker, timeout=args.timeout), sock, args.log_level)
+        finally:
+            worker.stop()
+    finally:
+        sock.close()
+    return 0

@@ -1,0 +1,277 @@
+"""The HTTP front end: a Starlette app over an :class:`~.worker.EngineWorker`.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (whole
+answers or server-sent events ending with ``data: [DONE]``), ``GET
+/v1/models``, ``GET /health``, ``GET /metrics``.
+
+A handler checks the body (:mod:`.protocol`), hands the request to the engine
+thread and waits on the request's own queue for its messages (:mod:`.jobs`),
+racing two things: the client going away (an ``http.disconnect`` on the ASGI
+receive channel) and the server's timeout. Either cancels the request in the
+engine (its row is freed at the next step; other requests lose nothing).
+Handlers never touch the model: no MLX call runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import AsyncIterator, Optional
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from .errors import APIError, bad_request, timed_out
+from .jobs import Admitted, Delta, Finished, Job, Rejected
+from .protocol import GenerationSpec, parse_chat, parse_completion, parse_json_error
+from .responses import DONE, ResponseWriter, Usage, sse
+from .worker import EngineWorker
+
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was complete."""
+
+
+class ClientWatch:
+    """Watches one request's ASGI receive channel for ``http.disconnect``
+    (start it after the body has been read)."""
+
+    def __init__(self, request: Request):
+        self.gone = asyncio.ensure_future(self._listen(request.receive))
+
+    @staticmethod
+    async def _listen(receive):
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    def close(self):
+        self.gone.cancel()
+
+
+class Session:
+    """One generation request on the front end: its job, its client and its deadline."""
+
+    def __init__(self, worker: EngineWorker, job: Job, watch: ClientWatch, deadline: Optional[float], timeout: Optional[float]):
+        self.worker, self.job, self.watch = worker, job, watch
+        self.deadline, self.timeout = deadline, timeout
+        self.finished = False
+
+    async def next(self):
+        """The job's next message; cancels the job and raises when the client
+        left (:class:`ClientGone`) or the deadline passed (504)."""
+        queue = self.job.queue
+        left = None if self.deadline is None else self.deadline - time.perf_counter()
+        if not queue.empty() and not self.watch.gone.done() and (left is None or left > 0):
+            return self._seen(queue.get_nowait())
+        get = asyncio.ensure_future(queue.get())
+        done, _ = await asyncio.wait({get, self.watch.gone}, timeout=None if left is None else max(0.0, left),
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if get in done and not self.watch.gone.done():
+            return self._seen(get.result())
+        get.cancel()
+        self.abandon()
+        if self.watch.gone.done():
+            raise ClientGone()
+        raise timed_out(self.timeout)
+
+    def _seen(self, msg):
+        if isinstance(msg, (Finished, Rejected)):
+            self.finished = True
+        return msg
+
+    def abandon(self):
+        """Nobody will read this job any more: cancel it unless it is over."""
+        if not self.finished:
+            self.finished = True
+            self.worker.cancel(self.job)
+
+    def close(self):
+        self.abandon()
+        self.watch.close()
+
+
+class EventStream(Response):
+    """A ``text/event-stream`` response fed by an async iterator of encoded events.
+    It owns its session: closing the stream early (client gone) cancels the job."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], session: Session):
+        self.events, self.session = events, session
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except (ClientGone, OSError):
+            pass
+        finally:
+            self.session.close()
+
+
+def create_app(worker: EngineWorker, timeout: Optional[float] = 600.0) -> Starlette:
+    """The ASGI app serving ``worker`` (started and stopped by the caller).
+    ``timeout``: seconds a request may take from arrival (None: no limit)."""
+    metrics = worker.metrics
+
+    async def chat_completions(request: Request):
+        received = time.perf_counter()
+        return await generate(request, parse_chat(await _json(request), worker.model_id), received)
+
+    async def completions(request: Request):
+        received = time.perf_counter()
+        return await generate(request, parse_completion(await _json(request), worker.model_id), received)
+
+    async def generate(request: Request, spec: GenerationSpec, received: float):
+        limit = worker.context_limit
+        if limit is not None and spec.max_tokens >= limit:
+            name = spec.max_tokens_param
+            raise bad_request(f"{name} {spec.max_tokens} leaves no room for a prompt: the model holds {limit} positions "
+                              "(prompt + completion)", name, "context_length_exceeded")
+        job = worker.submit(spec, asyncio.get_running_loop(), received)
+        deadline = None if timeout is None else received + timeout
+        session = Session(worker, job, ClientWatch(request), deadline, timeout)
+        try:
+            first = await session.next()
+            if isinstance(first, Rejected):
+                raise first.error
+            assert isinstance(first, Admitted), first
+            writer = ResponseWriter(spec.endpoint, worker.model_id)
+            usage = Usage(first.prompt_tokens, 0, first.cached_tokens)
+            if spec.stream:
+                stream = EventStream(_stream(session, spec, writer, usage), session)
+                session = None  # the stream owns it now
+                return stream
+            return await _whole(session, spec, writer, usage)
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; counted in the metrics
+        finally:
+            if session is not None:
+                session.close()
+
+    async def models(request: Request):
+        return JSONResponse({"object": "list", "data": [_model_card(worker)]})
+
+    async def model(request: Request):
+        name = request.path_params["name"]
+        if name != worker.model_id:
+            raise APIError(404, f"The model {name!r} does not exist: this server serves {worker.model_id!r}",
+                           "invalid_request_error", "model", "model_not_found")
+        return JSONResponse(_model_card(worker))
+
+    async def health(request: Request):
+        if worker.running:
+            return JSONResponse({"status": "ok", "model": worker.model_id})
+        return JSONResponse({"status": "unavailable", "error": str(worker.error or "stopped")}, status_code=503)
+
+    async def metrics_text(request: Request):
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    async def api_error(request: Request, exc: APIError):
+        headers = {"Retry-After": str(exc.retry_after)} if exc.retry_after else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    async def http_error(request: Request, exc: HTTPException):
+        kind = "not_found" if exc.status_code == 404 else "method_not_allowed" if exc.status_code == 405 else "http_error"
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return JSONResponse(APIError(exc.status_code, message, "invalid_request_error", None, kind).body(),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{name:path}", model, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics_text, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={APIError: api_error, HTTPException: http_error})
+    return _CountResponses(app, metrics)
+
+
+async def _json(request: Request):
+    try:
+        return json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise parse_json_error(e) from None
+
+
+async def _whole(session: Session, spec: GenerationSpec, writer: ResponseWriter, usage: Usage) -> JSONResponse:
+    text, logprobs = [], [] if spec.logprobs else None
+    while True:
+        msg = await session.next()
+        if isinstance(msg, Delta):
+            text.append(msg.text)
+            if msg.logprob is not None and logprobs is not None:
+                logprobs.append(msg.logprob)
+        elif isinstance(msg, Finished):
+            if msg.error is not None:
+                raise msg.error
+            usage.completion_tokens = msg.completion_tokens
+            return JSONResponse(writer.completion("".join(text), msg.reason, usage, logprobs))
+
+
+async def _stream(session: Session, spec: GenerationSpec, writer: ResponseWriter, usage: Usage) -> AsyncIterator[bytes]:
+    with_usage = spec.include_usage
+    if spec.endpoint == "chat":
+        yield sse(writer.chunk("", first=True, usage=with_usage))
+    offset = 0  # completions' text_offset
+    while True:
+        try:
+            msg = await session.next()
+        except APIError as e:  # the timeout: the response has started, so it ends with an error event
+            yield sse(e.body())
+            return
+        if isinstance(msg, Delta):
+            lp = [msg.logprob] if msg.logprob is not None else None
+            yield sse(writer.chunk(msg.text, logprobs=lp, offset=offset, usage=with_usage))
+            offset += len(msg.text)
+        elif isinstance(msg, Finished):
+            if msg.error is not None:
+                yield sse(msg.error.body())
+                return
+            yield sse(writer.chunk("", finish_reason=msg.reason, usage=with_usage))
+            if with_usage:
+                usage.completion_tokens = msg.completion_tokens
+                yield sse(writer.usage_chunk(usage))
+            yield DONE
+            return
+
+
+def _model_card(worker: EngineWorker) -> dict:
+    return {"id": worker.model_id, "object": "model", "created": 0, "owned_by": "mlx-tracer"}
+
+
+class _CountResponses:
+    """ASGI middleware: counts responses by route and status code."""
+
+    def __init__(self, app, metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        path = path if path in ROUTES else "/v1/models/{name}" if path.startswith("/v1/models/") else "other"
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.count_response(path, message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            self.metrics.count_response(path, 500)
+            raise

@@ -1,0 +1,78 @@
+"""A request in flight between the HTTP front end and the engine thread, and
+the messages the engine thread sends it.
+
+A :class:`Job` is created by a handler (event-loop thread) and then worked on
+by the engine thread. Ownership of its fields is split, never shared:
+
+- the handler owns ``queue`` (it only reads it) and the fields set at creation;
+- the engine thread owns everything under "engine thread" below, and puts
+  messages on ``queue`` only through ``loop.call_soon_threadsafe``.
+
+Messages, in order: one :class:`Admitted` or :class:`Rejected`; then, after
+``Admitted``, one :class:`Delta` per generated token and a :class:`Finished`.
+The queue is unbounded: the engine thread never waits for a slow client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import List, Optional, Tuple
+
+from .errors import APIError
+from .protocol import GenerationSpec
+
+
+@dataclass
+class Admitted:
+    """The request passed the engine thread's checks and is queued for a row."""
+
+    prompt_tokens: int
+    cached_tokens: int  # of them, served by the prefix cache
+
+
+@dataclass
+class Rejected:
+    """The request cannot run (answered before the response starts)."""
+
+    error: APIError
+
+
+@dataclass
+class Delta:
+    """One token's text (possibly empty: held back or a stop token) and, when
+    asked for, ``(token text, log-probability)`` of the token."""
+
+    text: str
+    logprob: Optional[Tuple[str, float]] = None
+
+
+@dataclass
+class Finished:
+    """The request is over: ``reason`` is "stop", "length", or "cancelled"
+    (then ``error`` says why, when the server ended it)."""
+
+    reason: str
+    completion_tokens: int
+    error: Optional[APIError] = None
+
+
+Message = object  # one of Admitted, Rejected, Delta, Finished
+
+
+@dataclass
+class Job:
+    """One request's generation (see module docstring for who owns what)."""
+
+    spec: GenerationSpec
+    loop: asyncio.AbstractEventLoop
+    received_at: float  # time.perf_counter() when the request arrived
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # engine thread
+    uid: Optional[int] = None  # the engine's request id, once submitted
+    prompt: List[int] = field(default_factory=list)  # the whole prompt's token ids
+    cached: int = 0  # leading prompt tokens that came from the prefix cache
+    stop_ids: frozenset = frozenset()
+    started: bool = False  # got its first event (left the queue)
+    abandoned: bool = False  # the front end stopped listening: deliver nothing more
+    done: bool = False
