@@ -10,22 +10,27 @@ see the README's Performance section). Decode GEMMs (a few rows) are
 bound by reading the weights, so a second thread buys little even on a quiet
 machine, while prefill GEMMs (hundreds of rows) scale with cores.
 
-The policy (``MLX_TRACER_BLAS_THREADS`` unset):
+The policy (``MLX_TRACER_BLAS_THREADS`` unset): every phase gets one thread
+per core that no other process is using right now (``/proc/loadavg``'s count
+of runnable tasks, less this process's own running threads), at least 1.
+Measured here (SmolLM2 fp32, bucket 1, ``python benchmarks/contention.py
+--busy 0`` and ``--busy 2``; load average 0.6 before): quiet, 2 pinned
+threads decode at 15.5 tok/s and prefill at 209, 1 thread at 13.3 and 148,
+this policy at 16.2 and 192; beside two busy processes 2 threads collapse to
+1.1 and 9.3, 1 thread keeps 7.6 and 76, this policy 6.5 and 67 (0.40x and
+0.35x its quiet speed, where three processes share two cores).
 
-* **decode**: 1 thread;
-* **prefill**: one thread per core that no other process is using right now
-  (``/proc/loadavg``'s count of runnable tasks, less this process's own),
-  at least 1.
-
-Threads change only between steps with nothing in flight (the engine calls
-:func:`for_prefill` / :func:`for_decode` at admission, where its pipeline is
-drained), never under a running GEMM. ``MLX_TRACER_BLAS_THREADS=N`` pins N
+Threads change only between steps with nothing in flight, never under a
+running GEMM: the engine asks at admission (:func:`for_prefill`, then
+:func:`for_decode`) and, while decoding, drains its pipeline every
+``RECHECK_STEPS`` steps to ask again. ``MLX_TRACER_BLAS_THREADS=N`` pins N
 threads for every phase.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from typing import Optional
 
 from . import blas
@@ -37,15 +42,43 @@ def pinned() -> Optional[int]:
     return int(v) if v and v.isdigit() and int(v) > 0 else None
 
 
-def idle_cores() -> int:
-    """Cores no other process is running on right now (a snapshot)."""
-    cores = os.cpu_count() or 1
+RECHECK_STEPS = 64  # decode steps between two looks at the machine
+
+
+def _own_running() -> int:
+    """This process's threads that are running or runnable now (this one included)."""
+    n = 0
     try:
-        with open("/proc/loadavg") as f:
-            runnable = int(f.read().split()[3].split("/")[0])  # running + runnable tasks, this reader included
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    n += f.read().rsplit(")", 1)[1].split()[0] == "R"
+            except (OSError, IndexError):
+                pass
+    except OSError:
+        return 1
+    return max(n, 1)
+
+
+def _others_running() -> int:
+    with open("/proc/loadavg") as f:
+        runnable = int(f.read().split()[3].split("/")[0])  # running + runnable tasks, system-wide
+    return max(0, runnable - _own_running())
+
+
+def idle_cores(samples: int = 5, gap_s: float = 0.002) -> int:
+    """Cores no other process is running on now: the median of a few snapshots
+    a few milliseconds apart (one snapshot catches passing blips)."""
+    cores = os.cpu_count() or 1
+    seen = []
+    try:
+        for i in range(samples):
+            if i:
+                time.sleep(gap_s)
+            seen.append(_others_running())
     except (OSError, ValueError, IndexError):
         return cores
-    return max(1, cores - max(0, runnable - 1))
+    return max(1, cores - sorted(seen)[len(seen) // 2])
 
 
 def for_prefill() -> int:
@@ -57,6 +90,6 @@ def for_prefill() -> int:
 
 def for_decode() -> int:
     """Set (and return) the thread count of decode steps."""
-    n = pinned() or 1
+    n = pinned() or idle_cores()
     blas.set_threads(n)
     return n

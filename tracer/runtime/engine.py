@@ -178,12 +178,16 @@ class Engine:
         events = self.scheduler.drop_cancelled() + self._retire()
         if self.speculator is not None:
             return events + self._speculative_step()
+        recheck = self.stats.steps % threads.RECHECK_STEPS == threads.RECHECK_STEPS - 1
         if not self.batch.pipeline:
+            if self.stats.steps % threads.RECHECK_STEPS == 0:
+                threads.for_decode()  # drained: a safe point to follow the machine's load
             self.admit()
             if not self.batch.rows:
                 return events
             self.batch.dispatch()
-        if len(self.batch.pipeline) < 2 and self.batch.needs_more() and not self.scheduler.must_drain(len(self.batch.rows)):
+        if (len(self.batch.pipeline) < 2 and self.batch.needs_more() and not recheck
+                and not self.scheduler.must_drain(len(self.batch.rows))):
             self.batch.dispatch()
         events += self.batch.read()
         return events + self._retire()
