@@ -300,3 +300,16 @@ def test_drafts_past_a_stop_token_or_the_budget_are_cut_where_plain_decoding_sto
                      spec_policy="always")
         eng.add(PROMPTS[2], max_tokens=budget)
         assert [ev.token for ev in eng.run()] == plain[2][:budget]
+
+
+def test_the_module_level_functions_take_speculative_options():
+    from mlx_tracer import batch_generate, generate
+    from mlx_tracer.api import _generator_for
+
+    model, tok = tiny_model("llama"), IdTokenizer()
+    plain = generate(model, tok, PROMPTS[2], max_tokens=20)
+    assert generate(model, tok, PROMPTS[2], max_tokens=20, speculative="prompt-lookup", draft_tokens=3, spec_policy="always") == plain
+    spec = _generator_for(model, tok, speculative="prompt-lookup", draft_tokens=3, spec_policy="always")
+    assert spec is not _generator_for(model, tok) and spec.stats.verify_steps > 0  # one loop per options
+    outs = batch_generate(model, tok, [PROMPTS[0], PROMPTS[2]], max_tokens=10, speculative="prompt-lookup", draft_tokens=3)
+    assert outs[1].text == plain[: len(outs[1].text)]

@@ -41,26 +41,43 @@ def load(path: Optional[Union[str, Path]] = None, progress: bool = True, weights
 
 
 # --------------------------------------------------- mlx-lm-style functions
-def _generator_for(model, tokenizer) -> Generator:
-    """The compiled loop kept for ``model``: stored on the model itself, so it
-    lives exactly as long as the model does."""
-    gen = getattr(model, "_mlx_tracer_generator", None)
+_LOOP_OPTIONS = ("speculative", "draft_tokens", "spec_policy")  # options of the loop, not of a request
+
+
+def _generator_for(model, tokenizer, **loop) -> Generator:
+    """The compiled loop kept for ``model`` (one per tokenizer and loop options:
+    ``speculative``, ``draft_tokens``, ``spec_policy``): stored on the model
+    itself, so it lives exactly as long as the model does."""
+    loops = getattr(model, "_mlx_tracer_generators", None)
+    if loops is None:
+        loops = {}
+        object.__setattr__(model, "_mlx_tracer_generators", loops)
+    key = (id(tokenizer),) + tuple((k, id(v) if hasattr(v, "layers") else v) for k, v in sorted(loop.items()))
+    gen = loops.get(key)
     if gen is None or gen.tokenizer is not tokenizer:
-        gen = Generator(model, tokenizer, chat=False)
-        object.__setattr__(model, "_mlx_tracer_generator", gen)
+        gen = loops[key] = Generator(model, tokenizer, chat=False, **loop)
     return gen
 
 
+def _split(kwargs: dict):
+    loop = {k: kwargs.pop(k) for k in _LOOP_OPTIONS if k in kwargs}
+    return loop, kwargs
+
+
 def generate(model, tokenizer, prompt: Prompt, max_tokens: int = 256, **kwargs) -> str:
-    """mlx-lm's ``generate`` through the compiled loop (prompts used as given)."""
-    return _generator_for(model, tokenizer).generate(prompt, max_tokens=max_tokens, **kwargs)
+    """mlx-lm's ``generate`` through the compiled loop (prompts used as given;
+    ``speculative=``/``draft_tokens=`` as on :class:`Generator`)."""
+    loop, kwargs = _split(kwargs)
+    return _generator_for(model, tokenizer, **loop).generate(prompt, max_tokens=max_tokens, **kwargs)
 
 
 def stream_generate(model, tokenizer, prompt: Prompt, max_tokens: int = 256, **kwargs) -> TokenStream:
     """mlx-lm's ``stream_generate`` through the compiled loop; closing the stream cancels it."""
-    return _generator_for(model, tokenizer).stream_generate(prompt, max_tokens=max_tokens, **kwargs)
+    loop, kwargs = _split(kwargs)
+    return _generator_for(model, tokenizer, **loop).stream_generate(prompt, max_tokens=max_tokens, **kwargs)
 
 
 def batch_generate(model, tokenizer, prompts: Sequence[Prompt], max_tokens: Union[int, Sequence[int]] = 128, **kwargs) -> List[Completion]:
     """mlx-lm's ``batch_generate`` through the compiled loop."""
-    return _generator_for(model, tokenizer).batch_generate(prompts, max_tokens=max_tokens, **kwargs)
+    loop, kwargs = _split(kwargs)
+    return _generator_for(model, tokenizer, **loop).batch_generate(prompts, max_tokens=max_tokens, **kwargs)
