@@ -68,21 +68,18 @@ def solo_tokens(model, prompt, n):
     return [ev.token for ev in eng.run()]
 
 
-def save_model_dir(path, family: str = "llama", seed: int = 0):
-    """A tiny random model of ``family`` saved as an mlx-lm model folder
-    (config, safetensors, a WordLevel tokenizer whose tokens are their ids)."""
+def write_model_dir(model, cfg: dict, path):
+    """``model`` saved as an mlx-lm model folder: its config, its weights, and a
+    WordLevel tokenizer whose tokens are their ids."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from .tiny_models import VOCAB, _config, tiny_model
-
     path.mkdir(parents=True, exist_ok=True)
-    model = tiny_model(family, seed=seed)
-    (path / "config.json").write_text(json.dumps(_config(family)))
+    (path / "config.json").write_text(json.dumps(cfg))
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
     tok_json = {
         "version": "1.0",
-        "model": {"type": "WordLevel", "vocab": {str(i): i for i in range(VOCAB)}, "unk_token": "0"},
+        "model": {"type": "WordLevel", "vocab": {str(i): i for i in range(cfg["vocab_size"])}, "unk_token": "0"},
         "pre_tokenizer": {"type": "Whitespace"},
         "decoder": None,
         "added_tokens": [],
@@ -90,3 +87,10 @@ def save_model_dir(path, family: str = "llama", seed: int = 0):
     (path / "tokenizer.json").write_text(json.dumps(tok_json))
     (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "0"}))
     return path
+
+
+def save_model_dir(path, family: str = "llama", seed: int = 0):
+    """A tiny random model of ``family`` saved as an mlx-lm model folder."""
+    from .tiny_models import _config, tiny_model
+
+    return write_model_dir(tiny_model(family, seed=seed), _config(family), path)

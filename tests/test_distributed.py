@@ -30,14 +30,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten
 
 from mlx_tracer import Generator
 from mlx_tracer.runtime.distributed import check_shardable, rank0_text, shard_model, sharded_size
 from mlx_tracer.runtime.watchdog import Watchdog
 
 from . import dist_rank
-from .helpers import IdTokenizer
+from .helpers import IdTokenizer, write_model_dir
 from .tiny_models import _config, tiny_model
 
 HERE = Path(__file__).resolve().parent
@@ -47,23 +46,6 @@ LOGITS_ATOL = 5e-5  # measured max |2 ranks - 1 process|: 5.7e-6 (logits up to ~
 
 
 # ------------------------------------------------------------------ helpers
-def save_model_dir(model, cfg: dict, path: Path) -> Path:
-    """An mlx-lm model directory (config, weights, a word-level tokenizer)."""
-    path.mkdir(parents=True)
-    (path / "config.json").write_text(json.dumps(cfg))
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    tok = {
-        "version": "1.0",
-        "model": {"type": "WordLevel", "vocab": {str(i): i for i in range(cfg["vocab_size"])}, "unk_token": "0"},
-        "pre_tokenizer": {"type": "Whitespace"},
-        "decoder": None,
-        "added_tokens": [],
-    }
-    (path / "tokenizer.json").write_text(json.dumps(tok))
-    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "0"}))
-    return path
-
-
 def unsplittable_config() -> dict:
     """SmolLM2's head counts (9 heads, 3 KV heads) on a tiny llama."""
     return dict(_config("llama"), hidden_size=72, intermediate_size=96, num_attention_heads=9, num_key_value_heads=3)
@@ -133,8 +115,8 @@ def single_process(model_dir: Path):
 def launched(tmp_path_factory):
     """One 2-rank run over every family: results per (family, rank)."""
     root = tmp_path_factory.mktemp("dist")
-    bad = save_model_dir(_unsplittable_model(), unsplittable_config(), root / "smollm2_heads")
-    dirs = [save_model_dir(tiny_model(f), _config(f), root / f) for f in FAMILIES]
+    bad = write_model_dir(_unsplittable_model(), unsplittable_config(), root / "smollm2_heads")
+    dirs = [write_model_dir(tiny_model(f), _config(f), root / f) for f in FAMILIES]
     outs = run_ranks(["main", root, bad, *dirs], root, timeout=120)
     for r, (rc, out, err) in enumerate(outs):
         assert rc == 0, f"rank {r} failed ({rc}):\n{out}\n{err[-3000:]}"
@@ -201,7 +183,7 @@ def test_only_the_primary_rank_prints(launched):
 
 def test_mlx_launch_starts_two_ranks(tmp_path):
     """The documented command: ``mlx.launch --backend ring -n 2 python ...``."""
-    model_dir = save_model_dir(tiny_model("llama"), _config("llama"), tmp_path / "llama")
+    model_dir = write_model_dir(tiny_model("llama"), _config("llama"), tmp_path / "llama")
     launch = str(Path(sys.executable).parent / "mlx.launch")
     cmd = [launch, "--backend", "ring", "-n", "2", "--starting-port", str(free_port_pair()), "--",
            sys.executable, RANK, "generate", tmp_path, model_dir]
@@ -220,7 +202,7 @@ def test_unsplittable_model_fails_clearly_on_every_rank(launched):
 
 # --------------------------------------------------------- failing peers
 def test_a_rank_that_dies_ends_the_other_with_an_error(tmp_path):
-    model_dir = save_model_dir(tiny_model("llama"), _config("llama"), tmp_path / "llama")
+    model_dir = write_model_dir(tiny_model("llama"), _config("llama"), tmp_path / "llama")
     # a long step timeout: the ring backend itself must notice (it does within ~0.5 s)
     t0 = time.monotonic()
     (rc0, _, err0), (rc1, _, _) = run_ranks(["die", tmp_path, model_dir], tmp_path, 60, dict(RANK_TEST_TIMEOUT="20"))
@@ -233,7 +215,7 @@ def test_a_rank_that_dies_ends_the_other_with_an_error(tmp_path):
 def test_a_stuck_rank_trips_the_watchdog(tmp_path):
     """A peer that stops answering leaves rank 0 blocked inside a collective:
     the watchdog kills it after the step timeout (2 s here)."""
-    model_dir = save_model_dir(tiny_model("llama"), _config("llama"), tmp_path / "llama")
+    model_dir = write_model_dir(tiny_model("llama"), _config("llama"), tmp_path / "llama")
     (rc0, _, err0), (rc1, _, _) = run_ranks(["hang", tmp_path, model_dir], tmp_path, 60, dict(RANK_TEST_TIMEOUT="2"),
                                             wait_for=[0])
     assert rc0 == -signal.SIGKILL, err0[-2000:]
@@ -312,7 +294,7 @@ def test_the_cli_runs_sharded_and_only_rank_0_prints(tmp_path):
     variables mlx.launch sets): rank 0 prints what one process prints, rank 1 nothing."""
     from .helpers import CLI
 
-    model_dir = save_model_dir(tiny_model("llama"), _config("llama"), tmp_path / "llama")
+    model_dir = write_model_dir(tiny_model("llama"), _config("llama"), tmp_path / "llama")
     args = ["generate", "1 2 3", "--model", str(model_dir), "--weights", "as-is", "--no-chat", "--max-tokens", "6"]
     solo = subprocess.run([CLI, *args], capture_output=True, text=True, timeout=120)
     assert solo.returncode == 0, solo.stderr
