@@ -203,12 +203,16 @@ def test_unsplittable_model_fails_clearly_on_every_rank(launched):
 # --------------------------------------------------------- failing peers
 def test_a_rank_that_dies_ends_the_other_with_an_error(tmp_path):
     model_dir = write_model_dir(tiny_model("llama"), _config("llama"), tmp_path / "llama")
-    # a long step timeout: the ring backend itself must notice (it does within ~0.5 s)
+    # a long step timeout: the ring backend itself usually notices (within ~0.5 s)
+    # and raises; now and then (about 1 run in 15 here) MLX's ring logs "Failing
+    # pending tasks" but leaves the collective waiting, and then the watchdog ends
+    # the rank. Either way it exits with an error, never hangs.
     t0 = time.monotonic()
     (rc0, _, err0), (rc1, _, _) = run_ranks(["die", tmp_path, model_dir], tmp_path, 60, dict(RANK_TEST_TIMEOUT="20"))
     assert rc1 == 3
-    assert rc0 == 1, err0[-2000:]
-    assert "DistributedError" in err0 and "another rank probably died" in err0
+    raised = rc0 == 1 and "DistributedError" in err0 and "another rank probably died" in err0
+    watched = rc0 == -9 and "a peer rank is stuck, unreachable or never started" in err0
+    assert raised or watched, (rc0, err0[-2000:])
     assert time.monotonic() - t0 < 60
 
 
