@@ -36,7 +36,7 @@ from .scheduler import Scheduler
 from .speculator import Speculator
 from .step import DEFAULT_BUCKETS, CompiledModel, bucket_for
 
-DEFAULT_PREFILL_CHUNKS = (8, 32, 128, 512)
+DEFAULT_PREFILL_CHUNKS = (8, 32, 128, 256)  # 256: as fast as 512 here, and Ctrl-C lands within ~1.4 s
 
 
 class Engine:
