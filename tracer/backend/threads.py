@@ -66,7 +66,7 @@ def _others_running() -> int:
     return max(0, runnable - _own_running())
 
 
-def idle_cores(samples: int = 5, gap_s: float = 0.002) -> int:
+def idle_cores(samples: int = 3, gap_s: float = 0.001) -> int:
     """Cores no other process is running on now: the median of a few snapshots
     a few milliseconds apart (one snapshot catches passing blips)."""
     cores = os.cpu_count() or 1

@@ -180,7 +180,7 @@ class Engine:
             return events + self._speculative_step()
         recheck = self.stats.steps % threads.RECHECK_STEPS == threads.RECHECK_STEPS - 1
         if not self.batch.pipeline:
-            if self.stats.steps % threads.RECHECK_STEPS == 0:
+            if self.stats.steps and self.stats.steps % threads.RECHECK_STEPS == 0:  # (admit() asks too)
                 threads.for_decode()  # drained: a safe point to follow the machine's load
             self.admit()
             if not self.batch.rows:
