@@ -282,11 +282,20 @@ class StaticKVCache:
         raise NotImplementedError
 
     def _live(self) -> mx.array:
-        live = np.zeros(self.width, dtype=bool)
-        live[: self.n] = True
-        return mx.array(live)
+        return self._row_inputs()[1]
 
     def _first_valid(self) -> mx.array:
-        fv = np.zeros(self.width, dtype=np.int32)
-        fv[: self.n] = self.rows.left_padding
-        return mx.array(fv)
+        return self._row_inputs()[0]
+
+    def _row_inputs(self) -> Tuple[mx.array, mx.array]:
+        """``(first_valid [Bk] int32, live [Bk] bool)``, rebuilt only when the
+        rows' padding or count changed (a step's host inputs are reused)."""
+        key = (self.width, self.n, self.rows.left_padding.tobytes())
+        cached = getattr(self, "_row_inputs_cache", None)
+        if cached is None or cached[0] != key:
+            fv = np.zeros(self.width, dtype=np.int32)
+            fv[: self.n] = self.rows.left_padding
+            live = np.zeros(self.width, dtype=bool)
+            live[: self.n] = True
+            cached = self._row_inputs_cache = (key, (mx.array(fv), mx.array(live)))
+        return cached[1]

@@ -106,7 +106,7 @@ class FullCache(StaticKVCache):
     def plan(self, L: int) -> StepPlan:
         self.reserve(L)
         T = self.rows.time
-        q = T + mx.arange(L, dtype=mx.int32)  # [L] query times = their columns
+        q = mx.array(np.arange(T, T + L, dtype=np.int32))  # [L] query times = their columns
         geometry = MaskGeometry(full_columns(self.capacity), q, q, self._first_valid(), self._live())
         return StepPlan(L, self.is_decode(L), self.capacity, self.offset, geometry, (mx.array([T], dtype=mx.int32),))
 
@@ -119,7 +119,8 @@ class FullCache(StaticKVCache):
 
     def advance(self, plan: StepPlan):
         valid = self.rows.consume(plan.length)
-        self.rows.right_padding = self.rows.right_padding + (plan.length - valid)
+        if not isinstance(valid, int):  # a prepared prompt's padding was written too
+            self.rows.right_padding = self.rows.right_padding + (plan.length - valid)
 
     # --------------------------------------------------------- verify steps
     @staticmethod

@@ -27,21 +27,30 @@ The column layouts of the two cache kinds:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import mlx.core as mx
+import numpy as np
 
 IntLike = Union[int, mx.array]
 
 
+@functools.lru_cache(maxsize=64)
 def full_columns(capacity: int) -> mx.array:
-    """Column times of a full cache buffer: ``[C]``."""
-    return mx.arange(capacity, dtype=mx.int32)
+    """Column times of a full cache buffer: ``[C]`` (one evaluated array per capacity, reused)."""
+    out = mx.arange(capacity, dtype=mx.int32)
+    mx.eval(out)
+    return out
 
 
 def ring_decode_columns(time: IntLike, head: IntLike, window: int) -> mx.array:
-    """Column times of a ring buffer once ``time`` is written at ``head``: ``[W]``."""
+    """Column times of a ring buffer once ``time`` is written at ``head``: ``[W]``
+    (built on the host when both are ints: no graph nodes per step)."""
+    if isinstance(time, int) and isinstance(head, int):
+        c = np.arange(window, dtype=np.int64)
+        return mx.array((time - np.mod(head - c, window)).astype(np.int32))
     c = mx.arange(window, dtype=mx.int32)
     return time - mx.remainder(head - c, window)
 

@@ -131,16 +131,19 @@ class RowBook:
             if (self.pending < 0).any():
                 raise ValueError(f"lengths must be >= 0, got {self.pending.tolist()}")
 
-    def consume(self, L: int, valid: Optional[np.ndarray] = None) -> np.ndarray:
+    def consume(self, L: int, valid: Optional[np.ndarray] = None):
         """Advance the timeline by a write of ``L`` columns; returns how many of
         them are valid tokens per row (the rest is pending prompt padding, or
-        the drafts a verify step rejected when ``valid`` is given)."""
+        the drafts a verify step rejected when ``valid`` is given): the int
+        ``L`` itself when every row wrote all of them."""
         if valid is not None:
             if self.pending is not None:
                 raise ValueError("a verify step cannot run while a prepared prompt is pending: call finalize() first")
             valid = _ints(valid)
         elif self.pending is None:
-            valid = np.full(self.n, L, dtype=np.int64)
+            self.offsets = self.offsets + L  # every row wrote L tokens (the decode path: no per-row array)
+            self.time += L
+            return L
         else:
             valid = np.minimum(self.pending, L)
             self.pending = self.pending - valid

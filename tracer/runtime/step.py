@@ -34,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..adapters.contract import probe_layout
+from ..adapters.fused import FusedForward, why_not
 from ..backend.jit import check_compiler
 from ..adapters.traced import FamilyMasks
 from ..caches import DEFAULT_CAPACITIES
@@ -103,13 +104,22 @@ class CompiledModel:
     Args:
         model: an mlx-lm language model following the adapter contract.
         capacities: capacity buckets of the full-attention caches.
+        fuse: run the lean forward of :mod:`mlx_tracer.adapters.fused`
+            (q/k/v and gate/up fused into one matmul each, RoPE tables once
+            per step): ``None`` (default) where the model's family has one,
+            ``True`` to require it, ``False`` for the model's own forward
+            (whose logits equal mlx-lm's eager ones bit for bit).
     """
 
-    def __init__(self, model, capacities: Sequence[int] = DEFAULT_CAPACITIES):
+    def __init__(self, model, capacities: Sequence[int] = DEFAULT_CAPACITIES, fuse: Optional[bool] = None):
         check_compiler()  # without it mx.compile would silently retrace every step
         self.model = model
         self.capacities = tuple(capacities)
         self.layout = probe_layout(model, self.capacities)
+        reason = why_not(model) if fuse is not False else "fuse=False"
+        if fuse is True and reason is not None:
+            raise ValueError(f"fuse=True: {type(model).__name__} has no lean forward ({reason}); pass fuse=None or False")
+        self.fused: Optional[FusedForward] = FusedForward(model) if reason is None else None
         self.traces: Counter = Counter()
         self.trace_ms: Dict[TraceKey, float] = {}
         self._fns: Dict[tuple, object] = {}
@@ -234,6 +244,8 @@ class CompiledModel:
         capacity = next((p.capacity for p in plans if p.capacity is not None), None)
         key = TraceKey(kind, Bk, L, capacity, sampler_kind, want_logits)
         args = (tokens, plans[0].offsets, [p.arrays for p in plans], kv, extra)
+        if self.fused is not None:
+            self.fused.refresh()  # weights swapped or modules replaced since the last step
         if eager:
             return self._forward(kind, sampler_kind, want_logits, *args)
         self._tracing = key
@@ -241,6 +253,8 @@ class CompiledModel:
         out = self._compiled(kind, sampler_kind, want_logits)(*args)
         if self._tracing is None:  # the call traced
             self.trace_ms[key] = (time.perf_counter() - t0) * 1e3
+            if self.fused is not None:
+                self.fused.retraced()
         self._tracing = None
         return out
 
@@ -261,7 +275,8 @@ class CompiledModel:
                 self._tracing = None
                 return self._forward(kind, sampler_kind, logits, *args)
 
-            self._fns[sig] = mx.compile(forward, inputs=self.model.state)
+            buffers = self.fused.buffers if self.fused is not None else {}
+            self._fns[sig] = mx.compile(forward, inputs=[self.model.state, buffers])
         return self._fns[sig]
 
     def _forward(self, kind, sampler_kind, want_logits, tokens, offsets, plans, kv, extra):
@@ -275,7 +290,12 @@ class CompiledModel:
             layout.traced(kind, k, v, offsets, plans[f][1], masks[f], i)
             for i, (layout, f, (k, v)) in enumerate(zip(self.layout, self.layout.family_of, kv))
         ]
-        logits = self.model(tokens, cache=layer_caches)  # [Bk, L, V]
+        lean = self.fused is not None and self.fused.active
+        if lean:
+            want = "all" if kind != "window" else ("last" if want_logits else "none")
+            logits = self.fused(tokens, layer_caches, masks, self.layout.family_of, want, extra.get("last"))
+        else:
+            logits = self.model(tokens, cache=layer_caches)  # [Bk, L, V]
         out = {}
         if kind == "verify":
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [Bk, L, V]
@@ -305,6 +325,8 @@ class CompiledModel:
             out["logprobs"] = mx.take_along_axis(logprobs, toks[:, None], axis=-1)[:, 0]  # [Bk]
             if want_logits:
                 out["logits"] = last
+        elif want_logits and lean:
+            out["logits"] = logits  # [Bk, V]: the lean forward read only each row's last query
         elif want_logits:
             idx = extra["last"][:, None, None]  # [Bk, 1, 1]
             out["logits"] = mx.take_along_axis(logits, idx, axis=1)[:, 0, :]  # [Bk, V]

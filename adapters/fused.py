@@ -1,0 +1,347 @@
+"""A lean forward for the compiled step: fewer graph nodes per layer.
+
+Replaying a compiled step costs host time per node of its graph (about 1.5 µs
+each here, while the weights a step streams keep the CPU's caches cold), and
+on MLX's CPU backend ``mx.fast.rope`` / ``rms_norm`` / attention expand into
+their many-node fallbacks. For the llama-style families (mlx-lm's ``llama``,
+``mistral``, ``qwen2``, ``qwen3``) this module runs the same layer arithmetic
+with fewer nodes:
+
+* **q/k/v and gate/up in one matmul each.** The weights of each group are
+  concatenated once along the output axis; the model's own ``q_proj`` /
+  ``k_proj`` / ... then hold *views* of the fused buffer, so memory does not
+  grow and the eager model computes what it did before. Dense and quantized
+  (equal group size, bits and mode) linears fuse; other groups stay apart.
+* **RoPE tables built once per forward.** Every layer's rotary embedding
+  uses the same positions, so the cosines and sines are computed once (per
+  distinct ``nn.RoPE`` setting) and each layer rotates its queries and keys
+  together, with the arithmetic of MLX's own fallback.
+* **A 2-D residual stream** ``[B * L, hidden]``: no flatten/unflatten around
+  each matmul.
+* **No output head where no logits are read** (prefill windows), and at each
+  row's ``last`` query only where one is.
+
+Norms and attention are the model's own calls (``mx.fast.rms_norm``,
+``mx.fast.scaled_dot_product_attention``), and the caches are the traced
+caches of :mod:`.traced`, written exactly as the model would.
+
+The fused buffers are the compiled step's inputs (beside ``model.state``).
+Before every step :meth:`FusedForward.refresh` checks, by identity, that
+every source module and view is still in place: weights swapped with
+``model.update`` / ``load_weights``, or modules replaced (``nn.quantize``,
+sharding), rebuild the buffers, or turn the lean forward off when the new
+modules no longer qualify.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+_KINDS = {
+    "mlx_lm.models.llama": ("Attention", "MLP", "TransformerBlock"),
+    "mlx_lm.models.qwen2": ("Attention", "MLP", "TransformerBlock"),
+    "mlx_lm.models.qwen3": ("Attention", "MLP", "TransformerBlock"),
+}
+
+
+def _kind_ok(obj, name: str) -> bool:
+    mod = type(obj).__module__
+    return mod in _KINDS and type(obj).__name__ == name
+
+
+def why_not(model) -> Optional[str]:
+    """``None`` when ``model`` qualifies for the lean forward, else why not."""
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")):
+        return "not a llama-style model (model.model.embed_tokens/layers/norm)"
+    if type(model).__module__ not in _KINDS:
+        return f"family {type(model).__module__} has no lean forward"
+    if getattr(inner, "pipeline_size", 1) != 1:
+        return "pipeline-parallel model"
+    if not isinstance(inner.embed_tokens, (nn.Embedding, nn.QuantizedEmbedding)):
+        return "embedding type"
+    args = getattr(model, "args", None)
+    tied = getattr(args, "tie_word_embeddings", None)
+    if tied is None or (not tied and not isinstance(getattr(model, "lm_head", None), (nn.Linear, nn.QuantizedLinear))):
+        return "output head"
+    for i, layer in enumerate(inner.layers):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if not (_kind_ok(layer, "TransformerBlock") and _kind_ok(attn, "Attention") and _kind_ok(mlp, "MLP")):
+            return f"layer {i}: block, attention or MLP is not the family's own"
+        for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj), (attn.o_proj,), (mlp.down_proj,)):
+            if not _fusable(group):
+                return f"layer {i}: projections {[type(m).__name__ for m in group]} cannot share one matmul"
+        if _table_rope(attn.rope) is None:
+            return f"layer {i}: {type(attn.rope).__name__} (the lean forward rotates with nn.RoPE's non-traditional tables)"
+        if attn.n_heads % attn.n_kv_heads:
+            return f"layer {i}: query heads not a multiple of key heads"
+        if type(layer.input_layernorm) is not nn.RMSNorm or type(layer.post_attention_layernorm) is not nn.RMSNorm:
+            return f"layer {i}: norms"
+    return None
+
+
+# ---------------------------------------------------------------- linears
+_ARRAYS = ("weight", "scales", "biases", "bias")
+_LINEARS = (nn.Linear, nn.QuantizedLinear)
+
+
+def _fusable(mods) -> bool:
+    """Linears that can share one matmul: same type, same arrays, same quantization."""
+    t = type(mods[0])
+    if t not in _LINEARS or any(type(m) is not t for m in mods):
+        return False
+    if len({tuple(k for k in _ARRAYS if k in m) for m in mods}) != 1:
+        return False
+    return t is nn.Linear or len({(m.group_size, m.bits, m.mode) for m in mods}) == 1
+
+
+class _Group:
+    """Linears that read the same input (q/k/v, gate/up), computed as one.
+
+    Its arrays are a compiled-step input: a dense weight as its transposed
+    view ``wt`` (so the graph needs no transpose node; the matmul reads the
+    same memory the same way as ``x @ weight.T``), quantized ones as they are.
+    """
+
+    def __init__(self, mods):
+        self.mods = list(mods)
+        m0 = self.mods[0]
+        self.quant = (m0.group_size, m0.bits, m0.mode) if type(m0) is nn.QuantizedLinear else None
+        self.keys = [k for k in _ARRAYS if k in m0]
+
+    def build(self) -> Dict[str, mx.array]:
+        """The group's arrays; a group of several is concatenated along the
+        output axis once, and its modules then hold views of the result (the
+        same values, no extra memory)."""
+        if len(self.mods) > 1:
+            fused = {k: mx.concatenate([m[k] for m in self.mods], axis=0) for k in self.keys}
+            mx.eval(fused)
+            start = 0
+            for m in self.mods:
+                n = m["weight"].shape[0]
+                for k in self.keys:
+                    m[k] = fused[k][start : start + n]
+                start += n
+            mx.eval([m[k] for m in self.mods for k in self.keys])
+        else:
+            fused = {k: self.mods[0][k] for k in self.keys}
+        if self.quant is None:
+            fused["wt"] = fused.pop("weight").T
+        mx.eval(fused)
+        return fused
+
+    def watch(self) -> List[tuple]:
+        return [(m, k, m[k]) for m in self.mods for k in self.keys]
+
+    def __call__(self, x: mx.array, p: Dict[str, mx.array]) -> mx.array:
+        """``x [M, in]`` through the group: ``[M, sum of outputs]``, computed
+        as mlx's ``Linear`` / ``QuantizedLinear`` computes each part."""
+        if self.quant is None:
+            return mx.addmm(p["bias"], x, p["wt"]) if "bias" in p else x @ p["wt"]
+        group_size, bits, mode = self.quant
+        y = mx.quantized_matmul(x, p["weight"], scales=p["scales"], biases=p.get("biases"), transpose=True,
+                                group_size=group_size, bits=bits, mode=mode)
+        return y + p["bias"] if "bias" in p else y
+
+
+# ------------------------------------------------------------------- RoPE
+def rope_tables(offsets: mx.array, L: int, dims: int, base: float, scale: float, dtype) -> Tuple[mx.array, mx.array]:
+    """cos and sin ``[B, L, 1, dims/2]`` for rows at ``offsets [B]``: the
+    arithmetic of MLX's own RoPE fallback (so the rotation is bit-identical)."""
+    half = dims // 2
+    positions = (mx.arange(L, dtype=mx.float32) + offsets[:, None]) * mx.array(scale, mx.float32)  # [B, L]
+    inv_freqs = mx.exp(mx.arange(0, -half, -1, dtype=mx.float32) * mx.array(math.log(base) / half, mx.float32))
+    theta = positions[:, :, None, None] * inv_freqs  # [B, L, 1, half]
+    return mx.cos(theta).astype(dtype), mx.sin(theta).astype(dtype)
+
+
+class HeadRotation:
+    """RoPE of every head of a ``[B, L, H, D]`` projection in two graph nodes.
+
+    ``x * C + (x @ P) * S``, times a per-head factor: ``P`` swaps the two
+    halves of each head (a permutation, so ``x @ P`` is exact), ``C`` is
+    ``[cos, cos]`` and ``S`` is ``[-sin, sin]``, which gives
+    ``x1 cos - x2 sin`` and ``x2 cos + x1 sin``: MLX's fallback arithmetic,
+    rounded the same way. Heads that are not rotated (values) get ``C = 1,
+    S = 0``; the factor is the attention scale on query heads (applied after
+    the rotation, as the attention fallback does) and 1 elsewhere. Built once
+    per forward and shared by every layer with the same head layout.
+    """
+
+    def __init__(self, cos: mx.array, sin: mx.array, heads: Tuple[int, int, int], D: int, qscale: float):
+        B, L = cos.shape[:2]
+        nq, nk, nv = heads
+        rot, keep = nq + nk, nv
+        c = mx.concatenate([cos, cos], axis=-1)  # [B, L, 1, D]
+        s = mx.concatenate([-sin, sin], axis=-1)
+        parts_c = [mx.broadcast_to(c, (B, L, rot, D))]
+        parts_s = [mx.broadcast_to(s, (B, L, rot, D))]
+        if keep:
+            parts_c.append(mx.ones((B, L, keep, D), dtype=c.dtype))
+            parts_s.append(mx.zeros((B, L, keep, D), dtype=s.dtype))
+        H = rot + keep
+        self.C = mx.concatenate(parts_c, axis=2).reshape(B * L * H, D)
+        self.S = mx.concatenate(parts_s, axis=2).reshape(B * L * H, D)
+        f = mx.array([qscale] * nq + [1.0] * (nk + nv), dtype=cos.dtype)[:, None]  # [H, 1]
+        self.F = mx.broadcast_to(f[None], (B * L, H, 1)).reshape(B * L * H, 1)
+        half = D // 2
+        perm = [(j + half) % D for j in range(D)]  # column j of x @ P is x[perm[j]]
+        self.P = (mx.arange(D)[:, None] == mx.array(perm)[None, :]).astype(cos.dtype)  # [D, D]
+        self.shape = (B, L, H, D)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        x2 = x.reshape(-1, self.shape[-1])  # [B * L * H, D]
+        return ((x2 * self.C + (x2 @ self.P) * self.S) * self.F).reshape(self.shape)
+
+
+def _table_rope(rope) -> Optional[tuple]:
+    """The table key of an ``nn.RoPE`` the tables can serve, else None."""
+    if type(rope) is nn.RoPE and not rope.traditional:
+        return (rope.dims, float(rope.base), float(rope.scale))
+    return None
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array) -> mx.array:
+    """Grouped-query attention: ``q [B, Hk, R*L, D]`` (already scaled; the R
+    query heads of each key head stacked), ``k``/``v [B, Hk, S, D]``,
+    ``mask`` boolean, broadcastable to ``[B, Hk, R*L, S]``. The fallback
+    arithmetic of ``mx.fast.scaled_dot_product_attention`` on fewer nodes."""
+    scores = q @ k.swapaxes(-1, -2)
+    scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+    return mx.softmax(scores, axis=-1, precise=True) @ v
+
+
+# ---------------------------------------------------------------- forward
+class FusedForward:
+    """The lean forward of one qualifying model (see the module docstring)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.buffers: Dict[str, Dict[str, mx.array]] = {}  # input of the compiled step
+        self.active = False
+        self._set_watch([])
+        self.refresh(force=True)
+
+    # -- weights
+    def refresh(self, force: bool = False) -> bool:
+        """Rebuild the fused buffers if a source module or array changed;
+        returns whether the lean forward is active."""
+        if not force and not any(map(operator.is_not, map(operator.getitem, self._containers, self._keys), self._expected)):
+            return self.active
+        self.buffers.clear()
+        self._set_watch([])
+        self.active = why_not(self.model) is None
+        if not self.active:
+            return False
+        inner = self.model.model
+        self.layers = list(inner.layers)
+        self.groups = []
+        watch = [(self.model, "model", inner), (inner, "layers", inner.layers)]
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            watch += [(inner.layers, i, layer), (layer, "self_attn", attn), (layer, "mlp", mlp)]
+            names = {"qkv": (attn, ("q_proj", "k_proj", "v_proj")), "o": (attn, ("o_proj",)),
+                     "gu": (mlp, ("gate_proj", "up_proj")), "down": (mlp, ("down_proj",))}
+            groups = {}
+            for name, (parent, keys) in names.items():
+                group = groups[name] = _Group([parent[k] for k in keys])
+                watch += [(parent, k, m) for k, m in zip(keys, group.mods)]
+                self.buffers[f"{name}{i}"] = group.build()
+                watch += group.watch()
+            self.groups.append(groups)
+        head = inner.embed_tokens if self.model.args.tie_word_embeddings else self.model.lm_head
+        self.head = _Group([head]) if type(head) in (nn.Linear, nn.Embedding) else None
+        if self.head is not None:
+            self.buffers["head"] = self.head.build()
+            watch += [(self.model, "lm_head", head)] if not self.model.args.tie_word_embeddings else [(inner, "embed_tokens", head)]
+            watch += self.head.watch()
+        self._set_watch(watch)
+        return True
+
+    def _set_watch(self, watch: List[tuple]):
+        self._watch = watch
+        # the per-step check runs as C-level map() loops over these three
+        self._containers = [c for c, _, _ in watch]
+        self._keys = [k for _, k, _ in watch]
+        self._expected = [v for _, _, v in watch]
+
+    def retraced(self):
+        """Called after ``mx.compile`` traced a step: tracing swaps every
+        input for a tracer and back, which gives the same arrays new Python
+        objects; adopt them (nothing else changed in between)."""
+        self._set_watch([(c, k, c[k]) for c, k, _ in self._watch])
+
+    # -- graph
+    def __call__(self, tokens: mx.array, caches, masks, family_of, want: str, last: Optional[mx.array] = None):
+        """Logits of the step: ``want`` is "all" ([B, L, V]), "last" (at
+        ``last [B]``: [B, V]) or "none" (no head: None)."""
+        model, inner = self.model, self.model.model
+        B, L = tokens.shape
+        h = inner.embed_tokens(tokens)  # [B, L, hidden]
+        h = h.reshape(B * L, h.shape[-1])
+        offsets = caches[0].offset
+        shared = {}  # per forward: rotations per head layout, masks per (family, R)
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            attn, g, b = layer.self_attn, self.groups[i], self.buffers
+            nq, nk = attn.n_heads, attn.n_kv_heads
+            R = nq // nk
+            y = g["qkv"](layer.input_layernorm(h), b[f"qkv{i}"])  # [B * L, (nq + 2 nk) * D]
+            D = y.shape[-1] // (nq + 2 * nk)
+            rope = _table_rope(attn.rope)
+            if hasattr(attn, "q_norm"):  # qwen3: per-head norms before the rotation
+                q, k, v = mx.split(y.reshape(B, L, nq + 2 * nk, D), [nq, nq + nk], axis=2)
+                qk = mx.concatenate([attn.q_norm(q), attn.k_norm(k)], axis=2)
+                q, k = mx.split(self._rotation(shared, rope, offsets, L, (nq, nk, 0), D, attn.scale, qk.dtype)(qk), [nq], axis=2)
+            else:
+                q, k, v = mx.split(self._rotation(shared, rope, offsets, L, (nq, nk, nk), D, attn.scale, y.dtype)(y), [nq, nq + nk], axis=2)
+            # heads first: q [B, nk, R * L, D] (R query heads per key head), k/v [B, nk, L, D]
+            if L == 1:
+                q, k, v = q.reshape(B, nk, R, D), k.reshape(B, nk, 1, D), v.reshape(B, nk, 1, D)
+            else:
+                q = q.reshape(B, L, nk, R, D).transpose(0, 2, 3, 1, 4).reshape(B, nk, R * L, D)
+                k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+            k, v = cache.update_and_fetch(k, v)
+            o = attention(q, k, v, self._mask(shared, masks, family_of[i], R, L))  # [B, nk, R * L, D]
+            if L == 1:
+                o = o.reshape(B, nq * D)
+            else:
+                o = o.reshape(B, nk, R, L, D).transpose(0, 3, 1, 2, 4).reshape(B * L, nq * D)
+            h = h + g["o"](o, b[f"o{i}"])
+            gate, up = mx.split(g["gu"](layer.post_attention_layernorm(h), b[f"gu{i}"]), 2, axis=-1)
+            h = h + g["down"](nn.silu(gate) * up, b[f"down{i}"])
+        if want == "none":
+            return None
+        h = h.reshape(B, L, -1)
+        if want == "last":
+            h = mx.take_along_axis(h, last[:, None, None], axis=1)[:, 0, :]  # [B, hidden]
+        h = inner.norm(h)
+        if self.head is not None:
+            return self.head(h, self.buffers["head"])
+        if model.args.tie_word_embeddings:
+            return inner.embed_tokens.as_linear(h)
+        return model.lm_head(h)
+
+    @staticmethod
+    def _rotation(shared, rope, offsets, L, heads, D, scale, dtype) -> HeadRotation:
+        key = ("rot", rope, heads, D, scale, dtype)
+        if key not in shared:
+            cos, sin = rope_tables(offsets, L, *rope, dtype)
+            shared[key] = HeadRotation(cos, sin, heads, D, scale)
+        return shared[key]
+
+    @staticmethod
+    def _mask(shared, masks, family: int, R: int, L: int) -> mx.array:
+        """The family's mask ``[B, 1, L, S]`` laid out for R stacked query heads."""
+        key = ("mask", family, R)
+        if key not in shared:
+            m = masks[family].get(L, None)
+            if L > 1 and R > 1:
+                B, _, _, S = m.shape
+                m = mx.broadcast_to(m[:, :, None], (B, 1, R, L, S)).reshape(B, 1, R * L, S)
+            shared[key] = m
+        return shared[key]
