@@ -56,6 +56,8 @@ def _kind_ok(obj, name: str) -> bool:
 
 def why_not(model) -> Optional[str]:
     """``None`` when ``model`` qualifies for the lean forward, else why not."""
+    if mx.default_device().type != mx.DeviceType.cpu:
+        return "not on the CPU backend (a GPU runs mx.fast's RoPE, norm and attention as single kernels)"
     inner = getattr(model, "model", None)
     if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")):
         return "not a llama-style model (model.model.embed_tokens/layers/norm)"

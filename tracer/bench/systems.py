@@ -4,8 +4,10 @@
   ``B > 1``, as a user runs them;
 * **tracer**: mlx-tracer's ``Engine`` (compiled decode, traced once per bucket).
 
-Host milliseconds per step (building and dispatching the step's graph, before
-evaluation) are measured separately for stock; the engine counts its own.
+Host milliseconds per step are measured the same way for both (:func:`stock_host_ms`,
+:func:`tracer_host_ms`): the time of the call that builds one decode step's
+graph, from the call until it returns, before any evaluation, over the same
+contexts; the median of a few steps, each evaluated before the next is timed.
 """
 
 from __future__ import annotations
@@ -51,6 +53,26 @@ def stock_host_ms(model, contexts: list, steps: int = 8) -> float:
         y = mx.argmax(logits, axis=-1)[:, None]
         times.append(time.perf_counter() - t0)
         mx.eval(y, [c.state for c in cache])
+    return 1e3 * statistics.median(times[1:])
+
+
+def tracer_host_ms(compiled, contexts: list, steps: int = 8) -> float:
+    """Median host ms per compiled decode step (``CompiledModel.step``: the
+    step's plan, the compiled call that replays its graph, and the caches'
+    bookkeeping), before eval, as :func:`stock_host_ms` times stock's."""
+    serial = [copy_caches(c) for c in contexts]
+    caches = [
+        layout.cache_class.join([s[i] for s in serial], width=len(contexts), capacities=compiled.capacities)
+        for i, layout in enumerate(compiled.layout)
+    ]
+    y = mx.zeros((len(contexts), 1), dtype=mx.int32)
+    times = []
+    for _ in range(steps + 1):  # the first call may trace this shape: not timed
+        t0 = time.perf_counter()
+        out = compiled.step(caches, y)
+        times.append(time.perf_counter() - t0)
+        y = out.tokens[:, None]
+        mx.eval(y, [c.state for c in caches])
     return 1e3 * statistics.median(times[1:])
 
 
