@@ -143,9 +143,14 @@ class StaticKVCache:
         """The buffers a step of ``plan`` writes (full caches grow to its capacity)."""
         return self.keys, self.values
 
-    def commit(self, plan: StepPlan, keys: mx.array, values: mx.array):
-        """Take the buffers a step of ``plan`` returned and advance the rows."""
-        self.adopt(keys, values)
+    def commit(self, plan: StepPlan, keys: mx.array, values: mx.array, checked: bool = True):
+        """Take the buffers a step of ``plan`` returned and advance the rows.
+        ``checked=False`` skips :meth:`adopt`'s shape checks (for a compiled
+        step, whose outputs have the shapes of the buffers ``fit`` gave it)."""
+        if checked:
+            self.adopt(keys, values)
+        else:
+            self.keys, self.values = keys, values
         self.advance(plan)
 
     def commit_verify(self, plan: StepPlan, keys: mx.array, values: mx.array, valid):
