@@ -104,6 +104,9 @@ def info(args) -> int:
                   f"(ms/step at B={widths}: {ms}; {load}{note})")
     else:
         print("weights      auto not measured yet (the first `mlx-tracer generate` measures and caches it)")
+    lean = "on" if mx.default_device().type == mx.DeviceType.cpu else "off (not the CPU backend)"
+    print(f"forward      lean {lean} for llama/mistral/qwen2/qwen3 (q/k/v and gate/up fused, RoPE tables once per step); "
+          "other families run their own forward")
     kdir = os.path.join(os.environ.get("TMPDIR", tempfile.gettempdir()), "mlx", mx.__version__, "cpu")
     files = [os.path.join(kdir, f) for f in os.listdir(kdir)] if os.path.isdir(kdir) else []
     size = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
