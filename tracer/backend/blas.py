@@ -55,18 +55,7 @@ class BlasStatus:
     note: str
 
 
-_SHIM = r"""
-/* mlx-tracer: forward MLX's plain CBLAS calls to scipy-openblas's prefixed ones. */
-extern void scipy_cblas_sgemm(int, int, int, int, int, int, float, const float *, int, const float *, int, float, float *, int);
-extern void scipy_cblas_dgemm(int, int, int, int, int, int, double, const double *, int, const double *, int, double, double *, int);
-extern void scipy_cblas_cgemm(int, int, int, int, int, int, const void *, const void *, int, const void *, int, const void *, void *, int);
-void cblas_sgemm(int o, int ta, int tb, int m, int n, int k, float al, const float *a, int lda, const float *b, int ldb, float be, float *c, int ldc)
-{ scipy_cblas_sgemm(o, ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc); }
-void cblas_dgemm(int o, int ta, int tb, int m, int n, int k, double al, const double *a, int lda, const double *b, int ldb, double be, double *c, int ldc)
-{ scipy_cblas_dgemm(o, ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc); }
-void cblas_cgemm(int o, int ta, int tb, int m, int n, int k, const void *al, const void *a, int lda, const void *b, int ldb, const void *be, void *c, int ldc)
-{ scipy_cblas_cgemm(o, ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc); }
-"""
+SHIM_SOURCE = Path(__file__).with_name("blas_shim.c")  # the shim: forwarding, and cblas_sgemm's own split
 
 
 def openblas_path() -> Optional[str]:
@@ -88,7 +77,7 @@ def shim_file(openblas: str) -> Path:
     shim source and OpenBLAS location."""
     import hashlib
 
-    key = hashlib.sha1((_SHIM + os.path.realpath(openblas)).encode()).hexdigest()[:12]
+    key = hashlib.sha1((SHIM_SOURCE.read_text() + os.path.realpath(openblas)).encode()).hexdigest()[:12]
     return cache_dir() / f"blas-shim-{key}.so"
 
 
@@ -102,7 +91,7 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _open_shim(path: Path, verify: bool = True) -> ctypes.CDLL:
+def _open_shim(path: Path, verify: bool = True, mode: int = ctypes.RTLD_GLOBAL) -> ctypes.CDLL:
     """dlopen the shim. A kept shim is first checked against the sha256
     written next to it when it was built: dlopen of a damaged file can fail,
     or crash the process (a truncated ELF faults when mapped), so a mismatch
@@ -114,13 +103,13 @@ def _open_shim(path: Path, verify: bool = True) -> ctypes.CDLL:
             want = None
         if want != _sha256(path.read_bytes()):
             raise OSError(f"{path} does not match the sha256 recorded when it was built")
-    lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+    lib = ctypes.CDLL(str(path), mode=mode)
     if not hasattr(lib, "cblas_sgemm"):
         raise OSError(f"{path} defines no cblas_sgemm")
     return lib
 
 
-def _build_shim(openblas: str, target: Path) -> ctypes.CDLL:
+def _build_shim(openblas: str, target: Path, mode: int = ctypes.RTLD_GLOBAL) -> ctypes.CDLL:
     """Compile the shim into ``target`` (atomically, its sha256 next to it)
     and load it. A cache folder that takes no writes gets a process-private
     copy instead, built in a temporary folder removed once it is loaded."""
@@ -134,27 +123,34 @@ def _build_shim(openblas: str, target: Path) -> ctypes.CDLL:
     folder = writable_cache_dir()  # None: read-only (said once on stderr)
     with tempfile.TemporaryDirectory(prefix=".blas-shim-build-", dir=folder) as tmp:
         src, out = os.path.join(tmp, "shim.c"), Path(tmp) / target.name
-        with open(src, "w") as f:
-            f.write(_SHIM)
-        subprocess.run([cc, "-O2", "-shared", "-fPIC", src, "-o", str(out)], check=True, capture_output=True)
+        shutil.copyfile(SHIM_SOURCE, src)
+        subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", src, "-o", str(out)], check=True, capture_output=True)
         if folder is None:
-            return _open_shim(out, verify=False)  # stays mapped after the folder is gone
+            return _open_shim(out, verify=False, mode=mode)  # stays mapped after the folder is gone
         digest = _digest_file(out)
         digest.write_text(_sha256(out.read_bytes()) + "\n")
         os.replace(digest, _digest_file(target))  # same file system: atomic, never half a file
         os.replace(out, target)
-    return _open_shim(target)
+    return _open_shim(target, mode=mode)
 
 
-def _load_shim(openblas: str) -> ctypes.CDLL:
+def _load_shim(openblas: str, mode: int = ctypes.RTLD_GLOBAL) -> ctypes.CDLL:
     """The cached shim, or a new one when it is missing or broken."""
     target = shim_file(openblas)
     if target.exists():
         try:
-            return _open_shim(target)
+            return _open_shim(target, mode=mode)
         except OSError as e:  # a corrupt cached shim must not pin the reference BLAS: rebuild it
             _state["rebuilt"] = str(e)
-    return _build_shim(openblas, target)
+    return _build_shim(openblas, target, mode=mode)
+
+
+def private_shim(openblas: str) -> ctypes.CDLL:
+    """The shim (built if need be) loaded without exporting its names, so
+    that it binds nothing in this process: for tests that call its
+    ``cblas_sgemm`` directly, next to OpenBLAS's own ``scipy_cblas_sgemm``."""
+    ctypes.CDLL(openblas, mode=ctypes.RTLD_GLOBAL)  # only scipy_-prefixed names: the shim's calls resolve here
+    return _load_shim(openblas, mode=ctypes.RTLD_LOCAL)
 
 
 def activate() -> bool:
@@ -181,9 +177,10 @@ def activate() -> bool:
     try:
         lib = ctypes.CDLL(openblas, mode=ctypes.RTLD_GLOBAL)
         threads = int(os.environ.get(ENV_THREADS) or os.cpu_count() or 1)
-        lib.scipy_openblas_set_num_threads(threads)
-        _state["lib"] = lib
-        _load_shim(openblas)
+        lib.scipy_openblas_set_num_threads(1)  # the shim splits GEMMs itself (the shim's load says so too)
+        shim = _load_shim(openblas)
+        shim.mlx_tracer_blas_set_threads(threads)
+        _state["lib"] = shim
     except Exception as e:  # a broken BLAS must never stop the package from importing
         _state["error"] = str(e)
         warnings.warn(f"fast BLAS not active ({e}); MLX uses its reference BLAS", RuntimeWarning, stacklevel=3)
@@ -194,10 +191,11 @@ def activate() -> bool:
 
 
 def set_threads(n: int) -> None:
-    """Use ``n`` OpenBLAS threads from now on (no-op without the fast BLAS).
-    Call it only while no BLAS call runs (between evaluated steps)."""
+    """Split each large fp32 GEMM across ``n`` threads (the caller included)
+    from now on (no-op without the fast BLAS). Call it between evaluated
+    steps; a GEMM already running keeps the count it started with."""
     if _state.get("lib") is not None and n != _state["threads"]:
-        _state["lib"].scipy_openblas_set_num_threads(int(n))
+        _state["lib"].mlx_tracer_blas_set_threads(int(n))
         _state["threads"] = int(n)
 
 

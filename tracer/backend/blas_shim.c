@@ -1,0 +1,380 @@
+/* mlx-tracer's BLAS shim: MLX's plain CBLAS names, served by scipy-openblas.
+ *
+ * cblas_dgemm and cblas_cgemm forward to OpenBLAS's scipy_-prefixed ones.
+ * cblas_sgemm (every fp32 matmul of MLX's CPU backend) splits the work itself:
+ * OpenBLAS runs single-threaded, and a GEMM worth splitting is cut into a
+ * fixed number of chunks of output rows or columns that the calling thread
+ * and a small pool of workers pull from one atomic counter. A thread the
+ * scheduler preempts delays only the chunk it holds; OpenBLAS's own threading
+ * splits statically and spins until every thread is done, which collapses
+ * beside busy processes.
+ *
+ * Determinism: chunk boundaries depend on the shape only (never on the
+ * thread count or on timing), and each chunk is one OpenBLAS call on a
+ * sub-matrix; the boundaries are multiples of ALIGN, so every output element
+ * sees the same kernel path and summation order as in the unsplit call
+ * (tests/test_blas.py checks bit-equality).
+ *
+ * Idle workers sleep on a futex after a short bounded spin (SPIN_NS). The
+ * caller, once no chunk is left to take, waits for the chunks in flight the
+ * same way.
+ */
+#define _GNU_SOURCE
+#include <limits.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+extern void scipy_cblas_sgemm(int, int, int, int, int, int, float, const float *, int, const float *, int, float, float *, int);
+extern void scipy_cblas_dgemm(int, int, int, int, int, int, double, const double *, int, const double *, int, double, double *, int);
+extern void scipy_cblas_cgemm(int, int, int, int, int, int, const void *, const void *, int, const void *, int, const void *, void *, int);
+extern void scipy_openblas_set_num_threads(int);
+
+enum { ROW_MAJOR = 101, COL_MAJOR = 102, NO_TRANS = 111, TRANS = 112, CONJ_TRANS = 113 };
+
+#define MAX_WORKERS 63
+#define MAX_CHUNKS 16
+#define ALIGN 32                   /* chunk boundaries: multiples of this many rows or columns */
+#define MIN_SPLIT_WORK (1L << 18)  /* M*N*K below this runs on the caller, unsplit */
+#define MIN_CHUNK_WORK (1L << 16)  /* M*N*K of one chunk, at least (where the shape allows) */
+#define SPIN_NS 20000L             /* how long an idle thread spins before it sleeps */
+
+/* One GEMM in column-major (Fortran) form, as OpenBLAS's interface sees it:
+ * C[m x n] = alpha * op(A)[m x k] op(B)[k x n] + beta * C, ld* >= the stored row count. */
+typedef struct {
+    int ta, tb, m, n, k, lda, ldb, ldc;
+    float alpha, beta;
+    const float *a, *b;
+    float *c;
+    int by_rows;             /* chunks are row ranges of C (else column ranges) */
+    int bounds[MAX_CHUNKS + 1];
+} gemm_t;
+
+/* The job word: generation << 32 | chunk count << 16 | next chunk to take. */
+#define JOB_GEN(v) ((uint32_t)((v) >> 32))
+#define JOB_COUNT(v) ((int)(((v) >> 16) & 0xffff))
+#define JOB_NEXT(v) ((int)((v) & 0xffff))
+
+typedef struct {
+    _Alignas(64) atomic_uint wake;  /* futex word: the generation this worker was last asked to join */
+    atomic_int sleeping;
+} worker_t;
+
+static struct {
+    pthread_mutex_t lock;        /* one split GEMM at a time; a concurrent caller runs unsplit */
+    atomic_int threads;          /* threads per split GEMM, the caller included */
+    int started;                 /* worker threads running */
+    uint32_t gen;
+    gemm_t job;
+    _Alignas(64) _Atomic uint64_t word;
+    _Alignas(64) atomic_uint done;   /* futex word: chunks of the current job finished */
+    atomic_int caller_sleeping;
+    atomic_long splits, worker_chunks;  /* counts, for tests and tools */
+    worker_t workers[MAX_WORKERS];
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .threads = 1};
+
+static long futex(atomic_uint *addr, int op, unsigned val)
+{
+    return syscall(SYS_futex, (unsigned *)addr, op | FUTEX_PRIVATE_FLAG, val, NULL, NULL, 0);
+}
+
+static long now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000L + t.tv_nsec;
+}
+
+static inline void cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+/* Wait until *addr != seen: spin up to SPIN_NS, then sleep on the futex. */
+static unsigned wait_change(atomic_uint *addr, unsigned seen, atomic_int *sleeping)
+{
+    unsigned v;
+    long until = now_ns() + SPIN_NS;
+    for (int i = 1;; i++) {
+        if ((v = atomic_load(addr)) != seen)
+            return v;
+        cpu_relax();
+        if ((i & 63) == 0 && now_ns() > until)
+            break;
+    }
+    atomic_store(sleeping, 1);
+    while ((v = atomic_load(addr)) == seen)
+        futex(addr, FUTEX_WAIT, seen);
+    atomic_store(sleeping, 0);
+    return v;
+}
+
+/* One chunk is one OpenBLAS call on the sub-matrices of its rows or columns of C. */
+static void run_chunk(const gemm_t *g, int i)
+{
+    int lo = g->bounds[i], hi = g->bounds[i + 1];
+    const float *a = g->a, *b = g->b;
+    float *c = g->c;
+    int m = g->m, n = g->n;
+    if (g->by_rows) {
+        a += g->ta ? (long)lo * g->lda : lo;
+        c += lo;
+        m = hi - lo;
+    } else {
+        b += g->tb ? lo : (long)lo * g->ldb;
+        c += (long)lo * g->ldc;
+        n = hi - lo;
+    }
+    scipy_cblas_sgemm(COL_MAJOR, g->ta ? TRANS : NO_TRANS, g->tb ? TRANS : NO_TRANS, m, n, g->k, g->alpha, a, g->lda,
+                      b, g->ldb, g->beta, c, g->ldc);
+}
+
+/* Take and run chunks of generation gen until none is left; returns how many ran. */
+static int take_chunks(uint32_t gen)
+{
+    int ran = 0;
+    uint64_t v = atomic_load(&pool.word);
+    for (;;) {
+        if (JOB_GEN(v) != gen || JOB_NEXT(v) >= JOB_COUNT(v))
+            return ran;
+        if (!atomic_compare_exchange_weak(&pool.word, &v, v + 1))
+            continue;
+        /* This chunk is ours: the job cannot finish (nor its fields change) before it is done. */
+        int count = JOB_COUNT(v);
+        run_chunk(&pool.job, JOB_NEXT(v));
+        ran++;
+        if (atomic_fetch_add(&pool.done, 1) + 1 == (unsigned)count && atomic_load(&pool.caller_sleeping))
+            futex(&pool.done, FUTEX_WAKE, 1);
+        v = atomic_load(&pool.word);
+    }
+}
+
+static void *worker_main(void *arg)
+{
+    worker_t *w = arg;
+    unsigned seen = 0;
+    for (;;) {
+        seen = wait_change(&w->wake, seen, &w->sleeping);
+        int ran = take_chunks(seen);
+        if (ran)
+            atomic_fetch_add(&pool.worker_chunks, ran);
+    }
+    return NULL;
+}
+
+/* Start workers up to n (under pool.lock); returns how many run. */
+static int start_workers(int n)
+{
+    if (n > MAX_WORKERS)
+        n = MAX_WORKERS;
+    while (pool.started < n) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pthread_attr_setstacksize(&attr, 1 << 20);
+        int err = pthread_create(&t, &attr, worker_main, &pool.workers[pool.started]);
+        pthread_attr_destroy(&attr);
+        if (err)
+            break;
+        pool.started++;
+    }
+    return pool.started;
+}
+
+/* The fork child has the pool's memory but none of its threads. */
+static void after_fork_child(void)
+{
+    pthread_mutex_init(&pool.lock, NULL);
+    pool.started = 0;
+    for (int i = 0; i < MAX_WORKERS; i++) {
+        atomic_store(&pool.workers[i].wake, 0);
+        atomic_store(&pool.workers[i].sleeping, 0);
+    }
+    pool.gen = 0;
+    atomic_store(&pool.word, 0);
+}
+
+__attribute__((constructor)) static void shim_init(void)
+{
+    scipy_openblas_set_num_threads(1);
+    pthread_atfork(NULL, NULL, after_fork_child);
+}
+
+/* Which kernel OpenBLAS's interface picks (interface/gemm.c, x86-64): its
+ * small-matrix kernel where the permit of the SkylakeX kernels allows (other
+ * x86-64 cores permit none: this rule then only splits less), else its
+ * blocked one. Both give the same bits for a row or column of C whatever
+ * rows and columns surround it, but not as each other: a chunk must take the
+ * kernel its whole call takes. */
+static int small_kernel(int ta, int tb, long m, long n, long k)
+{
+    if ((double)m * n * k > 1e6)
+        return 0;
+    if (ta)
+        return tb ? k >= 4 : (m * n <= 1200 && k >= 32);
+    return 1;
+}
+
+/* The direct kernel (row-major, no transposes, alpha 1, beta 0, AVX-512) is
+ * the one whose bits depend on the call's width: such calls are never split. */
+static int direct_kernel(int order, int ta, int tb, long m, long n, long k, float alpha, float beta)
+{
+    long mnk = m * n * k;
+    return order == ROW_MAJOR && ta == NO_TRANS && tb == NO_TRANS && alpha == 1.0f && beta == 0.0f
+           && mnk < 28L * 512 * 512 && !((n & 3) && mnk >= 8L * 512 * 512);
+}
+
+/* Cut g into chunks along its longer side: a function of the shape only.
+ * Sets g->by_rows and g->bounds; returns the chunk count (1: do not split). */
+static int plan_chunks(gemm_t *g)
+{
+    g->by_rows = g->m >= g->n;
+    long len = g->by_rows ? g->m : g->n, other = g->by_rows ? g->n : g->m;
+    long work = len * other * g->k;
+    if (work < MIN_SPLIT_WORK)
+        return 1;
+    long units = (len + ALIGN - 1) / ALIGN;
+    long count = work / MIN_CHUNK_WORK;
+    if (count > MAX_CHUNKS)
+        count = MAX_CHUNKS;
+    if (count > units)
+        count = units;
+    int whole = small_kernel(g->ta, g->tb, g->m, g->n, g->k);
+    for (; count >= 2; count--) { /* fewer, larger chunks until each takes the whole call's kernel */
+        int same = 1;
+        for (long i = 0; i <= count; i++) {
+            long b = (units * i / count) * ALIGN;
+            g->bounds[i] = (int)(b < len ? b : len);
+            if (i) {
+                long size = g->bounds[i] - g->bounds[i - 1];
+                same &= small_kernel(g->ta, g->tb, g->by_rows ? size : g->m, g->by_rows ? g->n : size, g->k) == whole;
+            }
+        }
+        if (same)
+            return (int)count;
+    }
+    return 1;
+}
+
+/* A CBLAS call in column-major form (OpenBLAS's own reduction); returns 0
+ * for arguments not to split (OpenBLAS then sees them as they came, and
+ * reports those that are wrong). */
+static int to_col_major(gemm_t *g, int order, int ta, int tb, int m, int n, int k, float alpha, const float *a,
+                        int lda, const float *b, int ldb, float beta, float *c, int ldc)
+{
+    if ((ta != NO_TRANS && ta != TRANS && ta != CONJ_TRANS) || (tb != NO_TRANS && tb != TRANS && tb != CONJ_TRANS))
+        return 0;
+    if (order == COL_MAJOR) {
+        *g = (gemm_t){.ta = ta != NO_TRANS, .tb = tb != NO_TRANS, .m = m, .n = n, .k = k, .lda = lda, .ldb = ldb,
+                      .ldc = ldc, .alpha = alpha, .beta = beta, .a = a, .b = b, .c = c};
+    } else if (order == ROW_MAJOR) { /* C^T = op(B)^T op(A)^T */
+        *g = (gemm_t){.ta = tb != NO_TRANS, .tb = ta != NO_TRANS, .m = n, .n = m, .k = k, .lda = ldb, .ldb = lda,
+                      .ldc = ldc, .alpha = alpha, .beta = beta, .a = b, .b = a, .c = c};
+    } else {
+        return 0;
+    }
+    if (g->m <= 0 || g->n <= 0 || g->k <= 0)
+        return 0;
+    if (g->lda < (g->ta ? g->k : g->m) || g->ldb < (g->tb ? g->n : g->k) || g->ldc < g->m)
+        return 0;
+    return !direct_kernel(order, ta, tb, m, n, k, alpha, beta);
+}
+
+void cblas_sgemm(int o, int ta, int tb, int m, int n, int k, float al, const float *a, int lda, const float *b,
+                 int ldb, float be, float *c, int ldc)
+{
+    int threads = atomic_load(&pool.threads);
+    gemm_t g;
+    int count = 1;
+    if (threads >= 2 && (long)m * n * k >= MIN_SPLIT_WORK && to_col_major(&g, o, ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc))
+        count = plan_chunks(&g);
+    if (count < 2 || pthread_mutex_trylock(&pool.lock) != 0) {
+        scipy_cblas_sgemm(o, ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc);
+        return;
+    }
+    int helpers = start_workers(threads - 1);
+    if (helpers < 1) {
+        pthread_mutex_unlock(&pool.lock);
+        scipy_cblas_sgemm(o, ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc);
+        return;
+    }
+    if (helpers > count - 1)
+        helpers = count - 1;
+    uint32_t gen = ++pool.gen;
+    if (gen == 0) /* 0 is every worker's initial "seen" */
+        gen = ++pool.gen;
+    pool.job = g;
+    atomic_store(&pool.done, 0);
+    atomic_store(&pool.word, (uint64_t)gen << 32 | (uint64_t)count << 16);
+    for (int i = 0; i < helpers; i++) {
+        worker_t *w = &pool.workers[i];
+        atomic_store(&w->wake, gen);
+        if (atomic_load(&w->sleeping))
+            futex(&w->wake, FUTEX_WAKE, 1);
+    }
+    atomic_fetch_add(&pool.splits, 1);
+    take_chunks(gen);
+    unsigned d;
+    long until = now_ns() + SPIN_NS;
+    for (int i = 1; (d = atomic_load(&pool.done)) != (unsigned)count; i++) {
+        cpu_relax();
+        if ((i & 63) == 0 && now_ns() > until)
+            break;
+    }
+    if (d != (unsigned)count) {
+        atomic_store(&pool.caller_sleeping, 1);
+        while ((d = atomic_load(&pool.done)) != (unsigned)count)
+            futex(&pool.done, FUTEX_WAIT, d);
+        atomic_store(&pool.caller_sleeping, 0);
+    }
+    pthread_mutex_unlock(&pool.lock);
+}
+
+/* Threads per split GEMM from now on, the caller included (1: never split). */
+void mlx_tracer_blas_set_threads(int n)
+{
+    atomic_store(&pool.threads, n < 1 ? 1 : n);
+}
+
+int mlx_tracer_blas_threads(void) { return atomic_load(&pool.threads); }
+
+/* Split GEMMs so far, and the chunks of them that worker threads ran. */
+void mlx_tracer_blas_counts(long *splits, long *worker_chunks)
+{
+    *splits = atomic_load(&pool.splits);
+    *worker_chunks = atomic_load(&pool.worker_chunks);
+}
+
+/* For tests: the chunks cblas_sgemm cuts a column-major call into (transposes
+ * 0/1); returns the count (1: unsplit), *by_rows and count + 1 bounds. */
+int mlx_tracer_blas_plan(int ta, int tb, int m, int n, int k, int *by_rows, int *bounds)
+{
+    gemm_t g = {.ta = ta, .tb = tb, .m = m, .n = n, .k = k};
+    int count = plan_chunks(&g);
+    *by_rows = g.by_rows;
+    for (int i = 0; i <= count; i++)
+        bounds[i] = count > 1 ? g.bounds[i] : (i ? (g.by_rows ? m : n) : 0);
+    return count;
+}
+
+void cblas_dgemm(int o, int ta, int tb, int m, int n, int k, double al, const double *a, int lda, const double *b,
+                 int ldb, double be, double *c, int ldc)
+{
+    scipy_cblas_dgemm(o, ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc);
+}
+
+void cblas_cgemm(int o, int ta, int tb, int m, int n, int k, const void *al, const void *a, int lda, const void *b,
+                 int ldb, const void *be, void *c, int ldc)
+{
+    scipy_cblas_cgemm(o, ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc);
+}
