@@ -9,12 +9,25 @@ afterwards it is too late).
 
 The BLAS is OpenBLAS from the PyPI wheel ``scipy-openblas32`` (8 MB, no
 system libraries needed; a Linux dependency of mlx-tracer). Its symbols carry
-a ``scipy_`` prefix, so a three-function forwarding shim (C, compiled once
-with the system C compiler, which MLX's CPU backend needs for its own kernel
-JIT anyway) exports the plain names. ``MLX_TRACER_BLAS=0`` switches this off;
+a ``scipy_`` prefix, so a shim (``blas_shim.c``, compiled once with the
+system C compiler, which MLX's CPU backend needs for its own kernel JIT
+anyway) exports the plain names. ``MLX_TRACER_BLAS=0`` switches this off;
 ``MLX_TRACER_BLAS_THREADS`` pins the thread count; otherwise
-:mod:`mlx_tracer.backend.threads` picks it per phase (decode: 1, prefill:
-the idle cores).
+:mod:`mlx_tracer.backend.threads` picks it per phase (the idle cores).
+
+The shim's ``cblas_sgemm`` splits a large GEMM itself (on x86-64; elsewhere
+it forwards and OpenBLAS threads): OpenBLAS runs single-threaded, the call
+is cut into up to 16 row or column ranges of C, fixed by the shape alone,
+and the calling thread and ``threads - 1`` workers pull them from one atomic
+counter; idle workers sleep on a futex after a 20 us spin. OpenBLAS's own
+threading splits statically and spins until every thread is done, so beside
+busy processes one preempted thread stalled every GEMM; here it delays only
+the chunk it holds. A chunk is one OpenBLAS call on sub-matrices, cut only
+where each chunk takes the kernel OpenBLAS takes for the whole call, so a
+split call is bitwise the unsplit one, whatever the thread count
+(tests/test_blas.py). The 1536-wide rows of SmolLM2's decode MLP stay whole
+for that reason (OpenBLAS's small-matrix kernel would serve any part of
+them). Measured on this 2-core machine: see :mod:`mlx_tracer.backend.threads`.
 
 The shim is kept in the cache folder (:mod:`mlx_tracer.home`) as
 ``blas-shim-<key>.so`` with its sha256 next to it. A kept file that does not
@@ -175,10 +188,9 @@ def activate() -> bool:
         )
         return False
     try:
-        lib = ctypes.CDLL(openblas, mode=ctypes.RTLD_GLOBAL)
+        ctypes.CDLL(openblas, mode=ctypes.RTLD_GLOBAL)  # the shim's scipy_ names resolve here
         threads = int(os.environ.get(ENV_THREADS) or os.cpu_count() or 1)
-        lib.scipy_openblas_set_num_threads(1)  # the shim splits GEMMs itself (the shim's load says so too)
-        shim = _load_shim(openblas)
+        shim = _load_shim(openblas)  # sets OpenBLAS to one thread where it splits GEMMs itself
         shim.mlx_tracer_blas_set_threads(threads)
         _state["lib"] = shim
     except Exception as e:  # a broken BLAS must never stop the package from importing
@@ -231,8 +243,10 @@ def status() -> BlasStatus:
     fast = _state["loaded"] is not None and lib is not None and "libblas" not in os.path.basename(lib)
     if fast:
         pinned = os.environ.get(ENV_THREADS)
-        threads = f"{pinned} threads (pinned by {ENV_THREADS})" if pinned else "threads per phase: decode 1, prefill the idle cores"
-        note = f"OpenBLAS (scipy-openblas32) via shim, {threads}"
+        threads = f"{pinned} threads (pinned by {ENV_THREADS})" if pinned else "threads per phase: the idle cores"
+        split = _state["lib"].mlx_tracer_blas_splits()
+        how = "large fp32 GEMMs split by the shim into shape-fixed chunks" if split else "OpenBLAS threading"
+        note = f"OpenBLAS (scipy-openblas32) via shim, {threads}; {how}"
     elif _state["late"]:
         note = "mlx was imported before mlx_tracer: reference BLAS (import mlx_tracer first)"
     elif _state["error"]:

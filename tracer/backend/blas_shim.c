@@ -37,6 +37,15 @@ extern void scipy_openblas_set_num_threads(int);
 
 enum { ROW_MAJOR = 101, COL_MAJOR = 102, NO_TRANS = 111, TRANS = 112, CONJ_TRANS = 113 };
 
+/* The kernel rules below are OpenBLAS's on x86-64; elsewhere (arm64 forwards
+ * 1-row GEMMs to GEMV, with other small-matrix permits) the shim forwards
+ * every call and OpenBLAS threads itself. */
+#if defined(__x86_64__)
+#define SPLIT 1
+#else
+#define SPLIT 0
+#endif
+
 #define MAX_WORKERS 63
 #define MAX_CHUNKS 16
 #define ALIGN 32                   /* chunk boundaries: multiples of this many rows or columns */
@@ -206,7 +215,8 @@ static void after_fork_child(void)
 
 __attribute__((constructor)) static void shim_init(void)
 {
-    scipy_openblas_set_num_threads(1);
+    if (SPLIT)
+        scipy_openblas_set_num_threads(1);
     pthread_atfork(NULL, NULL, after_fork_child);
 }
 
@@ -340,13 +350,21 @@ void cblas_sgemm(int o, int ta, int tb, int m, int n, int k, float al, const flo
     pthread_mutex_unlock(&pool.lock);
 }
 
-/* Threads per split GEMM from now on, the caller included (1: never split). */
+/* Threads per split GEMM from now on, the caller included (1: never split);
+ * where the shim does not split, OpenBLAS's own thread count. */
 void mlx_tracer_blas_set_threads(int n)
 {
-    atomic_store(&pool.threads, n < 1 ? 1 : n);
+    n = n < 1 ? 1 : n;
+    if (SPLIT)
+        atomic_store(&pool.threads, n);
+    else
+        scipy_openblas_set_num_threads(n);
 }
 
-int mlx_tracer_blas_threads(void) { return atomic_load(&pool.threads); }
+/* Whether cblas_sgemm splits (else OpenBLAS threads). */
+int mlx_tracer_blas_splits(void) { return SPLIT; }
+
+int mlx_tracer_blas_threads(void) { return SPLIT ? atomic_load(&pool.threads) : 1; }
 
 /* Split GEMMs so far, and the chunks of them that worker threads ran. */
 void mlx_tracer_blas_counts(long *splits, long *worker_chunks)
