@@ -20,6 +20,19 @@ this policy at 16.2 and 192; beside two busy processes 2 threads collapse to
 1.1 and 9.3, 1 thread keeps 7.6 and 76, this policy 6.5 and 67 (0.40x and
 0.35x its quiet speed, where three processes share two cores).
 
+Since the BLAS shim splits each large GEMM itself into shape-fixed chunks
+that idle-sleeping workers pull from a counter (:mod:`mlx_tracer.backend.blas`;
+OpenBLAS runs single-threaded), a preempted thread delays only its own chunk.
+Measured here, A/B against the OpenBLAS-threaded shim, alternating runs
+(SmolLM2 fp32, bucket 1, 32 tokens, median of 2; another engineer's jobs
+kept the load average at 2-4 throughout, so "busy 0" was not quiet):
+2 pinned threads with busy 0: decode 8.0 -> 9.5 tok/s, prefill 15 -> 129;
+busy 1: 5.1 -> 9.9 and 59 -> 119; busy 2: 1.2 -> 7.3 and 9.6 -> 76. This
+policy (which picks 1 thread beside two busy processes, so the split does
+not run) stayed within noise: busy 2 decode 3.8 -> 3.9, prefill 73 -> 48;
+busy 1 9.9 -> 9.4, 122 -> 138. With the split, 2 threads beat this policy
+beside busy processes; the policy is unchanged for now.
+
 Threads change only between steps with nothing in flight, never under a
 running GEMM: the engine asks at admission (:func:`for_prefill`, then
 :func:`for_decode`) and, while decoding, drains its pipeline every
