@@ -11,9 +11,11 @@
  *
  * Determinism: chunk boundaries depend on the shape only (never on the
  * thread count or on timing), and each chunk is one OpenBLAS call on a
- * sub-matrix; the boundaries are multiples of ALIGN, so every output element
- * sees the same kernel path and summation order as in the unsplit call
- * (tests/test_blas.py checks bit-equality).
+ * sub-matrix, cut at multiples of ALIGN and only where every chunk takes the
+ * kernel OpenBLAS takes for the whole call (small_kernel, direct_kernel), so
+ * every output element gets the bits of the unsplit call (tests/test_blas.py
+ * checks). The price: a call whose parts would change kernel stays whole
+ * (SmolLM2's 1 x 1536 x 576 decode rows).
  *
  * Idle workers sleep on a futex after a short bounded spin (SPIN_NS). The
  * caller, once no chunk is left to take, waits for the chunks in flight the

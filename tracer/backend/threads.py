@@ -31,7 +31,11 @@ busy 1: 5.1 -> 9.9 and 59 -> 119; busy 2: 1.2 -> 7.3 and 9.6 -> 76. This
 policy (which picks 1 thread beside two busy processes, so the split does
 not run) stayed within noise: busy 2 decode 3.8 -> 3.9, prefill 73 -> 48;
 busy 1 9.9 -> 9.4, 122 -> 138. With the split, 2 threads beat this policy
-beside busy processes; the policy is unchanged for now.
+beside busy processes; the policy is unchanged for now. Quiet (load
+average 1.1-1.6, 3 alternating runs each) the split costs a little: decode
+15.0 -> 13.7 tok/s with 2 threads (14.2 -> 13.7 with this policy), prefill
+195 -> 175 (194 -> 172), mostly the decode MLP's 1 x 1536 x 576 GEMMs, which
+OpenBLAS threaded and the shim must leave whole to keep the bits.
 
 Threads change only between steps with nothing in flight, never under a
 running GEMM: the engine asks at admission (:func:`for_prefill`, then
