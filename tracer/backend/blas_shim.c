@@ -9,13 +9,19 @@
  * splits statically and spins until every thread is done, which collapses
  * beside busy processes.
  *
- * Determinism: chunk boundaries depend on the shape only (never on the
- * thread count or on timing), and each chunk is one OpenBLAS call on a
- * sub-matrix, cut at multiples of ALIGN and only where every chunk takes the
- * kernel OpenBLAS takes for the whole call (small_kernel, direct_kernel), so
- * every output element gets the bits of the unsplit call (tests/test_blas.py
- * checks). The price: a call whose parts would change kernel stays whole
- * (SmolLM2's 1 x 1536 x 576 decode rows).
+ * Determinism: the chunks depend on the shape (transposes, sizes) only, never
+ * on the thread count or on timing, and a call with one thread (or one that
+ * finds the pool busy) runs the same chunks one after another on the caller.
+ * Each chunk is one single-threaded OpenBLAS call, so the bits of C are a
+ * function of the call's arguments: the same for 1, 2 or 8 threads and from
+ * run to run (tests/test_blas.py checks). They are not the bits of one unsplit
+ * call: a chunk may take another OpenBLAS kernel than the whole call would.
+ *
+ * Where to cut: few-row GEMMs (decode: at most FEW_ROWS rows of x in x @ W.T)
+ * along the weight rows, into chunks small enough for OpenBLAS's small-matrix
+ * kernel, which on the SkylakeX build does 1 x 576 rows at ~39 ns a row where
+ * its blocked kernel takes ~180 (1 x 1536: ~95 vs ~520); anything larger
+ * along its longer side (prefill).
  *
  * Idle workers sleep on a futex after a short bounded spin (SPIN_NS). The
  * caller, once no chunk is left to take, waits for the chunks in flight the
@@ -49,10 +55,13 @@ enum { ROW_MAJOR = 101, COL_MAJOR = 102, NO_TRANS = 111, TRANS = 112, CONJ_TRANS
 #endif
 
 #define MAX_WORKERS 63
-#define MAX_CHUNKS 16
+#define MAX_CHUNKS 64
+#define MAX_LARGE_CHUNKS 16        /* chunks of a GEMM that is not few-row */
+#define FEW_ROWS 16                /* a GEMM with at most this many rows on one side is "few-row" */
 #define ALIGN 32                   /* chunk boundaries: multiples of this many rows or columns */
 #define MIN_SPLIT_WORK (1L << 18)  /* M*N*K below this runs on the caller, unsplit */
 #define MIN_CHUNK_WORK (1L << 16)  /* M*N*K of one chunk, at least (where the shape allows) */
+#define FEW_CHUNK_WORK (1L << 17)  /* M*N*K of one few-row chunk, about (calls cost ~2 us each) */
 #define SPIN_NS 20000L             /* how long an idle thread spins before it sleeps */
 
 /* One GEMM in column-major (Fortran) form, as OpenBLAS's interface sees it:
@@ -224,10 +233,8 @@ __attribute__((constructor)) static void shim_init(void)
 
 /* Which kernel OpenBLAS's interface picks (interface/gemm.c, x86-64): its
  * small-matrix kernel where the permit of the SkylakeX kernels allows (other
- * x86-64 cores permit none: this rule then only splits less), else its
- * blocked one. Both give the same bits for a row or column of C whatever
- * rows and columns surround it, but not as each other: a chunk must take the
- * kernel its whole call takes. */
+ * x86-64 cores permit none: the few-row chunks then run the blocked kernel,
+ * still deterministic), else its blocked one. */
 static int small_kernel(int ta, int tb, long m, long n, long k)
 {
     if ((double)m * n * k > 1e6)
@@ -237,45 +244,54 @@ static int small_kernel(int ta, int tb, long m, long n, long k)
     return 1;
 }
 
-/* The direct kernel (row-major, no transposes, alpha 1, beta 0, AVX-512) is
- * the one whose bits depend on the call's width: such calls are never split. */
-static int direct_kernel(int order, int ta, int tb, long m, long n, long k, float alpha, float beta)
+static void set_bounds(gemm_t *g, long len, long count)
 {
-    long mnk = m * n * k;
-    return order == ROW_MAJOR && ta == NO_TRANS && tb == NO_TRANS && alpha == 1.0f && beta == 0.0f
-           && mnk < 28L * 512 * 512 && !((n & 3) && mnk >= 8L * 512 * 512);
+    long units = (len + ALIGN - 1) / ALIGN;
+    for (long i = 0; i <= count; i++) {
+        long b = (units * i / count) * ALIGN;
+        g->bounds[i] = (int)(b < len ? b : len);
+    }
 }
 
-/* Cut g into chunks along its longer side: a function of the shape only.
- * Sets g->by_rows and g->bounds; returns the chunk count (1: do not split). */
+/* Cut g into chunks: a function of the shape only. Sets g->by_rows and
+ * g->bounds; returns the chunk count (1: do not split). */
 static int plan_chunks(gemm_t *g)
 {
+    long work = (long)g->m * g->n * g->k;
     g->by_rows = g->m >= g->n;
-    long len = g->by_rows ? g->m : g->n, other = g->by_rows ? g->n : g->m;
-    long work = len * other * g->k;
     if (work < MIN_SPLIT_WORK)
         return 1;
+    if (g->n <= FEW_ROWS && g->m >= 2 * ALIGN) {
+        /* Few-row: along m (the weight rows of x @ W.T), the fewest chunks of
+         * about FEW_CHUNK_WORK that each take the small-matrix kernel. */
+        long units = (g->m + ALIGN - 1) / ALIGN;
+        long count = (work + FEW_CHUNK_WORK - 1) / FEW_CHUNK_WORK;
+        if (count < 2)
+            count = 2;
+        if (count > MAX_CHUNKS)
+            count = MAX_CHUNKS;
+        for (; count <= MAX_CHUNKS && count <= units; count++) {
+            g->by_rows = 1;
+            set_bounds(g, g->m, count);
+            int small = 1;
+            for (long i = 0; i < count && small; i++)
+                small = small_kernel(g->ta, g->tb, g->bounds[i + 1] - g->bounds[i], g->n, g->k);
+            if (small)
+                return (int)count;
+        }
+    }
+    g->by_rows = g->m >= g->n;
+    long len = g->by_rows ? g->m : g->n;
     long units = (len + ALIGN - 1) / ALIGN;
     long count = work / MIN_CHUNK_WORK;
-    if (count > MAX_CHUNKS)
-        count = MAX_CHUNKS;
+    if (count > MAX_LARGE_CHUNKS)
+        count = MAX_LARGE_CHUNKS;
     if (count > units)
         count = units;
-    int whole = small_kernel(g->ta, g->tb, g->m, g->n, g->k);
-    for (; count >= 2; count--) { /* fewer, larger chunks until each takes the whole call's kernel */
-        int same = 1;
-        for (long i = 0; i <= count; i++) {
-            long b = (units * i / count) * ALIGN;
-            g->bounds[i] = (int)(b < len ? b : len);
-            if (i) {
-                long size = g->bounds[i] - g->bounds[i - 1];
-                same &= small_kernel(g->ta, g->tb, g->by_rows ? size : g->m, g->by_rows ? g->n : size, g->k) == whole;
-            }
-        }
-        if (same)
-            return (int)count;
-    }
-    return 1;
+    if (count < 2)
+        return 1;
+    set_bounds(g, len, count);
+    return (int)count;
 }
 
 /* A CBLAS call in column-major form (OpenBLAS's own reduction); returns 0
@@ -299,7 +315,7 @@ static int to_col_major(gemm_t *g, int order, int ta, int tb, int m, int n, int 
         return 0;
     if (g->lda < (g->ta ? g->k : g->m) || g->ldb < (g->tb ? g->n : g->k) || g->ldc < g->m)
         return 0;
-    return !direct_kernel(order, ta, tb, m, n, k, alpha, beta);
+    return 1;
 }
 
 void cblas_sgemm(int o, int ta, int tb, int m, int n, int k, float al, const float *a, int lda, const float *b,
@@ -308,16 +324,21 @@ void cblas_sgemm(int o, int ta, int tb, int m, int n, int k, float al, const flo
     int threads = atomic_load(&pool.threads);
     gemm_t g;
     int count = 1;
-    if (threads >= 2 && (long)m * n * k >= MIN_SPLIT_WORK && to_col_major(&g, o, ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc))
+    if (SPLIT && (long)m * n * k >= MIN_SPLIT_WORK && to_col_major(&g, o, ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc))
         count = plan_chunks(&g);
-    if (count < 2 || pthread_mutex_trylock(&pool.lock) != 0) {
+    if (count < 2) {
         scipy_cblas_sgemm(o, ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc);
         return;
     }
-    int helpers = start_workers(threads - 1);
-    if (helpers < 1) {
-        pthread_mutex_unlock(&pool.lock);
-        scipy_cblas_sgemm(o, ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc);
+    int helpers = 0;
+    if (threads >= 2 && pthread_mutex_trylock(&pool.lock) == 0) {
+        helpers = start_workers(threads - 1);
+        if (helpers < 1)
+            pthread_mutex_unlock(&pool.lock);
+    }
+    if (helpers < 1) { /* one thread, or the pool busy: the same chunks, one after another */
+        for (int i = 0; i < count; i++)
+            run_chunk(&g, i);
         return;
     }
     if (helpers > count - 1)
