@@ -17,17 +17,18 @@ anyway) exports the plain names. ``MLX_TRACER_BLAS=0`` switches this off;
 
 The shim's ``cblas_sgemm`` splits a large GEMM itself (on x86-64; elsewhere
 it forwards and OpenBLAS threads): OpenBLAS runs single-threaded, the call
-is cut into up to 16 row or column ranges of C, fixed by the shape alone,
+is cut into up to 64 row or column ranges of C, fixed by the shape alone,
 and the calling thread and ``threads - 1`` workers pull them from one atomic
 counter; idle workers sleep on a futex after a 20 us spin. OpenBLAS's own
 threading splits statically and spins until every thread is done, so beside
 busy processes one preempted thread stalled every GEMM; here it delays only
-the chunk it holds. A chunk is one OpenBLAS call on sub-matrices, cut only
-where each chunk takes the kernel OpenBLAS takes for the whole call, so a
-split call is bitwise the unsplit one, whatever the thread count
-(tests/test_blas.py). The 1536-wide rows of SmolLM2's decode MLP stay whole
-for that reason (OpenBLAS's small-matrix kernel would serve any part of
-them). Measured on this 2-core machine: see :mod:`mlx_tracer.backend.threads`.
+the chunk it holds. A chunk is one OpenBLAS call on sub-matrices; the chunks
+depend on the shape alone, and one thread runs the same chunks in turn, so
+the bits are the same whatever the thread count and from run to run
+(tests/test_blas.py), though not the bits of one unsplit call. Few-row GEMMs
+(decode) are cut along the weight rows into chunks that OpenBLAS serves with
+its small-matrix kernel (4-5x faster per row than its blocked one on these
+shapes). Measured on this 2-core machine: see :mod:`mlx_tracer.backend.threads`.
 
 The shim is kept in the cache folder (:mod:`mlx_tracer.home`) as
 ``blas-shim-<key>.so`` with its sha256 next to it. A kept file that does not
@@ -202,6 +203,11 @@ def activate() -> bool:
     return True
 
 
+def splits() -> bool:
+    """Whether the loaded shim splits fp32 GEMMs itself (else OpenBLAS threads, or no shim)."""
+    return _state.get("lib") is not None and bool(_state["lib"].mlx_tracer_blas_splits())
+
+
 def set_threads(n: int) -> None:
     """Split each large fp32 GEMM across ``n`` threads (the caller included)
     from now on (no-op without the fast BLAS). Call it between evaluated
@@ -243,8 +249,9 @@ def status() -> BlasStatus:
     fast = _state["loaded"] is not None and lib is not None and "libblas" not in os.path.basename(lib)
     if fast:
         pinned = os.environ.get(ENV_THREADS)
-        threads = f"{pinned} threads (pinned by {ENV_THREADS})" if pinned else "threads per phase: the idle cores"
         split = _state["lib"].mlx_tracer_blas_splits()
+        default = "all cores, every phase" if split else "threads per phase: the idle cores"
+        threads = f"{pinned} threads (pinned by {ENV_THREADS})" if pinned else default
         how = "large fp32 GEMMs split by the shim into shape-fixed chunks" if split else "OpenBLAS threading"
         note = f"OpenBLAS (scipy-openblas32) via shim, {threads}; {how}"
     elif _state["late"]:

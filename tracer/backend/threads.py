@@ -98,15 +98,28 @@ def idle_cores(samples: int = 3, gap_s: float = 0.001) -> int:
     return max(1, cores - sorted(seen)[len(seen) // 2])
 
 
+def default() -> int:
+    """The thread count when none is pinned: every core where the shim splits
+    GEMMs (dynamic chunks), else the idle cores."""
+    return (os.cpu_count() or 1) if blas.splits() else idle_cores()
+
+
+def follows_load() -> bool:
+    """Whether the thread count follows the machine's load (so decode drains
+    every ``RECHECK_STEPS`` steps to ask again): not where it is pinned or
+    where the shim splits GEMMs (then it is every core)."""
+    return pinned() is None and not blas.splits()
+
+
 def for_prefill() -> int:
     """Set (and return) the thread count of a prefill phase."""
-    n = pinned() or idle_cores()
+    n = pinned() or default()
     blas.set_threads(n)
     return n
 
 
 def for_decode() -> int:
     """Set (and return) the thread count of decode steps."""
-    n = pinned() or idle_cores()
+    n = pinned() or default()
     blas.set_threads(n)
     return n

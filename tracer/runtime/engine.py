@@ -178,7 +178,7 @@ class Engine:
         events = self.scheduler.drop_cancelled() + self._retire()
         if self.speculator is not None:
             return events + self._speculative_step()
-        recheck = self.stats.steps % threads.RECHECK_STEPS == threads.RECHECK_STEPS - 1
+        recheck = threads.follows_load() and self.stats.steps % threads.RECHECK_STEPS == threads.RECHECK_STEPS - 1
         if not self.batch.pipeline:
             if self.stats.steps and self.stats.steps % threads.RECHECK_STEPS == 0:  # (admit() asks too)
                 threads.for_decode()  # drained: a safe point to follow the machine's load
