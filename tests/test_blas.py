@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(blas.openblas_path() is None, reason="scipy-open
 ROW, COL = 101, 102
 NT, T = 111, 112
 F32P = ctypes.POINTER(ctypes.c_float)
-MAX_CHUNKS = 64
+MAX_CHUNKS = 128
 SGEMM_ARGS = [ctypes.c_int] * 6 + [ctypes.c_float, F32P, ctypes.c_int, F32P, ctypes.c_int, ctypes.c_float, F32P, ctypes.c_int]
 
 
@@ -132,7 +132,7 @@ def test_decode_gemms_split_along_the_weight_rows_into_small_kernel_chunks(libs)
     SmolLM2 (1 row) is cut along W's rows into chunks OpenBLAS runs with its
     small-matrix kernel (column-major: C^T = W x^T, ta = 1, tb = 0)."""
     shim, _ = libs
-    for m, n, k in DECODE_SHAPES + [(4, 3072, 576), (16, 960, 576)]:
+    for m, n, k in DECODE_SHAPES + [(4, 3072, 576), (16, 960, 576), (12, 576, 576), (32, 3072, 576)]:
         by_rows, bounds = plan(shim, m, n, k)
         assert not by_rows and len(bounds) > 2, (m, n, k, bounds)
         assert all(small_kernel(1, 0, hi - lo, m, k) for lo, hi in zip(bounds, bounds[1:])), (m, n, k, bounds)
@@ -145,7 +145,7 @@ def test_chunks_cut_at_aligned_bounds(libs):
             by_rows, bounds = plan(shim, m, n, k, ta, tb)
             side = m if by_rows else n
             assert bounds[0] == 0 and bounds[-1] == side
-            if len(bounds) > 2 and min(m, n) > 16:
+            if len(bounds) > 2 and min(m, n) > 32:
                 assert by_rows == (m > n)  # larger GEMMs: along the longer side
             assert all(lo < hi for lo, hi in zip(bounds, bounds[1:])) and len(bounds) <= MAX_CHUNKS + 1
             assert all(b % 32 == 0 for b in bounds[:-1])

@@ -55,9 +55,9 @@ enum { ROW_MAJOR = 101, COL_MAJOR = 102, NO_TRANS = 111, TRANS = 112, CONJ_TRANS
 #endif
 
 #define MAX_WORKERS 63
-#define MAX_CHUNKS 64
+#define MAX_CHUNKS 128
 #define MAX_LARGE_CHUNKS 16        /* chunks of a GEMM that is not few-row */
-#define FEW_ROWS 16                /* a GEMM with at most this many rows on one side is "few-row" */
+#define FEW_ROWS 32                /* a GEMM with at most this many rows on one side is "few-row" */
 #define ALIGN 32                   /* chunk boundaries: multiples of this many rows or columns */
 #define MIN_SPLIT_WORK (1L << 18)  /* M*N*K below this runs on the caller, unsplit */
 #define MIN_CHUNK_WORK (1L << 16)  /* M*N*K of one chunk, at least (where the shape allows) */
@@ -270,6 +270,8 @@ static int plan_chunks(gemm_t *g)
             count = 2;
         if (count > MAX_CHUNKS)
             count = MAX_CHUNKS;
+        if (count > units)
+            count = units;
         for (; count <= MAX_CHUNKS && count <= units; count++) {
             g->by_rows = 1;
             set_bounds(g, g->m, count);
