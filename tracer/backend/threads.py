@@ -6,41 +6,42 @@ another process holds a core, one of our threads waits for the scheduler and
 every small GEMM of a decode step waits with it: on this 2-core machine,
 with two busy processes beside it, SmolLM2 decode fell to 0.8 tok/s with 2
 threads and ran at 4.5 with 1 (``python benchmarks/contention.py --busy 2``;
-see the README's Performance section). Decode GEMMs (a few rows) are
-bound by reading the weights, so a second thread buys little even on a quiet
-machine, while prefill GEMMs (hundreds of rows) scale with cores.
+see the README's Performance section). Under OpenBLAS's threading, decode
+GEMMs (a few rows) gain little from a second thread even on a quiet machine;
+split by the shim they gain ~40% (1 pinned thread 20.7 tok/s, 2 threads
+29.6), as prefill does.
 
-The policy (``MLX_TRACER_BLAS_THREADS`` unset): every phase gets one thread
-per core that no other process is using right now (``/proc/loadavg``'s count
-of runnable tasks, less this process's own running threads), at least 1.
-Measured here (SmolLM2 fp32, bucket 1, ``python benchmarks/contention.py
---busy 0`` and ``--busy 2``; load average 0.6 before): quiet, 2 pinned
-threads decode at 15.5 tok/s and prefill at 209, 1 thread at 13.3 and 148,
-this policy at 16.2 and 192; beside two busy processes 2 threads collapse to
-1.1 and 9.3, 1 thread keeps 7.6 and 76, this policy 6.5 and 67 (0.40x and
-0.35x its quiet speed, where three processes share two cores).
+The policy (``MLX_TRACER_BLAS_THREADS`` unset) where the BLAS shim splits
+GEMMs itself (x86-64; :mod:`mlx_tracer.backend.blas`): every phase gets every
+core. The shim cuts each large GEMM into shape-fixed chunks (few-row decode
+and short prefill GEMMs along the weight rows, into chunks OpenBLAS serves
+with its small-matrix kernel) that the caller and sleeping workers pull from
+one counter, OpenBLAS running single-threaded; a preempted thread delays
+only the chunk it holds, and the bits do not depend on the thread count.
+Measured here, A/B against main (OpenBLAS threading, idle-cores policy),
+alternating runs, SmolLM2 fp32, bucket 1, ``python benchmarks/contention.py
+--busy 0`` and ``--busy 2`` (load average 1.5-3.3 between runs, mostly the
+benchmark's own busy loops decaying), default policy, per round:
+quiet decode 28.5 / 23.9 / 21.9 tok/s (main 18.8 / 15.8 / 16.1), prefill
+236 / 226 / 175 (main 236 / 195 / 197: a ~12-token prompt, noisy; 2 pinned
+threads, the same setting here, 250 / 202 / 210); beside two busy processes
+decode 11.1 / 14.5 / 12.1 (main 7.0 / 7.6 / 7.4), prefill 100 / 138 / 119
+(main 82 / 88 / 89), about 0.5x quiet; OpenBLAS's own 2 threads collapse there
+to ~3 tok/s decode and ~22 prefill.
 
-Since the BLAS shim splits each large GEMM itself into shape-fixed chunks
-that idle-sleeping workers pull from a counter (:mod:`mlx_tracer.backend.blas`;
-OpenBLAS runs single-threaded), a preempted thread delays only its own chunk.
-Measured here, A/B against the OpenBLAS-threaded shim, alternating runs
-(SmolLM2 fp32, bucket 1, 32 tokens, median of 2; another engineer's jobs
-kept the load average at 2-4 throughout, so "busy 0" was not quiet):
-2 pinned threads with busy 0: decode 8.0 -> 9.5 tok/s, prefill 15 -> 129;
-busy 1: 5.1 -> 9.9 and 59 -> 119; busy 2: 1.2 -> 7.3 and 9.6 -> 76. This
-policy (which picks 1 thread beside two busy processes, so the split does
-not run) stayed within noise: busy 2 decode 3.8 -> 3.9, prefill 73 -> 48;
-busy 1 9.9 -> 9.4, 122 -> 138. With the split, 2 threads beat this policy
-beside busy processes; the policy is unchanged for now. Quiet (load
-average 1.1-1.6, 3 alternating runs each) the split costs a little: decode
-15.0 -> 13.7 tok/s with 2 threads (14.2 -> 13.7 with this policy), prefill
-195 -> 175 (194 -> 172), mostly the decode MLP's 1 x 1536 x 576 GEMMs, which
-OpenBLAS threaded and the shim must leave whole to keep the bits.
+Elsewhere (OpenBLAS threads itself) every phase gets one thread per core that
+no other process is using right now (``/proc/loadavg``'s count of runnable
+tasks, less this process's own running threads), at least 1, and decode
+looks again every ``RECHECK_STEPS`` steps. Measured before the shim split
+(same benchmark, load average 0.6 before): quiet, 2 pinned threads decode at
+15.5 tok/s and prefill at 209, 1 thread at 13.3 and 148, this policy at 16.2
+and 192; beside two busy processes 2 threads collapse to 1.1 and 9.3, 1
+thread keeps 7.6 and 76, this policy 6.5 and 67.
 
 Threads change only between steps with nothing in flight, never under a
 running GEMM: the engine asks at admission (:func:`for_prefill`, then
-:func:`for_decode`) and, while decoding, drains its pipeline every
-``RECHECK_STEPS`` steps to ask again. ``MLX_TRACER_BLAS_THREADS=N`` pins N
+:func:`for_decode`) and, while decoding under the idle-cores policy, drains
+its pipeline every ``RECHECK_STEPS`` steps to ask again. ``MLX_TRACER_BLAS_THREADS=N`` pins N
 threads for every phase.
 """
 
