@@ -13,7 +13,8 @@ a ``scipy_`` prefix, so a shim (``blas_shim.c``, compiled once with the
 system C compiler, which MLX's CPU backend needs for its own kernel JIT
 anyway) exports the plain names. ``MLX_TRACER_BLAS=0`` switches this off;
 ``MLX_TRACER_BLAS_THREADS`` pins the thread count; otherwise
-:mod:`mlx_tracer.backend.threads` picks it per phase (the idle cores).
+:mod:`mlx_tracer.backend.threads` picks it (every core where the shim splits
+GEMMs, else the idle cores per phase).
 
 The shim's ``cblas_sgemm`` splits a large GEMM itself (on x86-64; elsewhere
 it forwards and OpenBLAS threads): OpenBLAS runs single-threaded, the call
