@@ -86,7 +86,7 @@ typedef struct {
 } worker_t;
 
 static struct {
-    pthread_mutex_t lock;        /* one split GEMM at a time; a concurrent caller runs unsplit */
+    pthread_mutex_t lock;        /* one split GEMM at a time; a concurrent caller runs its chunks itself */
     atomic_int threads;          /* threads per split GEMM, the caller included */
     int started;                 /* worker threads running */
     uint32_t gen;
