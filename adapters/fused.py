@@ -21,9 +21,11 @@ with fewer nodes:
 * **No output head where no logits are read** (prefill windows), and at each
   row's ``last`` query only where one is.
 
-Norms and attention are the model's own calls (``mx.fast.rms_norm``,
-``mx.fast.scaled_dot_product_attention``), and the caches are the traced
-caches of :mod:`.traced`, written exactly as the model would.
+* **Attention on the fallback's own matmuls** (one row per query head)
+  without its reshapes, the mask laid out once per cache family.
+
+Norms are the model's own calls (``mx.fast.rms_norm``), and the caches are
+the traced caches of :mod:`.traced`, written exactly as the model would.
 
 The fused buffers are the compiled step's inputs (beside ``model.state``).
 Before every step :meth:`FusedForward.refresh` checks, by identity, that
@@ -42,11 +44,7 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-_KINDS = {
-    "mlx_lm.models.llama": ("Attention", "MLP", "TransformerBlock"),
-    "mlx_lm.models.qwen2": ("Attention", "MLP", "TransformerBlock"),
-    "mlx_lm.models.qwen3": ("Attention", "MLP", "TransformerBlock"),
-}
+_KINDS = frozenset({"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3"})  # mistral is llama's
 
 
 def _kind_ok(obj, name: str) -> bool:
@@ -289,7 +287,7 @@ class FusedForward:
         h = inner.embed_tokens(tokens)  # [B, L, hidden]
         h = h.reshape(B * L, h.shape[-1])
         offsets = caches[0].offset
-        shared = {}  # per forward: rotations per head layout, masks per (family, R)
+        shared = {}  # per forward: rotations per head layout, masks per family
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             attn, g, b = layer.self_attn, self.groups[i], self.buffers
             nq, nk = attn.n_heads, attn.n_kv_heads

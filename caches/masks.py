@@ -45,14 +45,11 @@ def full_columns(capacity: int) -> mx.array:
     return out
 
 
-def ring_decode_columns(time: IntLike, head: IntLike, window: int) -> mx.array:
+def ring_decode_columns(time: int, head: int, window: int) -> mx.array:
     """Column times of a ring buffer once ``time`` is written at ``head``: ``[W]``
-    (built on the host when both are ints: no graph nodes per step)."""
-    if isinstance(time, int) and isinstance(head, int):
-        c = np.arange(window, dtype=np.int64)
-        return mx.array((time - np.mod(head - c, window)).astype(np.int32))
-    c = mx.arange(window, dtype=mx.int32)
-    return time - mx.remainder(head - c, window)
+    (built on the host: no graph nodes per step)."""
+    c = np.arange(window, dtype=np.int64)
+    return mx.array((int(time) - np.mod(int(head) - c, window)).astype(np.int32))
 
 
 def ring_window_columns(time: IntLike, window: int, L: int) -> mx.array:

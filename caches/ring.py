@@ -64,7 +64,7 @@ class RingCache(StaticKVCache):
         fv, live = self._first_valid(), self._live()
         if self.is_decode(L):
             head = mx.array([self.head], dtype=mx.int32)  # [1] the column written
-            geometry = MaskGeometry(ring_decode_columns(int(T), int(self.head), W), mx.array([T], dtype=mx.int32), head, fv, live, W)
+            geometry = MaskGeometry(ring_decode_columns(T, self.head, W), mx.array([T], dtype=mx.int32), head, fv, live, W)
             return StepPlan(L, True, None, self.offset, geometry, (head,))
         q = T + mx.arange(L, dtype=mx.int32)  # [L] query times
         geometry = MaskGeometry(ring_window_columns(T, W, L), q, W + mx.arange(L, dtype=mx.int32), fv, live, W)

@@ -6,6 +6,8 @@ its decode graph is smaller."""
 
 from __future__ import annotations
 
+import gc
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -120,14 +122,16 @@ def test_fusing_keeps_the_models_own_output_and_memory():
     before = model(x)
     mx.eval(before)
     mx.synchronize()
+    gc.collect()  # other tests' models are not counted
     base = mx.get_active_memory()
     cm = CompiledModel(model, fuse=True)
     attn = model.model.layers[0].self_attn
     assert attn.q_proj.weight.shape == (64, 64) and attn.k_proj.weight.shape == (32, 64)
     assert mx.array_equal(model(x), before)  # the modules hold views of the fused buffers: same values
-    # no second copy of the fused weights stays alive (the originals were released)
+    # no second copy of the fused weights stays alive (the originals were released): here
+    # ~50 KB grow, against ~340 KB when the original q/k/v/gate/up arrays are kept
     fused_bytes = sum(a.nbytes for k, b in cm.fused.buffers.items() if k.startswith(("qkv", "gu")) for a in b.values())
-    assert mx.get_active_memory() - base < 0.5 * fused_bytes + (1 << 20)
+    assert mx.get_active_memory() - base < 0.5 * fused_bytes
 
 
 def test_swapped_weights_and_replaced_modules_rebuild_the_fused_buffers():
