@@ -161,7 +161,7 @@ def rope_tables(offsets: mx.array, L: int, dims: int, base: float, scale: float,
 
 
 class HeadRotation:
-    """RoPE of every head of a ``[B, L, H, D]`` projection in two graph nodes.
+    """RoPE of every head of a projection ``[B * L, H * D]`` in two graph nodes.
 
     ``x * C + (x @ P) * S``, times a per-head factor: ``P`` swaps the two
     halves of each head (a permutation, so ``x @ P`` is exact), ``C`` is
@@ -170,7 +170,9 @@ class HeadRotation:
     rounded the same way. Heads that are not rotated (values) get ``C = 1,
     S = 0``; the factor is the attention scale on query heads (applied after
     the rotation, as the attention fallback does) and 1 elsewhere. Built once
-    per forward and shared by every layer with the same head layout.
+    per forward and shared by every layer with the same head layout. Returns
+    ``[B, L, H, D]``, or ``[B, H, 1, D]`` for a decode step (``axis``: the
+    heads axis).
     """
 
     def __init__(self, cos: mx.array, sin: mx.array, heads: Tuple[int, int, int], D: int, qscale: float):
@@ -192,7 +194,10 @@ class HeadRotation:
         half = D // 2
         perm = [(j + half) % D for j in range(D)]  # column j of x @ P is x[perm[j]]
         self.P = (mx.arange(D)[:, None] == mx.array(perm)[None, :]).astype(cos.dtype)  # [D, D]
-        self.shape = (B, L, H, D)
+        # a decode step (L = 1) returns [B, H, 1, D]: the same memory as [B, 1, H, D],
+        # in the caches' [batch, heads, time, dim] order (no reshape per head group)
+        self.shape = (B, H, 1, D) if L == 1 else (B, L, H, D)
+        self.axis = 1 if L == 1 else 2  # the heads axis of the result
 
     def __call__(self, x: mx.array) -> mx.array:
         x2 = x.reshape(-1, self.shape[-1])  # [B * L * H, D]
@@ -295,23 +300,26 @@ class FusedForward:
             y = g["qkv"](layer.input_layernorm(h), b[f"qkv{i}"])  # [B * L, (nq + 2 nk) * D]
             D = y.shape[-1] // (nq + 2 * nk)
             rope = _table_rope(attn.rope)
+            heads = (B, nq + 2 * nk, 1, D) if L == 1 else (B, L, nq + 2 * nk, D)
             if hasattr(attn, "q_norm"):  # qwen3: per-head norms before the rotation
-                q, k, v = mx.split(y.reshape(B, L, nq + 2 * nk, D), [nq, nq + nk], axis=2)
-                qk = mx.concatenate([attn.q_norm(q), attn.k_norm(k)], axis=2)
-                q, k = mx.split(self._rotation(shared, rope, offsets, L, (nq, nk, 0), D, attn.scale, qk.dtype)(qk), [nq], axis=2)
+                rot = self._rotation(shared, rope, offsets, L, (nq, nk, 0), D, attn.scale, y.dtype)
+                q, k, v = mx.split(y.reshape(heads), [nq, nq + nk], axis=rot.axis)
+                qk = mx.concatenate([attn.q_norm(q), attn.k_norm(k)], axis=rot.axis)
+                q, k = mx.split(rot(qk), [nq], axis=rot.axis)
             else:
-                q, k, v = mx.split(self._rotation(shared, rope, offsets, L, (nq, nk, nk), D, attn.scale, y.dtype)(y), [nq, nq + nk], axis=2)
-            # heads first: q [B, nk, R, L, D] (R query heads per key head), k/v [B, nk, L, D]
+                rot = self._rotation(shared, rope, offsets, L, (nq, nk, nk), D, attn.scale, y.dtype)
+                q, k, v = mx.split(rot(y), [nq, nq + nk], axis=rot.axis)
             if L == 1:
-                q, k, v = q.reshape(B, nk, R, 1, D), k.reshape(B, nk, 1, D), v.reshape(B, nk, 1, D)
+                # decode: k/v are [B, nk, 1, D] already; the R query heads of each
+                # key head as the rows of one matmul, the mask added by it
+                k, v = cache.update_and_fetch(k, v)
+                scores = mx.addmm(self._bias(shared, masks, family_of[i], nk, R, y.dtype), q.reshape(B, nk, R, D), k.swapaxes(-1, -2))
+                o = (mx.softmax(scores, axis=-1, precise=True) @ v).reshape(B, nq * D)
             else:
+                # heads first: q [B, nk, R, L, D] (R query heads per key head), k/v [B, nk, L, D]
                 q = q.reshape(B, L, nk, R, D).transpose(0, 2, 3, 1, 4)
-                k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-            k, v = cache.update_and_fetch(k, v)
-            o = attention(q, k, v, self._mask(shared, masks, family_of[i], L))  # [B, nk, R, L, D]
-            if L == 1:
-                o = o.reshape(B, nq * D)
-            else:
+                k, v = cache.update_and_fetch(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+                o = attention(q, k, v, self._mask(shared, masks, family_of[i], L))  # [B, nk, R, L, D]
                 o = o.transpose(0, 3, 1, 2, 4).reshape(B * L, nq * D)
             h = h + g["o"](o, b[f"o{i}"])
             gate, up = mx.split(g["gu"](layer.post_attention_layernorm(h), b[f"gu{i}"]), 2, axis=-1)
@@ -334,6 +342,20 @@ class FusedForward:
         if key not in shared:
             cos, sin = rope_tables(offsets, L, *rope, dtype)
             shared[key] = HeadRotation(cos, sin, heads, D, scale)
+        return shared[key]
+
+    @staticmethod
+    def _bias(shared, masks, family: int, nk: int, R: int, dtype) -> mx.array:
+        """A decode step's additive mask ``[B, nk, R, S]``: 0 where visible, the
+        dtype's lowest value elsewhere (the value mlx's attention fallback puts
+        there; a visible score plus 0 is the score, so the softmax is the
+        same). Every row sees at least one column (padding rows their own)."""
+        key = ("bias", family, nk, R, dtype)
+        if key not in shared:
+            mask = masks[family].get(1, None)  # [B, 1, 1, S]
+            low = mx.array(mx.finfo(dtype).min, dtype)
+            bias = mx.where(mask, mx.array(0, dtype), low)
+            shared[key] = mx.broadcast_to(bias, (mask.shape[0], nk, R, mask.shape[-1]))
         return shared[key]
 
     @staticmethod

@@ -88,6 +88,7 @@ MLX_SHAPES = DECODE_SHAPES + [(4, 3072, 576), (16, 960, 576), (8, 576, 1536), (3
 SHAPES = MLX_SHAPES + [
     (1, 4099, 300), (1, 49152, 64), (2, 600, 800), (1, 1200, 800), (3, 400, 900), (37, 1000, 513), (300, 257, 129),
     (577, 33, 1000), (1000, 3, 999), (3, 1000, 999), (64, 64, 300), (100, 100, 100), (101, 100, 100), (2000, 2, 8),
+    (3, 1024, 64), (3, 401, 64), (4, 4096, 64), (1, 4096, 64),  # attention scores: R query heads x S keys
 ]
 TRANSPOSES = [(NT, NT), (NT, T), (T, NT), (T, T)]
 CASES = [(0, 1.0, 0.0), (5, 0.75, 0.0), (3, -1.5, 0.5), (0, 1.0, 1.0)]  # pad, alpha, beta
@@ -136,6 +137,26 @@ def test_decode_gemms_split_along_the_weight_rows_into_small_kernel_chunks(libs)
         by_rows, bounds = plan(shim, m, n, k)
         assert not by_rows and len(bounds) > 2, (m, n, k, bounds)
         assert all(small_kernel(1, 0, hi - lo, m, k) for lo, hi in zip(bounds, bounds[1:])), (m, n, k, bounds)
+
+
+def test_small_gemms_off_the_small_kernel_are_cut_into_small_kernel_pieces(libs):
+    """A decode step's attention scores, R query heads against S keys (q @ k.T,
+    row-major): too little work to share, but R x S past the small-matrix
+    kernel's permit, so OpenBLAS would pack; the shim cuts it along the keys
+    into pieces that each take the small kernel, on the caller."""
+    shim, _ = libs
+    shim.mlx_tracer_blas_set_threads(2)
+    for R, S in [(3, 1024), (3, 401), (4, 1000), (2, 1200)]:  # under 2**18 multiply-adds
+        by_rows, bounds = plan(shim, R, S, 64)
+        assert not by_rows and len(bounds) > 2, (R, S, bounds)
+        assert all(small_kernel(1, 0, hi - lo, R, 64) for lo, hi in zip(bounds, bounds[1:])), (R, S, bounds)
+        splits0 = counts(shim)[0]
+        g = Gemm(np.random.default_rng(S), ROW, NT, T, R, S, 64)
+        got = g.run(shim.cblas_sgemm)
+        assert counts(shim)[0] == splits0  # ran on the caller: no split was handed to the workers
+        assert np.allclose(got, g.a @ g.b.T, rtol=1e-4, atol=1e-4)
+    assert plan(shim, 3, 400, 64) == (False, [0, 400])  # within the permit: whole
+    assert plan(shim, 3, 1024, 16) == (False, [0, 1024])  # k < 32: no piece would take the small kernel
 
 
 def test_chunks_cut_at_aligned_bounds(libs):

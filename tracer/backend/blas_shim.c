@@ -72,6 +72,7 @@ typedef struct {
     const float *a, *b;
     float *c;
     int by_rows;             /* chunks are row ranges of C (else column ranges) */
+    int serial;              /* the chunks run on the caller, one after another (small work) */
     int bounds[MAX_CHUNKS + 1];
 } gemm_t;
 
@@ -253,14 +254,43 @@ static void set_bounds(gemm_t *g, long len, long count)
     }
 }
 
+/* A GEMM too small to share among threads that OpenBLAS would still run on
+ * its blocked kernel (packing costs it more than the arithmetic), cut along
+ * its longer side into the fewest pieces that each take the small-matrix
+ * kernel, run on the caller. Attention's scores in a decode step are one:
+ * R query heads x D against S keys (R x S above the kernel's permit of 1200
+ * outputs once S > 1200 / R), measured 1.5-4x slower whole than as R
+ * one-row calls. Returns the piece count (1: leave it whole). */
+static int small_pieces(gemm_t *g)
+{
+    if (small_kernel(g->ta, g->tb, g->m, g->n, g->k) || !small_kernel(g->ta, g->tb, 1, 1, g->k))
+        return 1;
+    g->by_rows = g->m >= g->n;
+    long len = g->by_rows ? g->m : g->n, units = (len + ALIGN - 1) / ALIGN;
+    for (long count = 2; count <= MAX_CHUNKS && count <= units; count++) {
+        set_bounds(g, len, count);
+        int small = 1;
+        for (long i = 0; i < count && small; i++) {
+            long part = g->bounds[i + 1] - g->bounds[i];
+            small = g->by_rows ? small_kernel(g->ta, g->tb, part, g->n, g->k) : small_kernel(g->ta, g->tb, g->m, part, g->k);
+        }
+        if (small) {
+            g->serial = 1;
+            return (int)count;
+        }
+    }
+    return 1;
+}
+
 /* Cut g into chunks: a function of the shape only. Sets g->by_rows and
  * g->bounds; returns the chunk count (1: do not split). */
 static int plan_chunks(gemm_t *g)
 {
     long work = (long)g->m * g->n * g->k;
     g->by_rows = g->m >= g->n;
+    g->serial = 0;
     if (work < MIN_SPLIT_WORK)
-        return 1;
+        return small_pieces(g);
     if (g->n <= FEW_ROWS && g->m >= 2 * ALIGN) {
         /* Few-row: along m (the weight rows of x @ W.T), the fewest chunks of
          * about FEW_CHUNK_WORK that each take the small-matrix kernel. */
@@ -326,14 +356,14 @@ void cblas_sgemm(int o, int ta, int tb, int m, int n, int k, float al, const flo
     int threads = atomic_load(&pool.threads);
     gemm_t g;
     int count = 1;
-    if (SPLIT && (long)m * n * k >= MIN_SPLIT_WORK && to_col_major(&g, o, ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc))
+    if (SPLIT && to_col_major(&g, o, ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc))
         count = plan_chunks(&g);
     if (count < 2) {
         scipy_cblas_sgemm(o, ta, tb, m, n, k, al, a, lda, b, ldb, be, c, ldc);
         return;
     }
     int helpers = 0;
-    if (threads >= 2 && pthread_mutex_trylock(&pool.lock) == 0) {
+    if (!g.serial && threads >= 2 && pthread_mutex_trylock(&pool.lock) == 0) {
         helpers = start_workers(threads - 1);
         if (helpers < 1)
             pthread_mutex_unlock(&pool.lock);
