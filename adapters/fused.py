@@ -229,7 +229,12 @@ class FusedForward:
 
     def __init__(self, model):
         self.model = model
-        self.buffers: Dict[str, Dict[str, mx.array]] = {}  # input of the compiled step
+        # the compiled step's inputs (refilled in place, so a compiled function
+        # built once keeps reading the current ones): the fused buffers, and the
+        # modules whose own call the lean forward makes (embedding, norms, an
+        # output head left unfused). Nothing else of the model is read.
+        self.buffers: Dict[str, Dict[str, mx.array]] = {}
+        self.modules: List[nn.Module] = []
         self.active = False
         self._set_watch([])
         self.refresh(force=True)
@@ -241,6 +246,7 @@ class FusedForward:
         if not force and not any(map(operator.is_not, map(operator.getitem, self._containers, self._keys), self._expected)):
             return self.active
         self.buffers.clear()
+        self.modules.clear()
         self._set_watch([])
         self.active = why_not(self.model) is None
         if not self.active:
@@ -263,9 +269,15 @@ class FusedForward:
             self.groups.append(groups)
         head = inner.embed_tokens if self.model.args.tie_word_embeddings else self.model.lm_head
         self.head = _Group([head]) if type(head) in (nn.Linear, nn.Embedding) else None
+        slots = [(inner, "embed_tokens"), (inner, "norm")] + ([] if self.model.args.tie_word_embeddings else [(self.model, "lm_head")])
+        for layer in self.layers:
+            slots += [(layer, "input_layernorm"), (layer, "post_attention_layernorm")]
+            slots += [(layer.self_attn, k) for k in ("q_norm", "k_norm") if k in layer.self_attn]
+        # modules the lean forward calls: inputs by their arrays, watched by their slot
+        watch += [(parent, k, parent[k]) for parent, k in slots]
+        self.modules += [parent[k] for parent, k in slots if not (k == "lm_head" and self.head is not None)]
         if self.head is not None:
             self.buffers["head"] = self.head.build()
-            watch += [(self.model, "lm_head", head)] if not self.model.args.tie_word_embeddings else [(inner, "embed_tokens", head)]
             watch += self.head.watch()
         self._set_watch(watch)
         return True

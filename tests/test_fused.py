@@ -144,6 +144,12 @@ def test_swapped_weights_and_replaced_modules_rebuild_the_fused_buffers():
     assert not mx.array_equal(a, b)
     assert mx.array_equal(b, model(mx.array([[5]]))[:, -1, :])
     assert sum(cm.traces.values()) == 1
+    # a module the lean forward calls itself (a norm), replaced: read from its new place
+    norm = nn.RMSNorm(64, eps=1e-5)
+    norm.weight = mx.random.uniform(0.5, 1.5, (64,), key=mx.random.key(3))
+    model.model.layers[1].post_attention_layernorm = norm
+    d = cm.step(cm.new_caches(1, rows=1), mx.array([[5]]), return_logits=True).logits
+    assert not mx.array_equal(b, d) and mx.array_equal(d, model(mx.array([[5]]))[:, -1, :])
     nn.quantize(model, group_size=32, bits=4)  # modules replaced: rebuilt as quantized groups
     mx.eval(model.parameters())
     c = cm.step(cm.new_caches(1, rows=1), mx.array([[5]]), return_logits=True).logits

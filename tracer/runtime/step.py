@@ -267,7 +267,8 @@ class CompiledModel:
             return Counter(m.group(1) for m in re.finditer(r'label ="([A-Za-z_]+)', f.read()))
 
     def _compiled(self, kind: str, sampler_kind: str, logits: bool):
-        sig = (kind, sampler_kind, logits)
+        lean = self.fused is not None and self.fused.active
+        sig = (kind, sampler_kind, logits, lean)
         if sig not in self._fns:
 
             def forward(*args):
@@ -275,8 +276,11 @@ class CompiledModel:
                 self._tracing = None
                 return self._forward(kind, sampler_kind, logits, *args)
 
-            buffers = self.fused.buffers if self.fused is not None else {}
-            self._fns[sig] = mx.compile(forward, inputs=[self.model.state, buffers])
+            # the weights are inputs, never constants of the trace: the lean
+            # forward reads only its buffers and the modules it calls (a smaller
+            # tree to flatten per call than model.state), the model's own all of it
+            inputs = [self.fused.buffers, self.fused.modules] if lean else [self.model.state]
+            self._fns[sig] = mx.compile(forward, inputs=inputs)
         return self._fns[sig]
 
     def _forward(self, kind, sampler_kind, want_logits, tokens, offsets, plans, kv, extra):
