@@ -27,12 +27,14 @@ with fewer nodes:
 Norms are the model's own calls (``mx.fast.rms_norm``), and the caches are
 the traced caches of :mod:`.traced`, written exactly as the model would.
 
-The fused buffers are the compiled step's inputs (beside ``model.state``).
-Before every step :meth:`FusedForward.refresh` checks, by identity, that
-every source module and view is still in place: weights swapped with
-``model.update`` / ``load_weights``, or modules replaced (``nn.quantize``,
-sharding), rebuild the buffers, or turn the lean forward off when the new
-modules no longer qualify.
+The compiled step holds what the lean forward reads (the fused buffers, the
+embedding, the norms) as constants of its trace, so a call hands MLX only the
+step's own arrays. Before every step :meth:`FusedForward.refresh` checks, by
+identity, that every source module, view and called module is still in
+place: weights swapped with ``model.update`` / ``load_weights``, or modules
+replaced (``nn.quantize``, sharding), rebuild the buffers (the step then
+drops its lean traces and traces again), or turn the lean forward off when
+the new modules no longer qualify.
 """
 
 from __future__ import annotations
@@ -229,12 +231,12 @@ class FusedForward:
 
     def __init__(self, model):
         self.model = model
-        # the compiled step's inputs (refilled in place, so a compiled function
-        # built once keeps reading the current ones): the fused buffers, and the
-        # modules whose own call the lean forward makes (embedding, norms, an
-        # output head left unfused). Nothing else of the model is read.
+        # what the lean forward reads: the fused buffers, and the modules whose
+        # own call it makes (embedding, norms, an output head left unfused);
+        # nothing else of the model. `generation` counts the rebuilds.
         self.buffers: Dict[str, Dict[str, mx.array]] = {}
         self.modules: List[nn.Module] = []
+        self.generation = 0
         self.active = False
         self._set_watch([])
         self.refresh(force=True)
@@ -247,6 +249,7 @@ class FusedForward:
             return self.active
         self.buffers.clear()
         self.modules.clear()
+        self.generation += 1
         self._set_watch([])
         self.active = why_not(self.model) is None
         if not self.active:

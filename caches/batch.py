@@ -88,8 +88,11 @@ class StaticKVCache:
     @property
     def offset(self) -> mx.array:
         """Per-row RoPE offsets ``[Bk]`` int32 (padding rows: 0)."""
+        offsets = self.rows.offsets
+        if len(offsets) == self.width:  # a full bucket: no padding rows
+            return mx.array(offsets, dtype=mx.int32)
         out = np.zeros(self.width, dtype=np.int32)
-        out[: self.n] = self.rows.offsets
+        out[: len(offsets)] = offsets
         return mx.array(out)
 
     @property
@@ -152,6 +155,29 @@ class StaticKVCache:
         else:
             self.keys, self.values = keys, values
         self.advance(plan)
+
+    @staticmethod
+    def commit_all(caches: Sequence["StaticKVCache"], plans: Sequence[StepPlan], new_kv: Sequence[tuple]):
+        """:meth:`commit` (unchecked) for the caches of one step, ``plans[i]``
+        being cache i's family plan. A decode step's row books advance alike
+        in every cache of a family (they move in lockstep), so the first cache
+        of each family advances its own and the others take its new offsets
+        array (books never change their arrays in place)."""
+        shared = {}
+        for c, plan, (k, v) in zip(caches, plans, new_kv):
+            c.keys, c.values = k, v
+            rows = c.rows
+            done = shared.get(id(plan))
+            if done is not None and plan.decode and rows.pending is None and rows.time == done[0] - 1:
+                rows.offsets, rows.time = done[1], done[0]
+                c._advanced(plan)
+                continue
+            c.advance(plan)
+            if plan.decode:
+                shared[id(plan)] = (rows.time, rows.offsets)
+
+    def _advanced(self, plan: StepPlan):
+        """The cache kind's own bookkeeping of a decode step whose row book was advanced for it."""
 
     def commit_verify(self, plan: StepPlan, keys: mx.array, values: mx.array, valid):
         """Take the buffers a verify step returned; row r kept ``valid[r]`` of its
@@ -286,21 +312,20 @@ class StaticKVCache:
     def _prototype(cls, sources, **kwargs) -> "StaticKVCache":  # pragma: no cover
         raise NotImplementedError
 
-    def _live(self) -> mx.array:
-        return self._row_inputs()[1]
-
-    def _first_valid(self) -> mx.array:
-        return self._row_inputs()[0]
 
     def _row_inputs(self) -> Tuple[mx.array, mx.array]:
         """``(first_valid [Bk] int32, live [Bk] bool)``, rebuilt only when the
         rows' padding or count changed (a step's host inputs are reused)."""
-        key = (self.width, self.n, self.rows.left_padding.tobytes())
+        lp = self.rows.left_padding
         cached = getattr(self, "_row_inputs_cache", None)
+        if cached is not None and cached[1] is lp and cached[0][0] == self.width:  # the same book arrays (never changed in place)
+            return cached[2]
+        key = (self.width, self.n, lp.tobytes())
         if cached is None or cached[0] != key:
             fv = np.zeros(self.width, dtype=np.int32)
             fv[: self.n] = self.rows.left_padding
             live = np.zeros(self.width, dtype=bool)
             live[: self.n] = True
-            cached = self._row_inputs_cache = (key, (mx.array(fv), mx.array(live)))
-        return cached[1]
+            cached = (key, lp, (mx.array(fv), mx.array(live)))
+        self._row_inputs_cache = (cached[0], lp, cached[2])
+        return cached[2]

@@ -107,8 +107,9 @@ class FullCache(StaticKVCache):
         self.reserve(L)
         T = self.rows.time
         q = mx.array(np.arange(T, T + L, dtype=np.int32))  # [L] query times = their columns
-        geometry = MaskGeometry(full_columns(self.capacity), q, q, self._first_valid(), self._live())
-        return StepPlan(L, self.is_decode(L), self.capacity, self.offset, geometry, (mx.array([T], dtype=mx.int32),))
+        start = q if L == 1 else mx.array([T], dtype=mx.int32)  # [1] the first column written
+        geometry = MaskGeometry(full_columns(self.capacity), q, q, *self._row_inputs())
+        return StepPlan(L, self.is_decode(L), self.capacity, self.offset, geometry, (start,))
 
     @staticmethod
     def apply(decode, kbuf, vbuf, keys, values, writes):

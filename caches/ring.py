@@ -61,7 +61,7 @@ class RingCache(StaticKVCache):
     # ------------------------------------------------------------------ steps
     def plan(self, L: int) -> StepPlan:
         W, T = self.max_size, self.rows.time
-        fv, live = self._first_valid(), self._live()
+        fv, live = self._row_inputs()
         if self.is_decode(L):
             head = mx.array([self.head], dtype=mx.int32)  # [1] the column written
             geometry = MaskGeometry(ring_decode_columns(T, self.head, W), mx.array([T], dtype=mx.int32), head, fv, live, W)
@@ -109,11 +109,14 @@ class RingCache(StaticKVCache):
         W, T, L = self.max_size, self.rows.time, plan.length
         if plan.decode:
             self.rows.consume(1)
-            self.head = (self.head + 1) % W
+            self._advanced(plan)
             return
         valid = self.rows.consume(L, valid)
         self.rows.left_padding = np.maximum(self.rows.left_padding, T - W) + (L - valid)
         self.head = 0 if T + L >= W else T + L
+
+    def _advanced(self, plan: StepPlan):
+        self.head = (self.head + 1) % self.max_size
 
     def finalize(self):
         """Rows are realigned at every window step; this ends the prepared prompt."""

@@ -10,10 +10,14 @@
 
 traced by ``mx.compile`` once per :class:`TraceKey` (step kind, bucket width
 Bk, step length L, capacity of the full layers, sampler kind, outputs) and
-replayed for every later step with those shapes. Model weights are implicit
-inputs of the compiled function (``inputs=model.state``), so loading other
-weights of the same shapes reuses the trace with the new values, and other
-shapes retrace.
+replayed for every later step with those shapes. Under the lean forward
+(:mod:`mlx_tracer.adapters.fused`) the weights are constants of the trace:
+a call then hands MLX only the step's own arrays (each input costs about
+1.5 us of host time per call here, and a model has hundreds of weight
+arrays), and weights swapped or modules replaced are seen before the next
+step (:meth:`FusedForward.refresh`), which drops the lean traces: the next
+step traces again (tens of ms). The model's own forward takes them as inputs
+(``inputs=model.state``): other weights of the same shapes reuse its traces.
 
 Two step kinds: **decode** (L = 1) and **window** (L > 1: prefill chunks,
 prefill tails padded to the chunk, speculative verify windows). Per step, each
@@ -200,8 +204,8 @@ class CompiledModel:
         out, new_kv = self._run(kind, sampler_kind, return_logits, caches, tokens, plans, extra, eager)
         if eager:
             return out, new_kv
-        for c, f, (k, v) in zip(caches, self.layout.family_of, new_kv):
-            c.commit(plans[f], k, v, checked=False)  # the trace returns the shapes fit() handed in
+        # the trace returns the shapes fit() handed in: committed unchecked
+        StaticKVCache.commit_all(caches, [plans[f] for f in self.layout.family_of], new_kv)
         return StepResult(**out)
 
     def verify(self, caches: List[StaticKVCache], tokens: mx.array, ndraft, sampler: Optional[dict] = None) -> VerifyResult:
@@ -231,7 +235,10 @@ class CompiledModel:
     def _check(self, caches, tokens) -> mx.array:
         if len(caches) != len(self.layout):
             raise ValueError(f"expected {len(self.layout)} layer caches, got {len(caches)}")
-        tokens = mx.array(tokens, dtype=mx.int32) if not isinstance(tokens, mx.array) else tokens.astype(mx.int32)
+        if not isinstance(tokens, mx.array):
+            tokens = mx.array(tokens, dtype=mx.int32)
+        elif tokens.dtype != mx.int32:
+            tokens = tokens.astype(mx.int32)
         if tokens.ndim != 2 or tokens.shape[0] != caches[0].width:
             raise ValueError(f"tokens must be [bucket width {caches[0].width}, L], got {tuple(tokens.shape)}")
         return tokens
@@ -245,7 +252,10 @@ class CompiledModel:
         key = TraceKey(kind, Bk, L, capacity, sampler_kind, want_logits)
         args = (tokens, plans[0].offsets, [p.arrays for p in plans], kv, extra)
         if self.fused is not None:
+            generation = self.fused.generation
             self.fused.refresh()  # weights swapped or modules replaced since the last step
+            if self.fused.generation != generation:  # the lean traces hold the old weights as constants
+                self._fns = {sig: fn for sig, fn in self._fns.items() if not sig[-1]}
         if eager:
             return self._forward(kind, sampler_kind, want_logits, *args)
         self._tracing = key
@@ -276,11 +286,9 @@ class CompiledModel:
                 self._tracing = None
                 return self._forward(kind, sampler_kind, logits, *args)
 
-            # the weights are inputs, never constants of the trace: the lean
-            # forward reads only its buffers and the modules it calls (a smaller
-            # tree to flatten per call than model.state), the model's own all of it
-            inputs = [self.fused.buffers, self.fused.modules] if lean else [self.model.state]
-            self._fns[sig] = mx.compile(forward, inputs=inputs)
+            # lean: the weights are constants of the trace (see the module doc);
+            # the model's own forward: inputs
+            self._fns[sig] = mx.compile(forward) if lean else mx.compile(forward, inputs=[self.model.state])
         return self._fns[sig]
 
     def _forward(self, kind, sampler_kind, want_logits, tokens, offsets, plans, kv, extra):
