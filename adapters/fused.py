@@ -225,6 +225,21 @@ def attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array) -> mx.array
     return mx.softmax(scores, axis=-1, precise=True) @ mx.expand_dims(v, 2)
 
 
+def _norm_of_sum(h: mx.array, a: mx.array, norm) -> mx.array:
+    """``norm(h + a)`` for an ``nn.RMSNorm``: the arithmetic of
+    ``mx.fast.rms_norm``'s fallback, with the residual sum formed inside each
+    of the two kernels that read it (``h + a`` and ``a + h``: distinct nodes,
+    so compile fuses each into its reader rather than keeping a sum node).
+    The MLP's residual forms it a third way (``h - (-a)``). Every form gives
+    the same bits; the norm's own call where the dtypes differ."""
+    w = norm.weight
+    if h.dtype != w.dtype or a.dtype != h.dtype:
+        return norm(h + a)
+    f32 = mx.float32
+    ms = mx.mean(mx.square((h + a).astype(f32)), -1, keepdims=True)
+    return ((a + h).astype(f32) * mx.rsqrt(ms + mx.array(norm.eps, f32))).astype(h.dtype) * w
+
+
 # ---------------------------------------------------------------- forward
 class FusedForward:
     """The lean forward of one qualifying model (see the module docstring)."""
@@ -336,9 +351,9 @@ class FusedForward:
                 k, v = cache.update_and_fetch(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
                 o = attention(q, k, v, self._mask(shared, masks, family_of[i], L))  # [B, nk, R, L, D]
                 o = o.transpose(0, 3, 1, 2, 4).reshape(B * L, nq * D)
-            h = h + g["o"](o, b[f"o{i}"])
-            gate, up = mx.split(g["gu"](layer.post_attention_layernorm(h), b[f"gu{i}"]), 2, axis=-1)
-            h = h + g["down"](nn.silu(gate) * up, b[f"down{i}"])
+            a = g["o"](o, b[f"o{i}"])
+            gate, up = mx.split(g["gu"](_norm_of_sum(h, a, layer.post_attention_layernorm), b[f"gu{i}"]), 2, axis=-1)
+            h = (h - (-a)) + g["down"](nn.silu(gate) * up, b[f"down{i}"])  # (h + a) + down, to the bit
         if want == "none":
             return None
         h = h.reshape(B, L, -1)
