@@ -19,10 +19,10 @@ from .machine import Machine, model_costs, roofline_tps
 from .models import DEFAULT_MODELS, copy_caches, load_bench_model, random_llama, synthetic_context
 from .report import HEADER, UNITS, format_row, plot, write_json
 from .run import BenchRow, bench_model, steady_state
-from .systems import stock_decode, stock_host_ms, tracer_decode, tracer_host_ms
+from .systems import host_ms, stock_decode, stock_host_ms, tracer_decode, tracer_host_ms
 
 __all__ = [
     "BenchRow", "Conditions", "DEFAULT_MODELS", "busy_processes", "HEADER", "Machine", "UNITS", "baseline", "baseline_main", "bench_model",
     "copy_caches", "format_row", "load_bench_model", "model_costs", "plot", "random_llama", "roofline_tps",
-    "steady_state", "stock_decode", "stock_host_ms", "synthetic_context", "tracer_decode", "tracer_host_ms", "write_json",
+    "host_ms", "steady_state", "stock_decode", "stock_host_ms", "synthetic_context", "tracer_decode", "tracer_host_ms", "write_json",
 ]

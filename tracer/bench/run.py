@@ -17,7 +17,7 @@ from ..runtime.engine import Engine
 from ..runtime.step import CompiledModel
 from .machine import Machine, model_costs, roofline_tps
 from .models import random_llama, synthetic_context
-from .systems import stock_decode, stock_host_ms, tracer_decode, tracer_host_ms
+from .systems import host_ms, stock_decode, tracer_decode
 
 
 @dataclass
@@ -79,7 +79,7 @@ def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[in
             traces = sum(compiled.traces.values())
             assert traces == traces_before, "the timed runs retraced"
             s, t = statistics.median(s_runs), statistics.median(t_runs)
-            host = (stock_host_ms(model, contexts_b), tracer_host_ms(compiled, contexts_b))
+            host = host_ms(model, compiled, contexts_b)
             roof = roofline_tps(costs, compiled.layouts, machine, B, C, weight_bytes=file_bytes)
             fmt_roof = roofline_tps(costs, compiled.layouts, machine, B, C)
             row = BenchRow(

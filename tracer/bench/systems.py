@@ -8,6 +8,9 @@ Host milliseconds per step are measured the same way for both (:func:`stock_host
 :func:`tracer_host_ms`): the time of the call that builds one decode step's
 graph, from the call until it returns, before any evaluation, over the same
 contexts; the median of a few steps, each evaluated before the next is timed.
+The bench takes both in one loop (:func:`host_ms`), a stock step and a tracer
+step in turn, so that a machine whose speed drifts (this VM's does, by up to
+1.5x within a minute) weighs on both alike.
 """
 
 from __future__ import annotations
@@ -42,38 +45,63 @@ def stock_decode(model, contexts: list, first: List[int], tokens: int) -> float:
     return stats.generation_tokens / stats.decode_time
 
 
-def stock_host_ms(model, contexts: list, steps: int = 8) -> float:
-    """Median host ms per stock decode step: graph build + dispatch, before eval."""
+def _stock_steps(model, contexts: list):
+    """One stock decode step per call: ``(build, evaluate)`` (mlx-lm's caches)."""
     cache = copy_caches(contexts[0]) if len(contexts) == 1 else batch_serial_caches([copy_caches(c) for c in contexts])
     y = mx.zeros((len(contexts), 1), dtype=mx.int32)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
+
+    def build():
+        nonlocal y
         logits = model(y, cache=cache)[:, -1, :]
         y = mx.argmax(logits, axis=-1)[:, None]
-        times.append(time.perf_counter() - t0)
-        mx.eval(y, [c.state for c in cache])
-    return 1e3 * statistics.median(times[1:])
+
+    return build, lambda: mx.eval(y, [c.state for c in cache])
 
 
-def tracer_host_ms(compiled, contexts: list, steps: int = 8) -> float:
-    """Median host ms per compiled decode step (``CompiledModel.step``: the
-    step's plan, the compiled call that replays its graph, and the caches'
-    bookkeeping), before eval, as :func:`stock_host_ms` times stock's."""
+def _tracer_steps(compiled, contexts: list):
+    """One compiled decode step per call: ``(build, evaluate)`` (``CompiledModel.step``:
+    the step's plan, the compiled call that replays its graph, the caches' bookkeeping)."""
     serial = [copy_caches(c) for c in contexts]
     caches = [
         layout.cache_class.join([s[i] for s in serial], width=len(contexts), capacities=compiled.capacities)
         for i, layout in enumerate(compiled.layout)
     ]
     y = mx.zeros((len(contexts), 1), dtype=mx.int32)
-    times = []
-    for _ in range(steps + 1):  # the first call may trace this shape: not timed
-        t0 = time.perf_counter()
-        out = compiled.step(caches, y)
-        times.append(time.perf_counter() - t0)
-        y = out.tokens[:, None]
-        mx.eval(y, [c.state for c in caches])
-    return 1e3 * statistics.median(times[1:])
+
+    def build():
+        nonlocal y
+        y = compiled.step(caches, y).tokens[:, None]
+
+    return build, lambda: mx.eval(y, [c.state for c in caches])
+
+
+def _timed(systems, steps: int) -> List[float]:
+    """Median ms of each system's build call; the systems take turns, each step
+    evaluated before the next is timed; the first (tracing, warming) is not counted."""
+    times = [[] for _ in systems]
+    for _ in range(steps + 1):
+        for (build, evaluate), t in zip(systems, times):
+            t0 = time.perf_counter()
+            build()
+            t.append(time.perf_counter() - t0)
+            evaluate()
+    return [1e3 * statistics.median(t[1:]) for t in times]
+
+
+def stock_host_ms(model, contexts: list, steps: int = 8) -> float:
+    """Median host ms per stock decode step: graph build + dispatch, before eval."""
+    return _timed([_stock_steps(model, contexts)], steps)[0]
+
+
+def tracer_host_ms(compiled, contexts: list, steps: int = 8) -> float:
+    """Median host ms per compiled decode step, before eval, as :func:`stock_host_ms` times stock's."""
+    return _timed([_tracer_steps(compiled, contexts)], steps)[0]
+
+
+def host_ms(model, compiled, contexts: list, steps: int = 16) -> tuple:
+    """``(stock, tracer)`` median host ms per decode step, taken in one loop
+    that alternates a stock and a tracer step (see the module docstring)."""
+    return tuple(_timed([_stock_steps(model, contexts), _tracer_steps(compiled, contexts)], steps))
 
 
 def tracer_decode(engine: Engine, contexts: list, first: List[int], tokens: int) -> EngineStats:
