@@ -98,7 +98,7 @@ def tracer_host_ms(compiled, contexts: list, steps: int = 8) -> float:
     return _timed([_tracer_steps(compiled, contexts)], steps)[0]
 
 
-def host_ms(model, compiled, contexts: list, steps: int = 16) -> tuple:
+def host_ms(model, compiled, contexts: list, steps: int = 40) -> tuple:
     """``(stock, tracer)`` median host ms per decode step, taken in one loop
     that alternates a stock and a tracer step (see the module docstring)."""
     return tuple(_timed([_stock_steps(model, contexts), _tracer_steps(compiled, contexts)], steps))
