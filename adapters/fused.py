@@ -21,11 +21,15 @@ with fewer nodes:
 * **No output head where no logits are read** (prefill windows), and at each
   row's ``last`` query only where one is.
 
-* **Attention on the fallback's own matmuls** (one row per query head)
-  without its reshapes, the mask laid out once per cache family.
+* **Decode attention as one matmul per key head** (its R query heads as
+  rows) with the mask added by it; windows on the fallback's one-row-per-head
+  matmuls without its reshapes, the mask laid out once per cache family.
+* **Residual sums inside the kernels that read them** (the post-attention
+  norm, written out with ``mx.fast.rms_norm``'s fallback arithmetic).
 
-Norms are the model's own calls (``mx.fast.rms_norm``), and the caches are
-the traced caches of :mod:`.traced`, written exactly as the model would.
+The input norms are the model's own calls (``mx.fast.rms_norm``), and the
+caches are the traced caches of :mod:`.traced`, written exactly as the model
+would.
 
 The compiled step holds what the lean forward reads (the fused buffers, the
 embedding, the norms) as constants of its trace, so a call hands MLX only the
@@ -218,8 +222,8 @@ def attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array) -> mx.array
     query heads of each key head), ``k``/``v [B, Hk, S, D]``, ``mask``
     boolean ``[B, 1, 1, L, S]``; returns ``[B, Hk, R, L, D]``. The matmuls of
     ``mx.fast.scaled_dot_product_attention``'s fallback (one row per query
-    head: OpenBLAS serves those faster than R stacked rows, measured at 1024
-    columns), without its reshapes."""
+    head), without its reshapes: the window steps' attention (a decode step
+    stacks the R heads, see :meth:`FusedForward.__call__`)."""
     scores = q @ mx.expand_dims(k, 2).swapaxes(-1, -2)  # [B, Hk, R, L, S]
     scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
     return mx.softmax(scores, axis=-1, precise=True) @ mx.expand_dims(v, 2)
@@ -246,11 +250,9 @@ class FusedForward:
 
     def __init__(self, model):
         self.model = model
-        # what the lean forward reads: the fused buffers, and the modules whose
-        # own call it makes (embedding, norms, an output head left unfused);
-        # nothing else of the model. `generation` counts the rebuilds.
+        # the fused buffers (constants of the lean trace, like the embedding
+        # and norms it calls); `generation` counts the rebuilds
         self.buffers: Dict[str, Dict[str, mx.array]] = {}
-        self.modules: List[nn.Module] = []
         self.generation = 0
         self.active = False
         self._set_watch([])
@@ -263,7 +265,6 @@ class FusedForward:
         if not force and not any(map(operator.is_not, map(operator.getitem, self._containers, self._keys), self._expected)):
             return self.active
         self.buffers.clear()
-        self.modules.clear()
         self.generation += 1
         self._set_watch([])
         self.active = why_not(self.model) is None
@@ -291,9 +292,7 @@ class FusedForward:
         for layer in self.layers:
             slots += [(layer, "input_layernorm"), (layer, "post_attention_layernorm")]
             slots += [(layer.self_attn, k) for k in ("q_norm", "k_norm") if k in layer.self_attn]
-        # modules the lean forward calls: inputs by their arrays, watched by their slot
-        watch += [(parent, k, parent[k]) for parent, k in slots]
-        self.modules += [parent[k] for parent, k in slots if not (k == "lm_head" and self.head is not None)]
+        watch += [(parent, k, parent[k]) for parent, k in slots]  # the modules the lean forward calls
         if self.head is not None:
             self.buffers["head"] = self.head.build()
             watch += self.head.watch()
@@ -301,17 +300,10 @@ class FusedForward:
         return True
 
     def _set_watch(self, watch: List[tuple]):
-        self._watch = watch
         # the per-step check runs as C-level map() loops over these three
         self._containers = [c for c, _, _ in watch]
         self._keys = [k for _, k, _ in watch]
         self._expected = [v for _, _, v in watch]
-
-    def retraced(self):
-        """Called after ``mx.compile`` traced a step: tracing swaps every
-        input for a tracer and back, which gives the same arrays new Python
-        objects; adopt them (nothing else changed in between)."""
-        self._set_watch([(c, k, c[k]) for c, k, _ in self._watch])
 
     # -- graph
     def __call__(self, tokens: mx.array, caches, masks, family_of, want: str, last: Optional[mx.array] = None):

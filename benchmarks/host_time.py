@@ -2,10 +2,13 @@
 step, in a fresh process that does nothing else first (the bench measures the
 same thing after its decode runs, in a process that has done much more).
 
-    python benchmarks/host_time.py [--bucket 1] [--context 128] [--steps 40] [--reps 3]
+    python benchmarks/host_time.py [--bucket 1] [--context 128] [--steps 40] [--reps 3] [--stock-runs 0]
 
 Each rep is :func:`mlx_tracer.bench.host_ms`: one loop alternating a stock and
 a tracer step, each evaluated before the next is timed; medians per rep.
+``--stock-runs N`` first decodes 32 tokens N times with stock mlx-lm (its
+``generate_step``, as the bench does before its host column), then measures
+again, and also the tracer's step timed alone.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import os
 import statistics
 
 import mlx_tracer  # noqa: F401  (the fast BLAS, before mlx)
-from mlx_tracer.bench import host_ms, load_bench_model, synthetic_context
+from mlx_tracer.bench import host_ms, load_bench_model, synthetic_context, stock_decode, tracer_host_ms
 from mlx_tracer.runtime.step import CompiledModel
 
 
@@ -26,17 +29,29 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--weights", default="float32")
+    ap.add_argument("--stock-runs", type=int, default=0)
     args = ap.parse_args()
     model, label = load_bench_model("smollm2", weights=args.weights)
     compiled = CompiledModel(model)
     contexts = [synthetic_context(model, compiled.layouts, args.context)] * args.bucket
     print(f"{label}, bucket {args.bucket}, context {args.context}; load average {os.getloadavg()[0]:.2f} before")
-    ratios = []
-    for rep in range(args.reps):
-        stock, tracer = host_ms(model, compiled, contexts, steps=args.steps)
-        ratios.append(tracer / stock)
-        print(f"rep {rep + 1}: stock {stock:.2f} ms, tracer {tracer:.2f} ms, tracer/stock {tracer / stock:.2f}")
-    print(f"median tracer/stock {statistics.median(ratios):.2f}; load average {os.getloadavg()[0]:.2f} after")
+
+    def measure(label):
+        ratios = []
+        for rep in range(args.reps):
+            stock, tracer = host_ms(model, compiled, contexts, steps=args.steps)
+            ratios.append(tracer / stock)
+            print(f"{label} rep {rep + 1}: stock {stock:.2f} ms, tracer {tracer:.2f} ms, tracer/stock {tracer / stock:.2f}")
+        print(f"{label} median tracer/stock {statistics.median(ratios):.2f}")
+
+    measure("fresh")
+    if args.stock_runs:
+        for _ in range(args.stock_runs):
+            stock_decode(model, contexts, [3] * args.bucket, 32)
+        measure("after stock decode")
+        alone = [tracer_host_ms(compiled, contexts, steps=args.steps) for _ in range(args.reps)]
+        print("after stock decode, tracer alone: " + ", ".join(f"{t:.2f} ms" for t in alone))
+    print(f"load average {os.getloadavg()[0]:.2f} after")
     return 0
 
 

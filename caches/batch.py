@@ -146,20 +146,16 @@ class StaticKVCache:
         """The buffers a step of ``plan`` writes (full caches grow to its capacity)."""
         return self.keys, self.values
 
-    def commit(self, plan: StepPlan, keys: mx.array, values: mx.array, checked: bool = True):
-        """Take the buffers a step of ``plan`` returned and advance the rows.
-        ``checked=False`` skips :meth:`adopt`'s shape checks (for a compiled
-        step, whose outputs have the shapes of the buffers ``fit`` gave it)."""
-        if checked:
-            self.adopt(keys, values)
-        else:
-            self.keys, self.values = keys, values
+    def commit(self, plan: StepPlan, keys: mx.array, values: mx.array):
+        """Take the buffers a step of ``plan`` returned and advance the rows."""
+        self.adopt(keys, values)
         self.advance(plan)
 
     @staticmethod
     def commit_all(caches: Sequence["StaticKVCache"], plans: Sequence[StepPlan], new_kv: Sequence[tuple]):
-        """:meth:`commit` (unchecked) for the caches of one step, ``plans[i]``
-        being cache i's family plan. A decode step's row books advance alike
+        """:meth:`commit` for the caches of one compiled step, ``plans[i]``
+        being cache i's family plan, without :meth:`adopt`'s shape checks (the
+        trace returns the shapes ``fit`` handed in). A decode step's row books advance alike
         in every cache of a family (they move in lockstep), so the first cache
         of each family advances its own and the others take its new offsets
         array (books never change their arrays in place)."""
@@ -312,20 +308,15 @@ class StaticKVCache:
     def _prototype(cls, sources, **kwargs) -> "StaticKVCache":  # pragma: no cover
         raise NotImplementedError
 
-
     def _row_inputs(self) -> Tuple[mx.array, mx.array]:
         """``(first_valid [Bk] int32, live [Bk] bool)``, rebuilt only when the
         rows' padding or count changed (a step's host inputs are reused)."""
-        lp = self.rows.left_padding
+        key = (self.width, self.n, self.rows.left_padding.tobytes())
         cached = getattr(self, "_row_inputs_cache", None)
-        if cached is not None and cached[1] is lp and cached[0][0] == self.width:  # the same book arrays (never changed in place)
-            return cached[2]
-        key = (self.width, self.n, lp.tobytes())
         if cached is None or cached[0] != key:
             fv = np.zeros(self.width, dtype=np.int32)
             fv[: self.n] = self.rows.left_padding
             live = np.zeros(self.width, dtype=bool)
             live[: self.n] = True
-            cached = (key, lp, (mx.array(fv), mx.array(live)))
-        self._row_inputs_cache = (cached[0], lp, cached[2])
-        return cached[2]
+            cached = self._row_inputs_cache = (key, (mx.array(fv), mx.array(live)))
+        return cached[1]

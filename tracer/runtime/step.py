@@ -263,8 +263,6 @@ class CompiledModel:
         out = self._compiled(kind, sampler_kind, want_logits)(*args)
         if self._tracing is None:  # the call traced
             self.trace_ms[key] = (time.perf_counter() - t0) * 1e3
-            if self.fused is not None:
-                self.fused.retraced()
         self._tracing = None
         return out
 
