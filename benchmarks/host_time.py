@@ -2,13 +2,17 @@
 step, in a fresh process that does nothing else first (the bench measures the
 same thing after its decode runs, in a process that has done much more).
 
-    python benchmarks/host_time.py [--bucket 1] [--context 128] [--steps 40] [--reps 3] [--stock-runs 0]
+    python benchmarks/host_time.py [--bucket 1] [--context 128] [--steps 40] [--reps 3] [--stock-runs 0] [--clear-cache]
 
 Each rep is :func:`mlx_tracer.bench.host_ms`: one loop alternating a stock and
 a tracer step, each evaluated before the next is timed; medians per rep.
 ``--stock-runs N`` first decodes 32 tokens N times with stock mlx-lm (its
 ``generate_step``, as the bench does before its host column), then measures
-again, and also the tracer's step timed alone.
+again, and also the tracer's step timed alone. ``--clear-cache`` then calls
+``mx.clear_cache()`` (as mlx-lm's ``generate_step`` does) and measures again,
+alternating and the tracer's step alone: alternating, the tracer's step then
+costs about 1.5x, alone it does not (see ``docs/design.md``, "Host time per
+step").
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import os
 import statistics
 
 import mlx_tracer  # noqa: F401  (the fast BLAS, before mlx)
+import mlx.core as mx
 from mlx_tracer.bench import host_ms, load_bench_model, synthetic_context, stock_decode, tracer_host_ms
 from mlx_tracer.runtime.step import CompiledModel
 
@@ -30,6 +35,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--weights", default="float32")
     ap.add_argument("--stock-runs", type=int, default=0)
+    ap.add_argument("--clear-cache", action="store_true", help="then measure again after mx.clear_cache()")
     args = ap.parse_args()
     model, label = load_bench_model("smollm2", weights=args.weights)
     compiled = CompiledModel(model)
@@ -45,6 +51,11 @@ def main() -> int:
         print(f"{label} median tracer/stock {statistics.median(ratios):.2f}")
 
     measure("fresh")
+    if args.clear_cache:
+        mx.clear_cache()
+        measure("after mx.clear_cache()")
+        alone = [tracer_host_ms(compiled, contexts, steps=args.steps) for _ in range(args.reps)]
+        print("after mx.clear_cache(), tracer alone: " + ", ".join(f"{t:.2f} ms" for t in alone))
     if args.stock_runs:
         for _ in range(args.stock_runs):
             stock_decode(model, contexts, [3] * args.bucket, 32)

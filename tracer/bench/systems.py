@@ -8,9 +8,13 @@ Host milliseconds per step are measured the same way for both (:func:`stock_host
 :func:`tracer_host_ms`): the time of the call that builds one decode step's
 graph, from the call until it returns, before any evaluation, over the same
 contexts; the median of a few steps, each evaluated before the next is timed.
-The bench takes both in one loop (:func:`host_ms`), a stock step and a tracer
-step in turn, so that a machine whose speed drifts (this VM's does, by up to
-1.5x within a minute) weighs on both alike.
+The bench takes both in one loop (:func:`host_ms`), the systems taking turns
+every 8 steps, so that a machine whose speed drifts (this VM's does, by up to
+1.5x within a minute) weighs on both alike, and the step after each switch
+untimed: in a process where ``mx.clear_cache()`` has run (mlx-lm's decode
+loops call it), that step pays for merging the small heap chunks the other
+system's evaluation freed (about 1.5x for the tracer's step; a user runs one
+system per process).
 """
 
 from __future__ import annotations
@@ -75,17 +79,22 @@ def _tracer_steps(compiled, contexts: list):
     return build, lambda: mx.eval(y, [c.state for c in caches])
 
 
-def _timed(systems, steps: int) -> List[float]:
-    """Median ms of each system's build call; the systems take turns, each step
-    evaluated before the next is timed; the first (tracing, warming) is not counted."""
+def _timed(systems, steps: int, block: int = 8) -> List[float]:
+    """Median ms of each system's build call, each step evaluated before the
+    next is timed. The systems take turns in blocks of ``block`` timed steps,
+    each block after one untimed step (the first block's traces, and the
+    step after a switch, which pays for the other system's leftovers on the
+    C heap: see ``docs/design.md``, "Host time per step")."""
     times = [[] for _ in systems]
-    for _ in range(steps + 1):
+    while len(times[-1]) < steps:
         for (build, evaluate), t in zip(systems, times):
-            t0 = time.perf_counter()
-            build()
-            t.append(time.perf_counter() - t0)
-            evaluate()
-    return [1e3 * statistics.median(t[1:]) for t in times]
+            for i in range(min(block, steps - len(t)) + 1):
+                t0 = time.perf_counter()
+                build()
+                if i:
+                    t.append(time.perf_counter() - t0)
+                evaluate()
+    return [1e3 * statistics.median(t) for t in times]
 
 
 def stock_host_ms(model, contexts: list, steps: int = 8) -> float:
@@ -100,7 +109,7 @@ def tracer_host_ms(compiled, contexts: list, steps: int = 8) -> float:
 
 def host_ms(model, compiled, contexts: list, steps: int = 40) -> tuple:
     """``(stock, tracer)`` median host ms per decode step, taken in one loop
-    that alternates a stock and a tracer step (see the module docstring)."""
+    in which the systems take turns (see the module docstring)."""
     return tuple(_timed([_stock_steps(model, contexts), _tracer_steps(compiled, contexts)], steps))
 
 
