@@ -138,3 +138,40 @@ def test_request_continues_from_an_mlx_lm_prompt_cache(name):
     assert [c.offset for c in cache] == offsets  # the caller's caches are only read
     with pytest.raises(ValueError, match="cache has 1 layers"):
         eng.add(prompt, cache=cache[:1])
+
+
+@pytest.mark.parametrize("owner", ["generator", "engine, model's own forward"])
+def test_a_dropped_loop_frees_its_model_without_the_cyclic_collector(owner):
+    """Dropping the last reference to a Generator, or to an Engine and its
+    CompiledModel, frees the model at once: no reference cycle waits for
+    Python's cyclic collector, which runs at an arbitrary later point (a
+    server or a bench that moves on to another model would free the first
+    one's weights in the middle of other work)."""
+    import gc
+    import weakref
+
+    from mlx_tracer import CompiledModel
+
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        model = tiny_model("llama")
+        if owner == "generator":
+            loop = Generator(model, IdTokenizer())
+            assert loop.generate([1, 2, 3], max_tokens=3)
+            for ev in loop.stream_generate([4, 5], max_tokens=2):
+                pass
+            del ev
+            assert loop.engine.compiled.fused is not None  # the lean forward
+        else:
+            loop = Engine(CompiledModel(model, fuse=False), buckets=(1,))
+            loop.add([1, 2, 3], max_tokens=3)
+            assert len(list(loop.run())) == 3
+        ref_model, ref_loop = weakref.ref(model), weakref.ref(loop)
+        del model, loop
+        assert ref_loop() is None, f"the {owner} outlived its last reference"
+        assert ref_model() is None, f"the model outlived its {owner}"
+    finally:
+        if was_enabled:
+            gc.enable()

@@ -10,6 +10,7 @@ a consumer stops early; a stream closed early cancels its own request only.
 from __future__ import annotations
 
 from functools import partial
+from operator import methodcaller
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence, Union
 
@@ -90,7 +91,9 @@ class Generator:
             self.engine = lock.collective("probing the sharded model", Engine, *engine_args, rng=rng, **engine_kwargs)
         self.chat = getattr(tokenizer, "has_chat_template", False) if chat is None else chat
         self.system = system
-        step = (lambda: self.engine.step()) if self.lockstep is None else partial(self.lockstep.step, self.engine)
+        # engine.step looked up at each call, with no closure over self: the model's
+        # memory goes when the Generator does, not at the next cyclic collection
+        step = partial(methodcaller("step"), self.engine) if self.lockstep is None else partial(self.lockstep.step, self.engine)
         self.router = EventRouter(self.engine, step)
 
     @classmethod

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
@@ -278,11 +279,16 @@ class CompiledModel:
         lean = self.fused is not None and self.fused.active
         sig = (kind, sampler_kind, logits, lean)
         if sig not in self._fns:
+            # the function refers to its owner weakly: a closure over self would
+            # make a cycle (self._fns -> function -> self) that keeps the model's
+            # memory until Python's cyclic collector happens to run
+            owner = weakref.ref(self)
 
             def forward(*args):
-                self.traces[self._tracing] += 1  # runs only while tracing
-                self._tracing = None
-                return self._forward(kind, sampler_kind, logits, *args)
+                me = owner()
+                me.traces[me._tracing] += 1  # runs only while tracing
+                me._tracing = None
+                return me._forward(kind, sampler_kind, logits, *args)
 
             # lean: the weights are constants of the trace (see the module doc);
             # the model's own forward: inputs
