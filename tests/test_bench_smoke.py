@@ -42,6 +42,23 @@ def test_bench_command_writes_table_json_and_plot(tmp_path, capsys):
     assert ("WARNING" in table) == (not cond["quiet"])
 
 
+def test_baseline_worker_decodes_on_request_reports_errors_and_exits():
+    """The as-run baseline process: one run per request, on MLX's reference
+    BLAS; a failed request raises in the parent with the worker's reason,
+    and the worker goes on; closing it ends the process."""
+    import pytest
+
+    with bench.BaselineWorker() as worker:
+        with pytest.raises(RuntimeError, match="baseline failed"):
+            worker.decode(1, 16, 2)  # no model loaded yet
+        with pytest.raises(RuntimeError, match="unknown bench model"):
+            worker.load("no-such-model")
+        worker.load("llama-h32")
+        assert worker.decode(1, 16, 3) > 0 and worker.decode(2, 16, 3) > 0
+        proc = worker._proc
+    assert proc.poll() is not None  # ended with the with-block
+
+
 def test_bench_busy_scenario_starts_and_stops_its_neighbours(tmp_path, capsys):
     rc = main(["bench", "--models", "llama-h32", "--buckets", "1", "--contexts", "16", "--tokens", "2", "--runs", "1",
                "--steady-steps", "0", "--no-baseline", "--busy", "1"])

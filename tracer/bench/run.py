@@ -51,8 +51,10 @@ class BenchRow:
         return None if not self.baseline_tps else self.tracer_tps / self.baseline_tps
 
 
-def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[int], tokens: int, runs: int, machine: Machine, on_row: Callable[["BenchRow"], None] = lambda r: None) -> List[BenchRow]:
-    """Time every (context, bucket) of one model; ``on_row`` sees each row as it is done."""
+def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[int], tokens: int, runs: int, machine: Machine, on_row: Callable[["BenchRow"], None] = lambda r: None, baseline=None) -> List[BenchRow]:
+    """Time every (context, bucket) of one model; ``on_row`` sees each row as it is done.
+    ``baseline``: a :class:`~.baseline.BaselineWorker` with this model loaded: its
+    as-run decode runs take turns with the stock and tracer runs of each row."""
     compiled = CompiledModel(model)
     costs = model_costs(model, compiled.layouts)
     file_bytes = getattr(model, "mlx_tracer_file_bytes", costs["weight_bytes"])  # as loaded, before a format change
@@ -64,12 +66,16 @@ def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[in
             first = [(7 * i + 3) % compiled.vocab_size for i in range(B)]
             engine = Engine(compiled, buckets=(B,))
             known = set(compiled.trace_ms)
+            if baseline is not None:
+                baseline.decode(B, C, 4)
             stock_decode(model, contexts_b, first, 4)  # warm-up runs: tracing and kernel JIT
             tracer_decode(engine, contexts_b, first, 4)
             warm = {k: ms for k, ms in compiled.trace_ms.items() if k not in known and k.kind == "decode"}
             traces_before = sum(compiled.traces.values())
-            s_runs, t_runs, t_host, peak = [], [], [], 0.0
-            for _ in range(runs):
+            b_runs, s_runs, t_runs, t_host, peak = [], [], [], [], 0.0
+            for _ in range(runs):  # the systems in turns, so that drift weighs on each alike
+                if baseline is not None:
+                    b_runs.append(baseline.decode(B, C, tokens))
                 s_runs.append(stock_decode(model, contexts_b, first, tokens))
                 mx.reset_peak_memory()
                 st = tracer_decode(engine, contexts_b, first, tokens)
@@ -88,6 +94,8 @@ def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[in
                 max(warm.values(), default=float("nan")), peak, roof, 100 * t / roof, fmt_roof, 100 * t / fmt_roof,
                 s_runs, t_runs, engine_host_ms=statistics.median(t_host),
             )
+            if b_runs:
+                row.baseline_runs, row.baseline_tps = b_runs, statistics.median(b_runs)
             on_row(row)
             rows.append(row)
     return rows

@@ -3,7 +3,7 @@ and caches) and bench (stock mlx-lm against the compiled loop)."""
 
 from __future__ import annotations
 
-import statistics
+import contextlib
 
 from .commands import log
 
@@ -35,24 +35,20 @@ def _bench_tables(args, conditions) -> dict:
     machine = bench.Machine.measure()
     bw = ", ".join(f"{size >> 20} MB {gbps:.1f}" for size, gbps in sorted(machine.copy_gbps.items()))
     log(f"  bandwidth GB/s by size: {bw}; fp32 GEMM {machine.gemm_gflops:.1f} GFLOP/s")
-    base = {}
     if args.baseline:
-        log("stock mlx-lm as a user runs it (reference BLAS, weights as loaded), in a subprocess ...")
-        base = bench.baseline(args.models, args.model, args.buckets, args.contexts, args.tokens, args.runs)
+        log("stock mlx-lm as a user runs it (reference BLAS, weights as loaded): a subprocess, runs in turn with the others")
     print(bench.UNITS)
     print(bench.HEADER, flush=True)
     rows = []
-    for name in args.models:
-        model, label = bench.load_bench_model(name, args.model, weights=args.weights, log=log)
-        log(f"{label}: buckets {list(args.buckets)}, contexts {list(args.contexts)}, {args.tokens} tokens x {args.runs} runs")
-
-        def attach(row, name=name):
-            runs = base.get((name, row.bucket, row.context))
-            if runs:
-                row.baseline_runs, row.baseline_tps = runs, statistics.median(runs)
-            print(bench.format_row(row), flush=True)
-
-        rows += bench.bench_model(model, label, args.buckets, args.contexts, args.tokens, args.runs, machine, on_row=attach)
+    with (bench.BaselineWorker() if args.baseline else contextlib.nullcontext()) as worker:
+        for name in args.models:
+            model, label = bench.load_bench_model(name, args.model, weights=args.weights, log=log)
+            log(f"{label}: buckets {list(args.buckets)}, contexts {list(args.contexts)}, {args.tokens} tokens x {args.runs} runs")
+            if worker is not None:
+                worker.load(name, args.model)
+            rows += bench.bench_model(model, label, args.buckets, args.contexts, args.tokens, args.runs, machine,
+                                      on_row=lambda row: print(bench.format_row(row), flush=True), baseline=worker)
+            del model  # freed before the next model loads
     steady = None
     if args.steady_steps:
         log(f"steady state: {args.steady_steps} decode steps on a ring model ...")
