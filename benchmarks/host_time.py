@@ -4,15 +4,16 @@ same thing after its decode runs, in a process that has done much more).
 
     python benchmarks/host_time.py [--bucket 1] [--context 128] [--steps 40] [--reps 3] [--stock-runs 0] [--clear-cache]
 
-Each rep is :func:`mlx_tracer.bench.host_ms`: one loop alternating a stock and
-a tracer step, each evaluated before the next is timed; medians per rep.
-``--stock-runs N`` first decodes 32 tokens N times with stock mlx-lm (its
-``generate_step``, as the bench does before its host column), then measures
-again, and also the tracer's step timed alone. ``--clear-cache`` then calls
-``mx.clear_cache()`` (as mlx-lm's ``generate_step`` does) and measures again,
-alternating and the tracer's step alone: alternating, the tracer's step then
-costs about 1.5x, alone it does not (see ``docs/design.md``, "Host time per
-step").
+Each rep is :func:`mlx_tracer.bench.host_ms`: one loop in which the systems
+take turns every 8 steps (the step after a switch untimed), each step
+evaluated before the next is timed; medians per rep. ``--stock-runs N`` first
+decodes 32 tokens N times with stock mlx-lm (its ``generate_step``, as the
+bench does before its host column), then measures again, and also the
+tracer's step timed alone. ``--clear-cache`` calls ``mx.clear_cache()`` (as
+mlx-lm's ``generate_step`` does) and measures again, in turns and the
+tracer's step alone. With single-step turns (0.3.1's bench) the tracer's
+step cost about 1.5x after it; alone it did not (see ``docs/design.md``,
+"Host time per step").
 """
 
 from __future__ import annotations
