@@ -6,14 +6,15 @@ every row a context of ``C`` positions (:mod:`.models`), then decodes
 (:mod:`.systems`), in the same process, runs interleaved, the median of
 ``runs`` runs after a warm-up run of each (:mod:`.run`). The roofline is this
 machine's (:mod:`.machine`); :mod:`.baseline` times stock mlx-lm as a user runs
-it (reference BLAS) in a subprocess, a run at a time between the row's own; :mod:`.report` writes the table, JSON and
-plot. ``mlx-tracer bench`` runs it all.
+it (reference BLAS) in a subprocess, a run at a time between the row's own;
+:mod:`.report` writes the table, JSON and plot. ``mlx-tracer bench`` runs it
+all.
 
 Only ``mlx_tracer.cli`` imports this package (an import contract): nothing
 the library needs lives here.
 """
 
-from .baseline import BaselineWorker, baseline, baseline_main, worker_main
+from .baseline import BaselineWorker, worker_main
 from .conditions import Conditions, busy_processes
 from .machine import Machine, model_costs, roofline_tps
 from .models import DEFAULT_MODELS, copy_caches, load_bench_model, random_llama, synthetic_context
@@ -22,7 +23,7 @@ from .run import BenchRow, bench_model, steady_state
 from .systems import host_ms, stock_decode, stock_host_ms, tracer_decode, tracer_host_ms
 
 __all__ = [
-    "BaselineWorker", "BenchRow", "Conditions", "DEFAULT_MODELS", "busy_processes", "HEADER", "Machine", "UNITS", "baseline", "baseline_main", "bench_model",
+    "BaselineWorker", "BenchRow", "Conditions", "DEFAULT_MODELS", "busy_processes", "HEADER", "Machine", "UNITS", "bench_model",
     "copy_caches", "format_row", "load_bench_model", "model_costs", "plot", "random_llama", "roofline_tps",
     "host_ms", "steady_state", "stock_decode", "stock_host_ms", "synthetic_context", "tracer_decode", "tracer_host_ms", "worker_main", "write_json",
 ]

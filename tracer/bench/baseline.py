@@ -6,9 +6,7 @@ imported), so the baseline runs in a subprocess started with
 :class:`BaselineWorker` (``python -m mlx_tracer.bench --worker``), and asks it
 for one decode run at a time, between its own stock and tracer runs of the
 same row: the three systems are timed in turns, so this VM's drift (up to
-1.5x within a minute) weighs on all of them alike. ``python -m
-mlx_tracer.bench '<spec JSON>'`` (:func:`baseline_main`) still times a whole
-spec in one go and prints one JSON line.
+1.5x within a minute) weighs on all of them alike.
 """
 
 from __future__ import annotations
@@ -18,26 +16,11 @@ import os
 import subprocess
 import sys
 import tempfile
-from typing import Dict, List, Optional, Sequence
+from typing import Optional
 
 from ..runtime.step import CompiledModel
 from .models import load_bench_model, synthetic_context
 from .systems import stock_decode
-
-
-def baseline(names: Sequence[str], path: Optional[str], buckets, contexts, tokens: int, runs: int) -> Dict[tuple, List[float]]:
-    """Stock mlx-lm as a user runs it (MLX's reference BLAS, weights as loaded),
-    every row at once in a :class:`BaselineWorker` (the bench instead asks for
-    a run at a time, in turn with its own). Returns ``{(model name, B, C): [tok/s per run]}``."""
-    out = {}
-    with BaselineWorker() as worker:
-        for name in names:
-            worker.load(name, path)
-            for C in contexts:
-                for B in buckets:
-                    worker.decode(B, C, 4)  # warm-up
-                    out[(name, B, C)] = [worker.decode(B, C, tokens) for _ in range(runs)]
-    return out
 
 
 class _AsRun:
@@ -61,19 +44,6 @@ class _AsRun:
             self.contexts[C] = synthetic_context(self.model, self.layouts, C)
         first = [(7 * i + 3) % self.model.args.vocab_size for i in range(B)]
         return stock_decode(self.model, [self.contexts[C]] * B, first, tokens)
-
-
-def baseline_main(spec: dict):
-    """``python -m mlx_tracer.bench '<spec JSON>'`` (on the reference BLAS):
-    prints ``[[name, B, C, [tok/s...]], ...]``."""
-    side, out = _AsRun(), []
-    for name in spec["names"]:
-        side.load(name, spec["path"])
-        for C in spec["contexts"]:
-            for B in spec["buckets"]:
-                side.decode(B, C, 4)
-                out.append([name, B, C, [side.decode(B, C, spec["tokens"]) for _ in range(spec["runs"])]])
-    print(json.dumps(out))
 
 
 class BaselineWorker:
