@@ -1,0 +1,187 @@
+"""CPU kernels for the lean decode forward: MLX primitives of our own.
+
+On MLX's CPU backend ``mx.fast.rms_norm`` / ``rope`` run their multi-node
+fallbacks, and a compiled step's host cost grows with its node count (about
+1.1-1.5 µs a node here; ``benchmarks/replay_cost.py``). ``kernels.cpp``
+defines primitives that do in one node what the lean forward
+(:mod:`mlx_tracer.adapters.fused`) otherwise does in several, **bit for bit**
+(MLX's own element functors, in the same order, compiled as MLX compiles its
+CPU kernels; ``tests/test_kernels.py``):
+
+* ``rms_norm(x, w, eps)`` / ``add_rms_norm(x, r, w, eps)``: the norm
+  (``mx.fast.rms_norm``'s fallback), the second also returning ``x + r``
+  (the residual stream), 3 nodes (4 with the sum) into 1;
+* ``rope_split(y, C, S, F, B, nq, nk, D)``: a decode step's q/k/v
+  projection rotated with the forward's tables and split into queries (the
+  R heads of each key head as rows), keys and values, 6 nodes into 1;
+* ``swiglu(gu)``: ``silu(gate) * up`` of the fused gate/up projection, 2 into 1.
+
+They are float32 and CPU only; the forward uses them where they apply and
+MLX's ops elsewhere.
+
+Building: the source is compiled at first use with the C++ compiler MLX's
+CPU backend needs for its own kernel JIT (``$CXX`` or ``g++``), against the
+headers and ``libmlx`` inside the installed ``mlx`` wheel and nanobind's
+sources (the ``nanobind`` package, a Linux dependency), about 10 s, and kept
+in the cache folder (:mod:`mlx_tracer.home`) as ``kernels-<key><suffix>``
+with its sha256 next to it; the key covers the source, the flags and the
+versions of mlx, nanobind and Python. The module is built in nanobind's
+``mlx`` domain, as MLX's own bindings are, so its functions take
+``mx.array``; a build whose functions refuse them (a nanobind that does not
+match the one mlx was built with) is not used.
+
+``MLX_TRACER_KERNELS=0`` turns them off. Anything that goes wrong (no
+compiler, no nanobind, a failed build) leaves them off with the reason in
+:func:`status` (``mlx-tracer info``), never an error: the forward then runs
+MLX's ops, with the same results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from ..home import cache_dir, writable_cache_dir
+from .blas import _digest_file, _sha256
+
+ENV = "MLX_TRACER_KERNELS"
+SOURCE = Path(__file__).with_name("kernels.cpp")
+MODULE = "_mlx_tracer_kernels"
+# As MLX 0.32 builds its CPU kernels (`g++ -std=c++17 -O3`, no -march: no
+# contraction into fused multiply-adds), in C++20 for MLX's headers.
+FLAGS = ["-std=c++20", "-O3", "-shared", "-fPIC", "-fvisibility=hidden", "-DNB_DOMAIN=mlx", "-DNDEBUG", "-w"]
+
+_state = {"tried": False, "module": None, "why": None}
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    out = {}
+    for dist in ("mlx", "nanobind"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def _paths():
+    """(mlx's package folder, nanobind's package folder)."""
+    import mlx.core as mx
+    import nanobind
+
+    return Path(mx.__file__).parent, Path(nanobind.__file__).parent
+
+
+def module_file() -> Path:
+    v = _versions()
+    suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
+    key = "|".join([SOURCE.read_text(), " ".join(FLAGS), str(v), suffix, sys.version])
+    return cache_dir() / f"kernels-{hashlib.sha1(key.encode()).hexdigest()[:12]}{suffix}"
+
+
+def _compile(out: Path) -> None:
+    mlx_dir, nb_dir = _paths()
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        raise OSError("no C++ compiler (g++) to build the kernels; MLX's CPU compile needs one too")
+    py_include = sysconfig.get_paths()["include"]
+    cmd = [cxx, *FLAGS, f"-I{nb_dir / 'include'}", f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}",
+           f"-I{mlx_dir / 'include'}", f"-I{py_include}", str(SOURCE), str(nb_dir / "src" / "nb_combined.cpp"),
+           f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}", "-o", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+        raise OSError("kernel build failed: " + " | ".join(tail))
+
+
+def _import(path: Path, verify: bool = True):
+    if verify:
+        try:
+            want = _digest_file(path).read_text().strip()
+        except OSError:
+            want = None
+        if want != _sha256(path.read_bytes()):
+            raise OSError(f"{path} does not match the sha256 recorded when it was built")
+    loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
+    spec = importlib.util.spec_from_file_location(MODULE, str(path), loader=loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def _build(target: Path):
+    folder = writable_cache_dir()
+    with tempfile.TemporaryDirectory(prefix=".kernels-build-", dir=folder) as tmp:
+        out = Path(tmp) / target.name
+        _compile(out)
+        if folder is None:
+            return _import(out, verify=False)  # stays mapped after the folder is gone
+        digest = _digest_file(out)
+        digest.write_text(_sha256(out.read_bytes()) + "\n")
+        os.replace(digest, _digest_file(target))
+        os.replace(out, target)
+    return _import(target)
+
+
+def _check(module) -> None:
+    """The functions must take mx.array (same nanobind domain and ABI as mlx)."""
+    import mlx.core as mx
+
+    try:
+        got = module.swiglu(mx.array([[0.0, 2.0]]))
+        mx.eval(got)
+    except TypeError as e:
+        raise OSError(f"the kernels do not accept mx.array (nanobind does not match mlx's): {e}") from None
+
+
+def load():
+    """The kernels module, built if need be; ``None`` when off or unavailable
+    (:func:`status` says why). Tried once per process."""
+    if _state["tried"]:
+        return _state["module"]
+    _state["tried"] = True
+    if os.environ.get(ENV, "").lower() in ("0", "off", "false", "no"):
+        _state["why"] = f"off ({ENV}=0)"
+        return None
+    try:
+        import mlx.core as mx
+
+        if mx.default_device().type != mx.DeviceType.cpu:
+            _state["why"] = "not on the CPU backend"
+            return None
+        if _versions()["nanobind"] is None:
+            raise OSError("nanobind is not installed (pip install nanobind)")
+        target = module_file()
+        module = None
+        if target.exists():
+            try:
+                module = _import(target)
+            except (OSError, ImportError):
+                module = None  # damaged or stale: rebuilt below
+        if module is None:
+            module = _build(target)
+        _check(module)
+    except Exception as e:  # never an error: MLX's ops serve instead
+        _state["why"] = str(e)
+        return None
+    _state["module"] = module
+    return module
+
+
+def status() -> str:
+    """One line for ``mlx-tracer info``."""
+    module = load()
+    if module is not None:
+        return f"active: RMSNorm, RoPE + split, SwiGLU as single nodes ({Path(module.__file__).name})"
+    return f"not used: {_state['why']}"
