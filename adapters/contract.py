@@ -78,7 +78,8 @@ class LayerLayout:
         ("decode", "window" or "verify")."""
         cls = self.cache_class
         apply = cls.verify_apply if kind == "verify" else partial(cls.apply, kind == "decode")
-        return TracedCache(apply, keys, values, offset, writes, masks, layer)
+        column = cls.decode_column(writes) if kind == "decode" else None
+        return TracedCache(apply, keys, values, offset, writes, masks, layer, column)
 
     def check_serial(self, cache, layer: int):
         """Raise a clear error unless ``cache`` is this layer's serial mlx-lm cache."""

@@ -383,18 +383,40 @@ class FusedForward:
 
     def _decode_kernels(self, h, caches, masks, family_of, want: str, shared):
         """A decode step (L = 1) on the native kernels (:mod:`mlx_tracer.backend.kernels`):
-        the same arithmetic as :meth:`__call__`, bit for bit, in 15 nodes a
-        layer instead of 27. The residual stream is carried as ``h`` plus the
-        MLP's output ``carry``, summed inside the next norm."""
+        the same arithmetic as :meth:`__call__`, bit for bit, in fewer nodes.
+        With dense float32 projections a layer is ``layer_in`` (the previous
+        MLP's down projection and residual, the norm, q/k/v and RoPE),
+        the cache writes), and ``layer_mid`` (attention, output projection,
+        residual, norm, gate/up, SwiGLU): 2 nodes instead of 27. Otherwise
+        (quantized projections) the norms, RoPE, attention and SwiGLU are
+        kernels between MLX's matmuls: 11 nodes. The residual stream is
+        carried as ``h`` plus the MLP's output, summed inside the next norm."""
         K = self._native
         inner, B = self.model.model, h.shape[0]
         offsets = caches[0].offset
-        carry = None
+        dense = self._dense_f32()
+        carry = act = None  # the previous MLP's output (or, dense, its activation)
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             attn, g, b = layer.self_attn, self.groups[i], self.buffers
             nq, nk = attn.n_heads, attn.n_kv_heads
             R = nq // nk
-            norm = layer.input_layernorm
+            norm, post = layer.input_layernorm, layer.post_attention_layernorm
+            bias = self._bias(shared, masks, family_of[i], None, None, h.dtype)  # [B, 1, 1, S]
+            if dense and getattr(cache, "column", None) is not None:
+                qkv = b[f"qkv{i}"]
+                D = qkv["wt"].shape[1] // (nq + 2 * nk)
+                rot = self._rotation(shared, _table_rope(attn.rope), offsets, 1, (nq, nk, nk), D, attn.scale, h.dtype)
+                down = b[f"down{i - 1}"] if act is not None else {}
+                outs = K.layer_in(h, act, down.get("wt"), down.get("bias"), norm.weight, norm.eps, qkv["wt"],
+                                  qkv.get("bias"), rot.C, rot.S, rot.F, nq, nk, D, cache.keys, cache.values, cache.column)
+                if act is not None:
+                    h, *outs = outs  # h + down, to the bit
+                q, k, v = outs  # the queries, the buffers with this step's keys and values written
+                cache.written(k, v)
+                o, gu = b[f"o{i}"], b[f"gu{i}"]
+                h, act = K.layer_mid(q, k, v, bias, o["wt"], o.get("bias"), h, post.weight, post.eps, gu["wt"],
+                                     gu.get("bias"))  # h + a, silu(gate) * up
+                continue
             if carry is None:
                 (x,) = K.rms_norm(h, norm.weight, norm.eps)
             else:
@@ -404,12 +426,11 @@ class FusedForward:
             rot = self._rotation(shared, _table_rope(attn.rope), offsets, 1, (nq, nk, nk), D, attn.scale, y.dtype)
             q, k, v = K.rope_split(y, rot.C, rot.S, rot.F, B, nq, nk, D)  # [B, nk, R, D], [B, nk, 1, D] x 2
             k, v = cache.update_and_fetch(k, v)
-            scores = mx.addmm(self._bias(shared, masks, family_of[i], nk, R, y.dtype), q, k.swapaxes(-1, -2))
-            o = (mx.softmax(scores, axis=-1, precise=True) @ v).reshape(B, nq * D)
-            a = g["o"](o, b[f"o{i}"])
-            norm = layer.post_attention_layernorm
-            h, x = K.add_rms_norm(h, a, norm.weight, norm.eps)  # h + a
+            a = g["o"](K.decode_attention(q, k, v, bias), b[f"o{i}"])  # [B, nq * D] -> [B, hidden]
+            h, x = K.add_rms_norm(h, a, post.weight, post.eps)  # h + a
             carry = g["down"](K.swiglu(g["gu"](x, b[f"gu{i}"])), b[f"down{i}"])
+        if act is not None:
+            carry = self.groups[-1]["down"](act, self.buffers[f"down{len(self.layers) - 1}"])
         if want == "none":
             return None
         norm = inner.norm
@@ -425,6 +446,13 @@ class FusedForward:
             return inner.embed_tokens.as_linear(h)
         return self.model.lm_head(h)
 
+    def _dense_f32(self) -> bool:
+        """Whether every projection is a float32 ``Linear`` (the layer kernels' matmuls)."""
+        f32 = mx.float32
+        return all(grp.quant is None and all(buf[k].dtype == f32 for k in grp.keys if k != "weight") and buf["wt"].dtype == f32
+                   for i, groups in enumerate(self.groups) for name, grp in groups.items()
+                   for buf in (self.buffers[f"{name}{i}"],))
+
     @staticmethod
     def _rotation(shared, rope, offsets, L, heads, D, scale, dtype) -> HeadRotation:
         key = ("rot", rope, heads, D, scale, dtype)
@@ -438,13 +466,17 @@ class FusedForward:
         """A decode step's additive mask ``[B, nk, R, S]``: 0 where visible, the
         dtype's lowest value elsewhere (the value mlx's attention fallback puts
         there; a visible score plus 0 is the score, so the softmax is the
-        same). Every row sees at least one column (padding rows their own)."""
+        same). Every row sees at least one column (padding rows their own).
+        ``nk = None``: the rows ``[B, 1, 1, S]``, not broadcast."""
         key = ("bias", family, nk, R, dtype)
         if key not in shared:
-            mask = masks[family].get(1, None)  # [B, 1, 1, S]
-            low = mx.array(mx.finfo(dtype).min, dtype)
-            bias = mx.where(mask, mx.array(0, dtype), low)
-            shared[key] = mx.broadcast_to(bias, (mask.shape[0], nk, R, mask.shape[-1]))
+            rows = ("bias", family, None, None, dtype)
+            if rows not in shared:
+                mask = masks[family].get(1, None)  # [B, 1, 1, S]
+                low = mx.array(mx.finfo(dtype).min, dtype)
+                shared[rows] = mx.where(mask, mx.array(0, dtype), low)
+            bias = shared[rows]
+            shared[key] = bias if nk is None else mx.broadcast_to(bias, (bias.shape[0], nk, R, bias.shape[-1]))
         return shared[key]
 
     @staticmethod

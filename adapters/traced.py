@@ -47,8 +47,10 @@ class TracedCache:
     would pick quantized attention).
     """
 
-    def __init__(self, apply: Callable, keys: mx.array, values: mx.array, offset: mx.array, writes: tuple, masks: FamilyMasks, layer: int):
+    def __init__(self, apply: Callable, keys: mx.array, values: mx.array, offset: mx.array, writes: tuple, masks: FamilyMasks,
+                 layer: int, column: Optional[mx.array] = None):
         self.apply = apply
+        self.column = column  # a decode step: the int32 [1] column it writes in every row (else None)
         self.keys = keys  # [Bk, H, S, Dk]
         self.values = values  # [Bk, H, S, Dv]
         self.offset = offset  # [Bk] int32: the row's RoPE position
@@ -69,6 +71,15 @@ class TracedCache:
         self.updates += 1
         k_att, v_att, self.keys, self.values = self.apply(self.keys, self.values, keys, values, self.writes)
         return k_att, v_att
+
+    def written(self, keys: mx.array, values: mx.array):
+        """Take the buffers a kernel returned after writing this decode step's
+        keys and values at :attr:`column` itself (what ``update_and_fetch``
+        does with MLX ops)."""
+        if self.column is None or keys.shape != self.keys.shape or values.shape != self.values.shape:
+            raise ValueError(f"layer {self.layer}: a written cache needs a decode step and buffers shaped as its own")
+        self.updates += 1
+        self.keys, self.values = keys, values
 
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False, **kwargs):
         return self.masks.get(N, window_size)

@@ -294,6 +294,12 @@ class StaticKVCache:
         inside a compiled step; needs no cache instance."""
         raise NotImplementedError
 
+    @staticmethod
+    def decode_column(writes) -> mx.array:
+        """The int32 ``[1]`` column a decode step's ``apply`` writes in every
+        row (both kinds: ``write_columns`` at ``writes[0]``)."""
+        return writes[0]
+
     def advance(self, plan: StepPlan):  # pragma: no cover - abstract
         """Host bookkeeping after a step of ``plan`` was applied."""
         raise NotImplementedError

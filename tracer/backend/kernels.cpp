@@ -1,21 +1,29 @@
 // CPU kernels for the lean decode forward, as MLX primitives.
 //
 // Each kernel is one node of a compiled step's graph where MLX's CPU backend
-// needs several (its mx.fast ops run their multi-node fallbacks on the CPU).
-// Every kernel computes *the same bits* as the nodes it replaces: the same
-// functors (MLX's own headers, the ones its CPU compiler JIT-builds fused
-// kernels from), in the same order, compiled with the same flags
-// (-std=c++17 -O3, and -mavx2 -mfma -mf16c where the CPU has them), and a row
-// sum added in order from zero as MLX's reduction does on x86 (one lane).
+// needs several (its mx.fast ops run their multi-node fallbacks on the CPU,
+// and every op is a node the compiled step replays on the host each call).
+// Every kernel computes *the same bits* as the MLX ops it replaces:
+//  * element-wise math with MLX's own functors (the headers its CPU compiler
+//    JIT-builds fused kernels from), in the same order, compiled as MLX 0.32
+//    compiles them (-O3, no -march: no contraction into fused multiply-adds);
+//  * reductions (a norm's sum of squares, softmax's max and sum) one element
+//    at a time from the start, as MLX's CPU kernels run on x86 (one SIMD lane);
+//  * matrix products with the cblas_sgemm call MLX's CPU matmul makes for the
+//    same operands (same transposes, leading dimensions, alpha and beta; a
+//    bias copied into the output first, as mx.addmm does).
 // tests/test_kernels.py checks each against the MLX ops, bit for bit.
 //
 // Built and loaded by mlx_tracer/backend/kernels.py (see there).
 
+#include <algorithm>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
 #include "mlx/array.h"
@@ -24,6 +32,12 @@
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
 #include "mlx/stream.h"
+#include "mlx/types/limits.h"
+
+// The BLAS MLX's matmuls call (the process's global cblas_sgemm: the fast
+// BLAS shim when active, else the one libmlx links).
+extern "C" void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha, const float* A,
+                            int lda, const float* B, int ldb, float beta, float* C, int ldc);
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -36,38 +50,33 @@ using mx::detail::Square;
 
 namespace {
 
-// A row-contiguous copy of `a` when it is not one already (strided views).
-array dense(const array& a, std::vector<array>& temps) {
-  if (a.flags().row_contiguous) {
-    return a;
-  }
-  array out(a.shape(), a.dtype(), nullptr, {});
-  out.set_data(mx::allocator::malloc(out.nbytes()));
-  const float* src = a.data<float>();
-  float* dst = out.data<float>();
-  const int nd = a.ndim();
-  std::vector<int> idx(nd, 0);
-  for (size_t i = 0; i < out.size(); ++i) {
-    int64_t off = 0;
-    for (int d = 0; d < nd; ++d) {
-      off += int64_t(idx[d]) * a.strides()[d];
-    }
-    dst[i] = src[off];
-    for (int d = nd - 1; d >= 0; --d) {
-      if (++idx[d] < a.shape(d)) {
-        break;
-      }
-      idx[d] = 0;
-    }
-  }
-  temps.push_back(out);
-  return out;
-}
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 
+// ------------------------------------------------------------ array helpers
 void alloc(std::vector<array>& outputs) {
   for (auto& o : outputs) {
     o.set_data(mx::allocator::malloc(o.nbytes()));
   }
+}
+
+// The right operand of `x @ w` as MLX's CPU matmul hands it to cblas_sgemm:
+// [K, N] row-major (no transpose, ld N), a transposed view of a row-major
+// [N, K] (transpose, ld K: a Linear's weight.T), else a row-major copy.
+struct Operand {
+  array a;
+  bool trans;
+  int ld;
+};
+
+// --------------------------------------------------------------- row math
+// out [M, N] = x [M, K] @ w (+ bias [N], as mx.addmm: bias rows first, beta 1).
+void gemm(const float* x, int M, int K, const float* w, bool trans, int ldw, int N, const float* bias, float* out) {
+  if (bias != nullptr) {
+    for (int m = 0; m < M; ++m) {
+      std::memcpy(out + size_t(m) * N, bias, sizeof(float) * N);
+    }
+  }
+  cblas_sgemm(kRowMajor, kNoTrans, trans ? kTrans : kNoTrans, M, N, K, 1.0f, x, K, w, ldw, bias ? 1.0f : 0.0f, out, N);
 }
 
 // Sum of squares of a row, in order from zero: MLX's Square kernel writes
@@ -82,59 +91,205 @@ __attribute__((optimize("fp-contract=off"))) float sum_of_squares(const float* t
   return Add()(0.0f, acc);
 }
 
-// ------------------------------------------------------------------ RMSNorm
-// (x [+ r]) * rsqrt(mean((x [+ r])^2) + eps) * w over the last axis, as
-// mx.fast.rms_norm's CPU fallback computes it (and the lean forward's
-// residual norm): outputs the sum x + r (when r is given) and the norm.
-class RMSNormResidual : public mx::Primitive {
- public:
-  RMSNormResidual(mx::Stream s, float eps, bool residual) : mx::Primitive(s), eps_(eps), residual_(residual) {}
+// rows x [M, n] (+ r, the sum written to s) -> y = t * rsqrt(mean(t^2) + eps) * w
+// with t = x (+ r): mx.fast.rms_norm's CPU fallback (and the lean forward's
+// residual norm), kernel by kernel.
+void norm_rows(const float* x, const float* r, const float* w, float eps, size_t M, int n, float* s, float* y) {
+  const float inv = static_cast<float>(1.0 / n);
+  for (size_t i = 0; i < M; ++i) {
+    const float* xi = x + i * n;
+    const float* t = xi;
+    if (r != nullptr) {
+      const float* ri = r + i * n;
+      float* si = s + i * n;
+      for (int j = 0; j < n; ++j) {
+        si[j] = Add()(xi[j], ri[j]);
+      }
+      t = si;
+    }
+    const float ms = sum_of_squares(t, n);
+    float* yi = y + i * n;
+    for (int j = 0; j < n; ++j) {
+      float tmp_L = Multiply()(ms, inv);
+      float tmp_N = Add()(tmp_L, eps);
+      float tmp_O = Rsqrt()(tmp_N);
+      float tmp_Q = Multiply()(t[j], tmp_O);
+      yi[j] = Multiply()(tmp_Q, w[j]);
+    }
+  }
+}
 
-  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
-    std::vector<array> temps;
-    array x = dense(inputs[0], temps);
-    array r = residual_ ? dense(inputs[1], temps) : x;
-    array w = dense(inputs[residual_ ? 2 : 1], temps);
-    alloc(outputs);
-    array s = residual_ ? outputs[0] : x;
-    array y = outputs[residual_ ? 1 : 0];
-    const int n = x.shape(-1);
-    const size_t rows = x.size() / n;
-    const float inv = static_cast<float>(1.0 / n);
-    const float eps = eps_;
-    const bool residual = residual_;
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.add_temporaries(std::move(temps));
-    enc.dispatch([x, r, w, s, y, n, rows, inv, eps, residual]() mutable {
-      const float* xp = x.data<float>();
-      const float* rp = r.data<float>();
-      const float* wp = w.data<float>();
-      float* sp = s.data<float>();
-      float* yp = y.data<float>();
-      for (size_t i = 0; i < rows; ++i) {
-        const float* xi = xp + i * n;
-        float* si = sp + i * n;
-        if (residual) {
-          const float* ri = rp + i * n;
-          for (int j = 0; j < n; ++j) {
-            si[j] = Add()(xi[j], ri[j]);
-          }
+// y [M, H * D] rotated head by head as ((x * C) + (x_swapped * S)) * F (x_swapped:
+// the head's halves exchanged; C/S [M * H, D], F [M * H, 1]: the lean
+// forward's tables, values with C = 1, S = 0, F = 1), written out as q
+// [M, nq, D] (= [M, nk, R, D]), k [M, nk, D], v [M, nk, D].
+// `kv_stride`/`kv_cols`: the keys/values land in column `col` of buffers
+// [M, nk, kv_cols, D] instead (a decode step's cache write; 1 and 0: [M, nk, 1, D]).
+void rope_rows(const float* y, const float* C, const float* S, const float* F, size_t M, int nq, int nk, int D,
+               float* q, float* k, float* v, int kv_cols = 1, int col = 0) {
+  const int H = nq + 2 * nk, half = D / 2;
+  for (size_t m = 0; m < M; ++m) {
+    for (int h = 0; h < H; ++h) {
+      const size_t row = m * H + h;
+      const float* x = y + row * D;
+      const float* c = C + row * D;
+      const float* s = S + row * D;
+      const float f = F[row];
+      const size_t kv = ((m * nk + (h < nq + nk ? h - nq : h - nq - nk)) * kv_cols + col) * D;
+      float* o = h < nq ? q + (m * nq + h) * D : (h < nq + nk ? k + kv : v + kv);
+      for (int j = 0; j < D; ++j) {
+        float tmp_F = Multiply()(x[j], c[j]);
+        float tmp_G = Multiply()(x[j < half ? j + half : j - half], s[j]);
+        float tmp_H = Add()(tmp_F, tmp_G);
+        o[j] = Multiply()(tmp_H, f);
+      }
+    }
+  }
+}
+
+// MLX's CPU softmax of one row in place (float32, precise: max, fast exp, sum, times 1 / sum).
+void softmax_row(float* row, int S) {
+  using namespace mx::simd;
+  Simd<float, 1> vmaximum(-mx::numeric_limits<float>::infinity());
+  for (int j = 0; j < S; ++j) {
+    Simd<float, 1> vals = load<float, 1>(row + j);
+    vmaximum = maximum(vals, vmaximum);
+  }
+  const float top = max(vmaximum);
+  Simd<float, 1> vnormalizer(0.0);
+  for (int j = 0; j < S; ++j) {
+    Simd<float, 1> vexp = load<float, 1>(row + j);
+    vexp = exp(vexp - top);
+    store(row + j, vexp);
+    vnormalizer = vnormalizer + vexp;
+  }
+  float normalizer = sum(vnormalizer);
+  normalizer = 1 / normalizer;
+  for (int j = 0; j < S; ++j) {
+    store(row + j, Simd<float, 1>(load<float, 1>(row + j) * normalizer));
+  }
+}
+
+// Decode attention: q [B, nk, R, D] (scaled), keys/values [B, nk, S, D] blocks,
+// bias [B, S] -> o [B, nk * R * D]: mx.addmm(bias, q, k^T), softmax, @ v, as
+// MLX runs them (one sgemm per (row, key head)). `scores`: [R, S] scratch.
+void attention_rows(const float* q, const array& k, const array& v, const float* bias, int B, int nk, int R, int D,
+                    float* scores, float* o) {
+  const int S = k.shape(2);
+  const float* kp = k.data<float>();
+  const float* vp = v.data<float>();
+  for (int b = 0; b < B; ++b) {
+    for (int h = 0; h < nk; ++h) {
+      const size_t i = size_t(b) * nk + h;
+      for (int r = 0; r < R; ++r) {
+        std::memcpy(scores + size_t(r) * S, bias + size_t(b) * S, sizeof(float) * S);
+      }
+      const float* ki = kp + b * k.strides()[0] + h * k.strides()[1];
+      const float* vi = vp + b * v.strides()[0] + h * v.strides()[1];
+      cblas_sgemm(kRowMajor, kNoTrans, kTrans, R, S, D, 1.0f, q + i * R * D, D, ki, D, 1.0f, scores, S);
+      for (int r = 0; r < R; ++r) {
+        softmax_row(scores + size_t(r) * S, S);
+      }
+      cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, R, D, S, 1.0f, scores, S, vi, D, 0.0f, o + i * R * D, D);
+    }
+  }
+}
+
+// gu [M, 2F] -> silu(gate) * up [M, F] (gate: the first F columns).
+void swiglu_rows(const float* gu, size_t M, int F, float* out) {
+  for (size_t m = 0; m < M; ++m) {
+    const float* A = gu + m * 2 * F;
+    const float* B = A + F;
+    float* C = out + m * F;
+    for (int i = 0; i < F; ++i) {
+      float tmp_D = Sigmoid()(A[i]);
+      float tmp_E = Multiply()(A[i], tmp_D);
+      C[i] = Multiply()(tmp_E, B[i]);
+    }
+  }
+}
+
+// ------------------------------------------------------------- primitives
+class Kernel : public mx::Primitive {
+ public:
+  using mx::Primitive::Primitive;
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("mlx_tracer kernels: CPU only");
+  }
+
+ protected:
+  // Runs `f` on the stream's CPU worker, in order after the tasks that
+  // compute its inputs (eval_cpu only allocates; data is ready in `f`).
+  template <class F>
+  void run(F&& f) {
+    mx::cpu::get_command_encoder(stream()).dispatch(std::forward<F>(f));
+  }
+
+  // `a` row-contiguous: itself, or a copy made on the worker (strided views).
+  array dense(const array& a) {
+    if (a.flags().row_contiguous) {
+      return a;
+    }
+    array out(a.shape(), a.dtype(), nullptr, {});
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    run([a, out]() mutable {
+      const float* src = a.data<float>();
+      float* dst = out.data<float>();
+      const int nd = a.ndim();
+      std::vector<int> idx(nd, 0);
+      for (size_t i = 0; i < out.size(); ++i) {
+        int64_t off = 0;
+        for (int d = 0; d < nd; ++d) {
+          off += int64_t(idx[d]) * a.strides()[d];
         }
-        const float* t = residual ? si : xi;
-        float ms = sum_of_squares(t, n);
-        float* yi = yp + i * n;
-        for (int j = 0; j < n; ++j) {
-          float tmp_L = Multiply()(ms, inv);
-          float tmp_N = Add()(tmp_L, eps);
-          float tmp_O = Rsqrt()(tmp_N);
-          float tmp_Q = Multiply()(t[j], tmp_O);
-          yi[j] = Multiply()(tmp_Q, wp[j]);
+        dst[i] = src[off];
+        for (int d = nd - 1; d >= 0; --d) {
+          if (++idx[d] < a.shape(d)) {
+            break;
+          }
+          idx[d] = 0;
         }
       }
     });
+    return out;
   }
-  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
-    throw std::runtime_error("mlx_tracer kernels: CPU only");
+
+  // Keys/values [B, nk, S, D]: each [S, D] block row-major (any strides between blocks).
+  array blocks_dense(const array& a) {
+    return a.strides()[3] == 1 && a.strides()[2] == a.shape(3) ? a : dense(a);
+  }
+
+  Operand operand(const array& w) {
+    const int64_t stx = w.strides()[0], sty = w.strides()[1];
+    if (stx == w.shape(1) && sty == 1) {
+      return {w, false, int(stx)};
+    }
+    if (stx == 1 && sty == w.shape(0)) {
+      return {w, true, int(sty)};
+    }
+    array c = dense(w);
+    return {c, false, c.shape(1)};
+  }
+};
+
+// rms_norm / add_rms_norm: outputs (x + r,) norm.
+class RMSNormResidual : public Kernel {
+ public:
+  RMSNormResidual(mx::Stream s, float eps, bool residual) : Kernel(s), eps_(eps), residual_(residual) {}
+
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
+    array x = dense(inputs[0]);
+    array r = residual_ ? dense(inputs[1]) : x;
+    array w = dense(inputs.back());
+    alloc(outputs);
+    array s = residual_ ? outputs[0] : x, y = outputs.back();
+    const float eps = eps_;
+    const bool residual = residual_;
+    run([x, r, w, s, y, eps, residual]() mutable {
+      const int n = x.shape(-1);
+      norm_rows(x.data<float>(), residual ? r.data<float>() : nullptr, w.data<float>(), eps, x.size() / n, n,
+                residual ? s.data<float>() : nullptr, y.data<float>());
+    });
   }
   const char* name() const override {
     return residual_ ? "TracerAddRMSNorm" : "TracerRMSNorm";
@@ -145,62 +300,20 @@ class RMSNormResidual : public mx::Primitive {
   bool residual_;
 };
 
-// -------------------------------------------------------------------- RoPE
-// y [M, H * D] (the q/k/v projection of M = B rows, one token each) rotated
-// head by head as ((x * C) + (x_swapped * S)) * F, x_swapped the two halves
-// of the head exchanged, C/S [M * H, D] and F [M * H, 1] the tables of the
-// lean forward (values carry C = 1, S = 0, F = 1): written out as q
-// [B, nk, R, D], k [B, nk, 1, D], v [B, nk, 1, D].
-class RopeSplit : public mx::Primitive {
+// y, C, S, F -> q [B, nk, R, D], k, v [B, nk, 1, D].
+class RopeSplit : public Kernel {
  public:
-  RopeSplit(mx::Stream s, int nq, int nk, int D) : mx::Primitive(s), nq_(nq), nk_(nk), D_(D) {}
+  RopeSplit(mx::Stream s, int nq, int nk, int D) : Kernel(s), nq_(nq), nk_(nk), D_(D) {}
 
   void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
-    std::vector<array> temps;
-    array y = dense(inputs[0], temps), C = dense(inputs[1], temps), S = dense(inputs[2], temps), F = dense(inputs[3], temps);
+    array y = dense(inputs[0]), C = dense(inputs[1]), S = dense(inputs[2]), F = dense(inputs[3]);
     alloc(outputs);
     array q = outputs[0], k = outputs[1], v = outputs[2];
-    const int nq = nq_, nk = nk_, D = D_, H = nq + 2 * nk, half = D / 2;
-    const size_t M = y.size() / (size_t(H) * D);
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.add_temporaries(std::move(temps));
-    enc.dispatch([y, C, S, F, q, k, v, nq, nk, D, H, half, M]() mutable {
-      const float* yp = y.data<float>();
-      const float* cp = C.data<float>();
-      const float* sp = S.data<float>();
-      const float* fp = F.data<float>();
-      float* outs[3] = {q.data<float>(), k.data<float>(), v.data<float>()};
-      for (size_t m = 0; m < M; ++m) {
-        for (int h = 0; h < H; ++h) {
-          const float* x = yp + (m * H + h) * D;
-          const size_t row = m * H + h;
-          const float* c = cp + row * D;
-          const float* s = sp + row * D;
-          const float f = fp[row];
-          float* o;
-          if (h < nq) {
-            o = outs[0] + (m * nq + h) * D;
-          } else if (h < nq + nk) {
-            o = outs[1] + (m * nk + (h - nq)) * D;
-          } else {
-            o = outs[2] + (m * nk + (h - nq - nk)) * D;
-          }
-          for (int j = 0; j < D; ++j) {
-            float tmp_A = x[j];
-            float tmp_B = c[j];
-            float tmp_C = x[j < half ? j + half : j - half];
-            float tmp_D = s[j];
-            float tmp_F = Multiply()(tmp_A, tmp_B);
-            float tmp_G = Multiply()(tmp_C, tmp_D);
-            float tmp_H = Add()(tmp_F, tmp_G);
-            o[j] = Multiply()(tmp_H, f);
-          }
-        }
-      }
+    const int nq = nq_, nk = nk_, D = D_;
+    run([=]() mutable {
+      rope_rows(y.data<float>(), C.data<float>(), S.data<float>(), F.data<float>(), q.shape(0), nq, nk, D,
+                q.data<float>(), k.data<float>(), v.data<float>());
     });
-  }
-  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
-    throw std::runtime_error("mlx_tracer kernels: CPU only");
   }
   const char* name() const override {
     return "TracerRopeSplit";
@@ -210,49 +323,170 @@ class RopeSplit : public mx::Primitive {
   int nq_, nk_, D_;
 };
 
-// ------------------------------------------------------------------ SwiGLU
-// gu [M, 2F] -> silu(gate) * up [M, F], gate = gu[:, :F], up = gu[:, F:].
-class SwiGLU : public mx::Primitive {
+// gu [M, 2F] -> [M, F].
+class SwiGLU : public Kernel {
  public:
-  explicit SwiGLU(mx::Stream s) : mx::Primitive(s) {}
+  using Kernel::Kernel;
 
   void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
-    std::vector<array> temps;
-    array gu = dense(inputs[0], temps);
+    array gu = dense(inputs[0]);
     alloc(outputs);
     array out = outputs[0];
-    const int F = out.shape(-1);
-    const size_t M = out.size() / F;
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.add_temporaries(std::move(temps));
-    enc.dispatch([gu, out, F, M]() mutable {
-      const float* g = gu.data<float>();
-      float* o = out.data<float>();
-      for (size_t m = 0; m < M; ++m) {
-        const float* A = g + m * 2 * F;
-        const float* B = A + F;
-        float* C = o + m * F;
-        for (int i = 0; i < F; ++i) {
-          float tmp_A = A[i];
-          float tmp_B = B[i];
-          float tmp_D = Sigmoid()(tmp_A);
-          float tmp_E = Multiply()(tmp_A, tmp_D);
-          C[i] = Multiply()(tmp_E, tmp_B);
-        }
-      }
+    run([gu, out]() mutable {
+      const int F = out.shape(-1);
+      swiglu_rows(gu.data<float>(), out.size() / F, F, out.data<float>());
     });
-  }
-  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
-    throw std::runtime_error("mlx_tracer kernels: CPU only");
   }
   const char* name() const override {
     return "TracerSwiGLU";
   }
 };
 
-void need_f32(const array& a, const char* what) {
-  if (a.dtype() != mx::float32) {
-    throw std::invalid_argument(std::string("mlx_tracer kernels: ") + what + " must be float32");
+// q [B, nk, R, D], keys, values [B, nk, S, D], bias [B, 1, 1, S] -> o [B, nk * R * D].
+class DecodeAttention : public Kernel {
+ public:
+  using Kernel::Kernel;
+
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
+    array q = dense(inputs[0]), bias = dense(inputs[3]);
+    array k = blocks_dense(inputs[1]), v = blocks_dense(inputs[2]);
+    alloc(outputs);
+    array o = outputs[0];
+    run([q, k, v, bias, o]() mutable {
+      const int R = q.shape(2);
+      std::vector<float> scores(size_t(R) * k.shape(2));
+      attention_rows(q.data<float>(), k, v, bias.data<float>(), q.shape(0), q.shape(1), R, q.shape(3), scores.data(),
+                     o.data<float>());
+    });
+  }
+  const char* name() const override {
+    return "TracerDecodeAttention";
+  }
+};
+
+// A decoder layer up to its attention, for one decode token per row:
+//   [h_new = h + act @ w_down (+ b_down)]        (the previous layer's MLP output)
+//   x = rms_norm(h_new or h), y = x @ w_qkv (+ b_qkv), q, k, v = rope_split(y)
+//   keys/values written at column `col` of the cache buffers (in place when
+//   MLX may donate them, as its slice_update does; `col` clamped likewise)
+// inputs: h, [act, w_down, (b_down)], norm_w, w_qkv, (b_qkv), C, S, F, kbuf, vbuf, col
+// outputs: [h_new], q [B, nk, R, D], kbuf', vbuf' [B, nk, S, D]
+class LayerIn : public Kernel {
+ public:
+  LayerIn(mx::Stream s, float eps, bool carry, bool b_down, bool b_qkv, int nq, int nk, int D)
+      : Kernel(s), eps_(eps), carry_(carry), b_down_(b_down), b_qkv_(b_qkv), nq_(nq), nk_(nk), D_(D) {}
+
+  void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
+    size_t i = 0;
+    array h = dense(in[i++]);
+    std::optional<array> act, bd, bq;
+    std::optional<Operand> wd;
+    if (carry_) {
+      act = dense(in[i++]);
+      wd = operand(in[i++]);
+      if (b_down_) bd = dense(in[i++]);
+    }
+    array nw = dense(in[i++]);
+    Operand wq = operand(in[i++]);
+    if (b_qkv_) bq = dense(in[i++]);
+    array C = dense(in[i++]), S = dense(in[i++]), F = dense(in[i++]);
+    array kbuf = in[i++], vbuf = in[i++], col = in[i++];
+    size_t o = carry_ ? 1 : 0;
+    for (size_t j = 0; j < o + 1; ++j) {
+      outputs[j].set_data(mx::allocator::malloc(outputs[j].nbytes()));
+    }
+    array kout = outputs[o + 1], vout = outputs[o + 2];
+    take_buffer(kbuf, kout);
+    take_buffer(vbuf, vout);
+    const float eps = eps_;
+    const int nq = nq_, nk = nk_, D = D_;
+    std::vector<array> outs = outputs;
+    run([=]() mutable {
+      const int B = h.shape(0), hid = h.shape(1), N = (nq + 2 * nk) * D, cols = kout.shape(2);
+      const int c = std::clamp(col.data<int32_t>()[0], 0, cols - 1);
+      std::vector<float> x(size_t(B) * hid), y(size_t(B) * N);
+      if (act) {
+        std::vector<float> carry(size_t(B) * hid);
+        gemm(act->data<float>(), B, act->shape(1), wd->a.data<float>(), wd->trans, wd->ld, hid,
+             bd ? bd->data<float>() : nullptr, carry.data());
+        norm_rows(h.data<float>(), carry.data(), nw.data<float>(), eps, B, hid, outs[0].data<float>(), x.data());
+      } else {
+        norm_rows(h.data<float>(), nullptr, nw.data<float>(), eps, B, hid, nullptr, x.data());
+      }
+      gemm(x.data(), B, hid, wq.a.data<float>(), wq.trans, wq.ld, N, bq ? bq->data<float>() : nullptr, y.data());
+      rope_rows(y.data(), C.data<float>(), S.data<float>(), F.data<float>(), B, nq, nk, D, outs[o].data<float>(),
+                kout.data<float>(), vout.data<float>(), cols, c);
+    });
+  }
+  const char* name() const override {
+    return "TracerLayerIn";
+  }
+
+ private:
+  // `out` takes `buf`'s memory when MLX may donate it (no other reference),
+  // else a row-major copy made on the worker.
+  void take_buffer(const array& buf, array& out) {
+    if (buf.is_donatable() && buf.flags().row_contiguous) {
+      out.copy_shared_buffer(buf);
+      return;
+    }
+    array src = dense(buf);
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    run([src, out]() mutable { std::memcpy(out.data<float>(), src.data<float>(), out.nbytes()); });
+  }
+
+  float eps_;
+  bool carry_, b_down_, b_qkv_;
+  int nq_, nk_, D_;
+};
+
+// A decoder layer from its attention to the MLP's activation:
+//   o = attention(q, keys, values, bias), a = o @ w_o (+ b_o)
+//   h_mid = h + a, x = rms_norm(h_mid), act = swiglu(x @ w_gu (+ b_gu))
+// inputs: q, keys, values, bias, w_o, (b_o), h, norm_w, w_gu, (b_gu)
+// outputs: h_mid [B, hidden], act [B, F]
+class LayerMid : public Kernel {
+ public:
+  LayerMid(mx::Stream s, float eps, bool b_o, bool b_gu) : Kernel(s), eps_(eps), b_o_(b_o), b_gu_(b_gu) {}
+
+  void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
+    size_t i = 0;
+    array q = dense(in[i++]), k = blocks_dense(in[i++]), v = blocks_dense(in[i++]);
+    array bias = dense(in[i++]);
+    Operand wo = operand(in[i++]);
+    std::optional<array> bo, bg;
+    if (b_o_) bo = dense(in[i++]);
+    array h = dense(in[i++]), nw = dense(in[i++]);
+    Operand wg = operand(in[i++]);
+    if (b_gu_) bg = dense(in[i++]);
+    alloc(outputs);
+    array h_mid = outputs[0], act = outputs[1];
+    const float eps = eps_;
+    run([=]() mutable {
+      const int B = q.shape(0), nk = q.shape(1), R = q.shape(2), D = q.shape(3), hid = h.shape(1), F = act.shape(1);
+      const int nqD = nk * R * D;
+      std::vector<float> scores(size_t(R) * k.shape(2)), o(size_t(B) * nqD), a(size_t(B) * hid), x(size_t(B) * hid),
+          gu(size_t(B) * 2 * F);
+      attention_rows(q.data<float>(), k, v, bias.data<float>(), B, nk, R, D, scores.data(), o.data());
+      gemm(o.data(), B, nqD, wo.a.data<float>(), wo.trans, wo.ld, hid, bo ? bo->data<float>() : nullptr, a.data());
+      norm_rows(h.data<float>(), a.data(), nw.data<float>(), eps, B, hid, h_mid.data<float>(), x.data());
+      gemm(x.data(), B, hid, wg.a.data<float>(), wg.trans, wg.ld, 2 * F, bg ? bg->data<float>() : nullptr, gu.data());
+      swiglu_rows(gu.data(), B, F, act.data<float>());
+    });
+  }
+  const char* name() const override {
+    return "TracerLayerMid";
+  }
+
+ private:
+  float eps_;
+  bool b_o_, b_gu_;
+};
+
+// -------------------------------------------------------------- bindings
+void need(bool ok, const char* what) {
+  if (!ok) {
+    throw std::invalid_argument(std::string("mlx_tracer kernels: ") + what);
   }
 }
 
@@ -260,46 +494,107 @@ mx::Stream cpu_stream() {
   return mx::default_stream(mx::Device::cpu);
 }
 
-std::vector<array> rms_norm(const array& x, const array& w, float eps) {
-  need_f32(x, "x");
-  need_f32(w, "weight");
-  if (w.ndim() != 1 || w.shape(0) != x.shape(-1)) {
-    throw std::invalid_argument("mlx_tracer kernels: rms_norm weight must be [x.shape[-1]]");
+template <class P, class... A>
+std::vector<array> make(std::vector<mx::Shape> shapes, std::vector<array> inputs, A... args) {
+  for (auto& a : inputs) {
+    need(a.dtype() == mx::float32 || (a.dtype() == mx::int32 && a.size() == 1), "inputs must be float32");
   }
-  return array::make_arrays({x.shape()}, {mx::float32}, std::make_shared<RMSNormResidual>(cpu_stream(), eps, false), {x, w});
+  std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
+  return array::make_arrays(std::move(shapes), dtypes, std::make_shared<P>(cpu_stream(), args...), inputs);
+}
+
+// w: a weight operand [K, N] of `x @ w`
+void need_weight(const array& w, int K, const char* what) {
+  need(w.ndim() == 2 && w.shape(0) == K, what);
+}
+
+std::vector<array> rms_norm(const array& x, const array& w, float eps) {
+  need(w.ndim() == 1 && w.shape(0) == x.shape(-1), "rms_norm weight must be [x.shape[-1]]");
+  return make<RMSNormResidual>({x.shape()}, {x, w}, eps, false);
 }
 
 std::vector<array> add_rms_norm(const array& x, const array& r, const array& w, float eps) {
-  need_f32(x, "x");
-  need_f32(r, "residual");
-  need_f32(w, "weight");
-  if (x.shape() != r.shape() || w.ndim() != 1 || w.shape(0) != x.shape(-1)) {
-    throw std::invalid_argument("mlx_tracer kernels: add_rms_norm needs x and r of one shape, weight [x.shape[-1]]");
-  }
-  return array::make_arrays({x.shape(), x.shape()}, {mx::float32, mx::float32},
-                            std::make_shared<RMSNormResidual>(cpu_stream(), eps, true), {x, r, w});
+  need(x.shape() == r.shape() && w.ndim() == 1 && w.shape(0) == x.shape(-1),
+       "add_rms_norm needs x and r of one shape, weight [x.shape[-1]]");
+  return make<RMSNormResidual>({x.shape(), x.shape()}, {x, r, w}, eps, true);
+}
+
+void need_rope(size_t y_size, const array& C, const array& S, const array& F, int B, int nq, int nk, int D) {
+  const size_t H = nq + 2 * nk;
+  need(nk > 0 && nq % nk == 0 && D % 2 == 0 && y_size == B * H * D && C.size() == y_size && S.size() == y_size &&
+           F.size() == B * H,
+       "rope shapes do not match (y [B, (nq + 2 nk) D], C/S [B (nq + 2 nk), D], F [B (nq + 2 nk), 1])");
 }
 
 std::vector<array> rope_split(const array& y, const array& C, const array& S, const array& F, int B, int nq, int nk, int D) {
-  for (auto* a : {&y, &C, &S, &F}) {
-    need_f32(*a, "rope input");
-  }
-  const int H = nq + 2 * nk;
-  if (nq % nk || D % 2 || y.size() != size_t(B) * H * D || C.size() != y.size() || S.size() != y.size() ||
-      F.size() != size_t(B) * H) {
-    throw std::invalid_argument("mlx_tracer kernels: rope_split shapes do not match");
-  }
-  const int R = nq / nk;
-  return array::make_arrays({{B, nk, R, D}, {B, nk, 1, D}, {B, nk, 1, D}}, {mx::float32, mx::float32, mx::float32},
-                            std::make_shared<RopeSplit>(cpu_stream(), nq, nk, D), {y, C, S, F});
+  need_rope(y.size(), C, S, F, B, nq, nk, D);
+  return make<RopeSplit>({{B, nk, nq / nk, D}, {B, nk, 1, D}, {B, nk, 1, D}}, {y, C, S, F}, nq, nk, D);
 }
 
 array swiglu(const array& gu) {
-  need_f32(gu, "gate/up");
-  if (gu.ndim() != 2 || gu.shape(1) % 2) {
-    throw std::invalid_argument("mlx_tracer kernels: swiglu needs [M, 2F]");
+  need(gu.ndim() == 2 && gu.shape(1) % 2 == 0, "swiglu needs [M, 2F]");
+  return make<SwiGLU>({{gu.shape(0), gu.shape(1) / 2}}, {gu})[0];
+}
+
+void need_attention(const array& q, const array& k, const array& v, const array& bias) {
+  need(q.ndim() == 4 && k.ndim() == 4 && k.shape() == v.shape() && k.shape(0) == q.shape(0) &&
+           k.shape(1) == q.shape(1) && k.shape(3) == q.shape(3) && bias.shape() == mx::Shape{q.shape(0), 1, 1, k.shape(2)},
+       "decode attention needs q [B, nk, R, D], keys/values [B, nk, S, D], bias [B, 1, 1, S]");
+}
+
+array decode_attention(const array& q, const array& k, const array& v, const array& bias) {
+  need_attention(q, k, v, bias);
+  return make<DecodeAttention>({{q.shape(0), q.shape(1) * q.shape(2) * q.shape(3)}}, {q, k, v, bias})[0];
+}
+
+std::vector<array> layer_in(const array& h, std::optional<array> act, std::optional<array> w_down,
+                            std::optional<array> b_down, const array& norm_w, float eps, const array& w_qkv,
+                            std::optional<array> b_qkv, const array& C, const array& S, const array& F, int nq, int nk,
+                            int D, const array& kbuf, const array& vbuf, const array& col) {
+  need(h.ndim() == 2 && norm_w.ndim() == 1 && norm_w.shape(0) == h.shape(1), "layer_in needs h [B, hidden], norm [hidden]");
+  const int B = h.shape(0), hid = h.shape(1), N = (nq + 2 * nk) * D;
+  need(act.has_value() == w_down.has_value() && (!b_down || act), "layer_in: act and w_down go together");
+  std::vector<array> inputs{h};
+  std::vector<mx::Shape> shapes;
+  if (act) {
+    need(act->ndim() == 2 && act->shape(0) == B, "layer_in: act must be [B, F]");
+    need_weight(*w_down, act->shape(1), "layer_in: w_down must be [F, hidden]");
+    need(w_down->shape(1) == hid && (!b_down || b_down->size() == size_t(hid)), "layer_in: w_down/b_down width");
+    inputs.insert(inputs.end(), {*act, *w_down});
+    if (b_down) inputs.push_back(*b_down);
+    shapes.push_back(h.shape());
   }
-  return array::make_arrays({{gu.shape(0), gu.shape(1) / 2}}, {mx::float32}, std::make_shared<SwiGLU>(cpu_stream()), {gu})[0];
+  need_weight(w_qkv, hid, "layer_in: w_qkv must be [hidden, (nq + 2 nk) D]");
+  need(w_qkv.shape(1) == N && (!b_qkv || b_qkv->size() == size_t(N)), "layer_in: w_qkv/b_qkv width");
+  need_rope(size_t(B) * N, C, S, F, B, nq, nk, D);
+  need(kbuf.ndim() == 4 && kbuf.shape() == vbuf.shape() && kbuf.shape(0) == B && kbuf.shape(1) == nk &&
+           kbuf.shape(3) == D,
+       "layer_in: cache buffers must be [B, nk, S, D]");
+  need(col.dtype() == mx::int32 && col.size() == 1, "layer_in: col must be int32 [1]");
+  inputs.insert(inputs.end(), {norm_w, w_qkv});
+  if (b_qkv) inputs.push_back(*b_qkv);
+  inputs.insert(inputs.end(), {C, S, F, kbuf, vbuf, col});
+  shapes.insert(shapes.end(), {{B, nk, nq / nk, D}, kbuf.shape(), vbuf.shape()});
+  return make<LayerIn>(std::move(shapes), std::move(inputs), eps, bool(act), bool(b_down), bool(b_qkv), nq, nk, D);
+}
+
+std::vector<array> layer_mid(const array& q, const array& k, const array& v, const array& bias, const array& w_o,
+                             std::optional<array> b_o, const array& h, const array& norm_w, float eps,
+                             const array& w_gu, std::optional<array> b_gu) {
+  need_attention(q, k, v, bias);
+  const int B = q.shape(0), nqD = q.shape(1) * q.shape(2) * q.shape(3);
+  need(h.ndim() == 2 && h.shape(0) == B && norm_w.ndim() == 1 && norm_w.shape(0) == h.shape(1),
+       "layer_mid needs h [B, hidden], norm [hidden]");
+  const int hid = h.shape(1);
+  need_weight(w_o, nqD, "layer_mid: w_o must be [nq D, hidden]");
+  need(w_o.shape(1) == hid && (!b_o || b_o->size() == size_t(hid)), "layer_mid: w_o/b_o width");
+  need_weight(w_gu, hid, "layer_mid: w_gu must be [hidden, 2F]");
+  need(w_gu.shape(1) % 2 == 0 && (!b_gu || b_gu->size() == size_t(w_gu.shape(1))), "layer_mid: w_gu/b_gu width");
+  std::vector<array> inputs{q, k, v, bias, w_o};
+  if (b_o) inputs.push_back(*b_o);
+  inputs.insert(inputs.end(), {h, norm_w, w_gu});
+  if (b_gu) inputs.push_back(*b_gu);
+  return make<LayerMid>({h.shape(), {B, w_gu.shape(1) / 2}}, std::move(inputs), eps, bool(b_o), bool(b_gu));
 }
 
 }  // namespace
@@ -310,4 +605,10 @@ NB_MODULE(_mlx_tracer_kernels, m) {
   m.def("rope_split", &rope_split, nb::arg("y"), nb::arg("C"), nb::arg("S"), nb::arg("F"), nb::arg("B"), nb::arg("nq"),
         nb::arg("nk"), nb::arg("D"));
   m.def("swiglu", &swiglu, nb::arg("gu"));
+  m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("bias"));
+  m.def("layer_in", &layer_in, nb::arg("h"), nb::arg("act").none(), nb::arg("w_down").none(), nb::arg("b_down").none(),
+        nb::arg("norm_w"), nb::arg("eps"), nb::arg("w_qkv"), nb::arg("b_qkv").none(), nb::arg("C"), nb::arg("S"),
+        nb::arg("F"), nb::arg("nq"), nb::arg("nk"), nb::arg("D"), nb::arg("kbuf"), nb::arg("vbuf"), nb::arg("col"));
+  m.def("layer_mid", &layer_mid, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("bias"), nb::arg("w_o"),
+        nb::arg("b_o").none(), nb::arg("h"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("w_gu"), nb::arg("b_gu").none());
 }
