@@ -263,8 +263,13 @@ class FusedForward:
     def refresh(self, force: bool = False) -> bool:
         """Rebuild the fused buffers if a source module or array changed;
         returns whether the lean forward is active."""
-        if not force and not any(map(operator.is_not, map(operator.getitem, self._containers, self._keys), self._expected)):
-            return self.active
+        if not force:
+            if self._tags is not None and not any(map(operator.is_not, self._list_items(), self._list_expected)) \
+                    and self._tags == self._versions(self._dicts):
+                return self.active  # no watched dict was written to
+            if not any(map(operator.is_not, map(operator.getitem, self._containers, self._keys), self._expected)):
+                self._tags = self._versions(self._dicts) if self._versions else None  # written, but with the same objects
+                return self.active
         self.buffers.clear()
         self.generation += 1
         self._set_watch([])
@@ -301,10 +306,27 @@ class FusedForward:
         return True
 
     def _set_watch(self, watch: List[tuple]):
-        # the per-step check runs as C-level map() loops over these three
+        # the full check runs as C-level map() loops over these three
         self._containers = [c for c, _, _ in watch]
         self._keys = [k for _, k, _ in watch]
         self._expected = [v for _, _, v in watch]
+        # the per-step check: the version tags of the watched dicts (modules;
+        # a set item gives its dict a new tag) and the entries of the rest
+        # (the layer list), when the kernels module can read tags
+        dicts = {id(c): c for c, _, _ in watch if isinstance(c, dict)}
+        self._dicts = list(dicts.values())
+        others = [(c, k, v) for c, k, v in watch if not isinstance(c, dict)]
+        self._list_containers, self._list_keys = [c for c, _, _ in others], [k for _, k, _ in others]
+        self._list_expected = [v for _, _, v in others]
+        if not hasattr(self, "_versions"):
+            from mlx_tracer.backend import kernels
+
+            native = kernels.load()
+            self._versions = getattr(native, "dict_versions", None)
+        self._tags = self._versions(self._dicts) if self._versions and watch else None
+
+    def _list_items(self):
+        return map(operator.getitem, self._list_containers, self._list_keys)
 
     # -- graph
     def __call__(self, tokens: mx.array, caches, masks, family_of, want: str, last: Optional[mx.array] = None):

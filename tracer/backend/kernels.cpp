@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <stdexcept>
 #include <vector>
 
@@ -368,7 +369,7 @@ class DecodeAttention : public Kernel {
 //   [h_new = h + act @ w_down (+ b_down)]        (the previous layer's MLP output)
 //   x = rms_norm(h_new or h), y = x @ w_qkv (+ b_qkv), q, k, v = rope_split(y)
 //   keys/values written at column `col` of the cache buffers (in place when
-//   MLX may donate them, as its slice_update does; `col` clamped likewise)
+//   MLX may donate them, as its slice_update does; `col` clamped to the buffer)
 // inputs: h, [act, w_down, (b_down)], norm_w, w_qkv, (b_qkv), C, S, F, kbuf, vbuf, col
 // outputs: [h_new], q [B, nk, R, D], kbuf', vbuf' [B, nk, S, D]
 class LayerIn : public Kernel {
@@ -390,14 +391,18 @@ class LayerIn : public Kernel {
     Operand wq = operand(in[i++]);
     if (b_qkv_) bq = dense(in[i++]);
     array C = dense(in[i++]), S = dense(in[i++]), F = dense(in[i++]);
-    array kbuf = in[i++], vbuf = in[i++], col = in[i++];
+    // the buffers: checked for donation where the graph holds them (a copy
+    // of the array would count as one more reference)
+    const array& kbuf = in[i++];
+    const array& vbuf = in[i++];
+    array col = in[i++];
     size_t o = carry_ ? 1 : 0;
     for (size_t j = 0; j < o + 1; ++j) {
       outputs[j].set_data(mx::allocator::malloc(outputs[j].nbytes()));
     }
+    take_buffer(kbuf, outputs[o + 1], outputs.size());
+    take_buffer(vbuf, outputs[o + 2], outputs.size());
     array kout = outputs[o + 1], vout = outputs[o + 2];
-    take_buffer(kbuf, kout);
-    take_buffer(vbuf, vout);
     const float eps = eps_;
     const int nq = nq_, nk = nk_, D = D_;
     std::vector<array> outs = outputs;
@@ -423,10 +428,18 @@ class LayerIn : public Kernel {
   }
 
  private:
-  // `out` takes `buf`'s memory when MLX may donate it (no other reference),
-  // else a row-major copy made on the worker.
-  void take_buffer(const array& buf, array& out) {
-    if (buf.is_donatable() && buf.flags().row_contiguous) {
+  // `out` takes `buf`'s memory when MLX may donate it, else a row-major copy
+  // made on the worker. The test is array::is_donatable() allowing the
+  // references this node's own outputs hold: MLX gives each output of a
+  // multi-output node its own copy of the inputs, so a buffer nobody else
+  // holds is referenced once per output here (and once in all for MLX's
+  // single-output slice_update).
+  void take_buffer(const array& buf, array& out, size_t outputs) {
+    static_assert(sizeof(array) == sizeof(std::shared_ptr<void>), "mlx::core::array is one shared_ptr");
+    const long holders = reinterpret_cast<const std::shared_ptr<void>*>(&buf)->use_count();
+    const auto& data = buf.data_shared_ptr();
+    if (holders <= long(outputs) && data.use_count() == 1 && data->is_owned() && buf.flags().row_contiguous &&
+        buf.buffer_size() == out.nbytes()) {
       out.copy_shared_buffer(buf);
       return;
     }
@@ -597,6 +610,28 @@ std::vector<array> layer_mid(const array& q, const array& k, const array& v, con
   return make<LayerMid>({h.shape(), {B, w_gu.shape(1) / 2}}, std::move(inputs), eps, bool(b_o), bool(b_gu));
 }
 
+// The version tags of `dicts` as bytes (8 each), or None where this Python
+// keeps none. CPython gives a dict a new tag on every change, so equal tags
+// mean nothing in them was set: the lean forward's weight watch compares
+// these instead of every watched entry (nn.Module is a dict).
+nb::object dict_versions(nb::list dicts) {
+#if PY_VERSION_HEX >= 0x030E0000
+  return nb::none();
+#else
+  const size_t n = nb::len(dicts);
+  std::string out(n * sizeof(uint64_t), '\0');
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* d = PyList_GET_ITEM(dicts.ptr(), i);
+    if (!PyDict_Check(d)) {
+      throw std::invalid_argument("mlx_tracer kernels: dict_versions takes a list of dicts");
+    }
+    const uint64_t tag = reinterpret_cast<PyDictObject*>(d)->ma_version_tag;
+    std::memcpy(out.data() + i * sizeof(uint64_t), &tag, sizeof(uint64_t));
+  }
+  return nb::bytes(out.data(), out.size());
+#endif
+}
+
 }  // namespace
 
 NB_MODULE(_mlx_tracer_kernels, m) {
@@ -609,6 +644,7 @@ NB_MODULE(_mlx_tracer_kernels, m) {
   m.def("layer_in", &layer_in, nb::arg("h"), nb::arg("act").none(), nb::arg("w_down").none(), nb::arg("b_down").none(),
         nb::arg("norm_w"), nb::arg("eps"), nb::arg("w_qkv"), nb::arg("b_qkv").none(), nb::arg("C"), nb::arg("S"),
         nb::arg("F"), nb::arg("nq"), nb::arg("nk"), nb::arg("D"), nb::arg("kbuf"), nb::arg("vbuf"), nb::arg("col"));
+  m.def("dict_versions", &dict_versions, nb::arg("dicts"));
   m.def("layer_mid", &layer_mid, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("bias"), nb::arg("w_o"),
         nb::arg("b_o").none(), nb::arg("h"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("w_gu"), nb::arg("b_gu").none());
 }

@@ -70,7 +70,7 @@ def info(args) -> int:
     from importlib import metadata
 
     from .. import bench
-    from ..backend import blas
+    from ..backend import blas, kernels
     from ..loading import format_cache, store
     from ..loading.weights import available_memory
 
@@ -79,6 +79,7 @@ def info(args) -> int:
     st = blas.status()
     print(f"BLAS         {st.note}")
     print(f"             cblas_sgemm from {st.library}")
+    print(f"kernels      {kernels.status()}")
     m = bench.Machine.measure()
     rate = "fast" if m.gemm_gflops > 10 else "reference-class"
     print(f"             measured fp32 GEMM 8x4096x4096: {m.gemm_gflops:.1f} GFLOP/s ({rate}); "
