@@ -248,14 +248,16 @@ def _norm_of_sum(h: mx.array, a: mx.array, norm) -> mx.array:
 class FusedForward:
     """The lean forward of one qualifying model (see the module docstring)."""
 
-    def __init__(self, model):
+    def __init__(self, model, native=None):
         self.model = model
+        # the native kernels module (mlx_tracer.backend.kernels, handed in by
+        # the runtime: adapters import nothing but caches), or None: MLX's ops
+        self.native = native
         # the fused buffers (constants of the lean trace, like the embedding
         # and norms it calls); `generation` counts the rebuilds
         self.buffers: Dict[str, Dict[str, mx.array]] = {}
         self.generation = 0
         self.active = False
-        self._native = None  # the kernels module once looked up; False: not available
         self._set_watch([])
         self.refresh(force=True)
 
@@ -263,13 +265,8 @@ class FusedForward:
     def refresh(self, force: bool = False) -> bool:
         """Rebuild the fused buffers if a source module or array changed;
         returns whether the lean forward is active."""
-        if not force:
-            if self._tags is not None and not any(map(operator.is_not, self._list_items(), self._list_expected)) \
-                    and self._tags == self._versions(self._dicts):
-                return self.active  # no watched dict was written to
-            if not any(map(operator.is_not, map(operator.getitem, self._containers, self._keys), self._expected)):
-                self._tags = self._versions(self._dicts) if self._versions else None  # written, but with the same objects
-                return self.active
+        if not force and not any(map(operator.is_not, map(operator.getitem, self._containers, self._keys), self._expected)):
+            return self.active
         self.buffers.clear()
         self.generation += 1
         self._set_watch([])
@@ -306,27 +303,10 @@ class FusedForward:
         return True
 
     def _set_watch(self, watch: List[tuple]):
-        # the full check runs as C-level map() loops over these three
+        # the per-step check runs as C-level map() loops over these three
         self._containers = [c for c, _, _ in watch]
         self._keys = [k for _, k, _ in watch]
         self._expected = [v for _, _, v in watch]
-        # the per-step check: the version tags of the watched dicts (modules;
-        # a set item gives its dict a new tag) and the entries of the rest
-        # (the layer list), when the kernels module can read tags
-        dicts = {id(c): c for c, _, _ in watch if isinstance(c, dict)}
-        self._dicts = list(dicts.values())
-        others = [(c, k, v) for c, k, v in watch if not isinstance(c, dict)]
-        self._list_containers, self._list_keys = [c for c, _, _ in others], [k for _, k, _ in others]
-        self._list_expected = [v for _, _, v in others]
-        if not hasattr(self, "_versions"):
-            from mlx_tracer.backend import kernels
-
-            native = kernels.load()
-            self._versions = getattr(native, "dict_versions", None)
-        self._tags = self._versions(self._dicts) if self._versions and watch else None
-
-    def _list_items(self):
-        return map(operator.getitem, self._list_containers, self._list_keys)
 
     # -- graph
     def __call__(self, tokens: mx.array, caches, masks, family_of, want: str, last: Optional[mx.array] = None):
@@ -386,13 +366,8 @@ class FusedForward:
     def _kernels(self, h: mx.array):
         """The native kernels module when this forward can run a decode step
         on it (float32 throughout, no per-head norms), else None."""
-        if self._native is False:
+        if self.native is None:
             return None
-        if self._native is None:
-            from mlx_tracer.backend import kernels
-
-            self._native = kernels.load() or False
-            return self._kernels(h)
         f32 = mx.float32
         inner = self.model.model
         if h.dtype != f32 or inner.norm.weight.dtype != f32:
@@ -401,7 +376,7 @@ class FusedForward:
             if hasattr(layer.self_attn, "q_norm") or layer.input_layernorm.weight.dtype != f32 or \
                     layer.post_attention_layernorm.weight.dtype != f32:
                 return None
-        return self._native
+        return self.native
 
     def _decode_kernels(self, h, caches, masks, family_of, want: str, shared):
         """A decode step (L = 1) on the native kernels (:mod:`mlx_tracer.backend.kernels`):
@@ -413,7 +388,7 @@ class FusedForward:
         (quantized projections) the norms, RoPE, attention and SwiGLU are
         kernels between MLX's matmuls: 11 nodes. The residual stream is
         carried as ``h`` plus the MLP's output, summed inside the next norm."""
-        K = self._native
+        K = self.native
         inner, B = self.model.model, h.shape[0]
         offsets = caches[0].offset
         dense = self._dense_f32()

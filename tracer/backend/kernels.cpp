@@ -19,7 +19,6 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
-#include <string>
 #include <stdexcept>
 #include <vector>
 
@@ -610,28 +609,6 @@ std::vector<array> layer_mid(const array& q, const array& k, const array& v, con
   return make<LayerMid>({h.shape(), {B, w_gu.shape(1) / 2}}, std::move(inputs), eps, bool(b_o), bool(b_gu));
 }
 
-// The version tags of `dicts` as bytes (8 each), or None where this Python
-// keeps none. CPython gives a dict a new tag on every change, so equal tags
-// mean nothing in them was set: the lean forward's weight watch compares
-// these instead of every watched entry (nn.Module is a dict).
-nb::object dict_versions(nb::list dicts) {
-#if PY_VERSION_HEX >= 0x030E0000
-  return nb::none();
-#else
-  const size_t n = nb::len(dicts);
-  std::string out(n * sizeof(uint64_t), '\0');
-  for (size_t i = 0; i < n; ++i) {
-    PyObject* d = PyList_GET_ITEM(dicts.ptr(), i);
-    if (!PyDict_Check(d)) {
-      throw std::invalid_argument("mlx_tracer kernels: dict_versions takes a list of dicts");
-    }
-    const uint64_t tag = reinterpret_cast<PyDictObject*>(d)->ma_version_tag;
-    std::memcpy(out.data() + i * sizeof(uint64_t), &tag, sizeof(uint64_t));
-  }
-  return nb::bytes(out.data(), out.size());
-#endif
-}
-
 }  // namespace
 
 NB_MODULE(_mlx_tracer_kernels, m) {
@@ -644,7 +621,6 @@ NB_MODULE(_mlx_tracer_kernels, m) {
   m.def("layer_in", &layer_in, nb::arg("h"), nb::arg("act").none(), nb::arg("w_down").none(), nb::arg("b_down").none(),
         nb::arg("norm_w"), nb::arg("eps"), nb::arg("w_qkv"), nb::arg("b_qkv").none(), nb::arg("C"), nb::arg("S"),
         nb::arg("F"), nb::arg("nq"), nb::arg("nk"), nb::arg("D"), nb::arg("kbuf"), nb::arg("vbuf"), nb::arg("col"));
-  m.def("dict_versions", &dict_versions, nb::arg("dicts"));
   m.def("layer_mid", &layer_mid, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("bias"), nb::arg("w_o"),
         nb::arg("b_o").none(), nb::arg("h"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("w_gu"), nb::arg("b_gu").none());
 }

@@ -21,10 +21,6 @@ CPU kernels; ``tests/test_kernels.py``):
 * the parts, for projections the layer kernels do not take (quantized):
   ``rms_norm`` / ``add_rms_norm``, ``rope_split``, ``decode_attention``,
   ``swiglu`` (11 nodes a layer);
-* ``dict_versions``: CPython's version tags of a list of dicts, so the
-  weight watch (:meth:`~mlx_tracer.adapters.fused.FusedForward.refresh`)
-  compares one bytes object per step instead of every watched entry.
-
 They are float32 and CPU only; the forward uses them where they apply and
 MLX's ops elsewhere.
 

@@ -40,6 +40,7 @@ import numpy as np
 
 from ..adapters.contract import probe_layout
 from ..adapters.fused import FusedForward, why_not
+from ..backend import kernels
 from ..backend.jit import check_compiler
 from ..adapters.traced import FamilyMasks
 from ..caches import DEFAULT_CAPACITIES
@@ -124,7 +125,7 @@ class CompiledModel:
         reason = why_not(model) if fuse is not False else "fuse=False"
         if fuse is True and reason is not None:
             raise ValueError(f"fuse=True: {type(model).__name__} has no lean forward ({reason}); pass fuse=None or False")
-        self.fused: Optional[FusedForward] = FusedForward(model) if reason is None else None
+        self.fused: Optional[FusedForward] = FusedForward(model, kernels.load()) if reason is None else None
         self.traces: Counter = Counter()
         self.trace_ms: Dict[TraceKey, float] = {}
         self._fns: Dict[tuple, object] = {}
