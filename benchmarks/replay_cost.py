@@ -56,8 +56,10 @@ def graph_nodes(*outputs) -> int:
 
 def parts(compiled, contexts, steps: int):
     """Median ms of the parts of ``CompiledModel.step`` (decode, bucket 1),
-    each step evaluated before the next: its checks, the family plans, the
-    weight watch, the compiled call and the caches' bookkeeping."""
+    each step evaluated before the next, in the order the step runs them: its
+    checks, the family plans, the caches' fit, the weight watch, the compiled
+    call and the caches' bookkeeping (the call's arguments dropped before the
+    evaluation, as the step drops them, so the buffers are written in place)."""
     from mlx_tracer.bench.models import copy_caches
     from mlx_tracer.caches.batch import StaticKVCache
 
@@ -66,22 +68,25 @@ def parts(compiled, contexts, steps: int):
     caches = [lay.cache_class.join([serial[i]], width=1, capacities=compiled.capacities) for i, lay in enumerate(layout)]
     y = mx.zeros((1, 1), dtype=mx.int32)
     fn = compiled._compiled("decode", "greedy", False)
-    spans = {k: [] for k in ("check", "plan + fit", "weight watch", "compiled call", "commit", "whole step")}
+    spans = {k: [] for k in ("check", "plan", "fit", "weight watch", "compiled call", "commit", "whole step")}
     for i in range(steps + 1):
         t = [time.perf_counter()]
         tokens = compiled._check(caches, y)
         t.append(time.perf_counter())
         plans = [caches[j].plan(1) for j in layout.representatives]
+        t.append(time.perf_counter())
         kv = [caches[j].fit(plans[f]) for j, f in enumerate(layout.family_of)]
         t.append(time.perf_counter())
         if compiled.fused is not None:
             compiled.fused.refresh()
         t.append(time.perf_counter())
         out, new_kv = fn(tokens, plans[0].offsets, [p.arrays for p in plans], kv, {})
+        del kv
         t.append(time.perf_counter())
         StaticKVCache.commit_all(caches, [plans[f] for f in layout.family_of], new_kv)
         t.append(time.perf_counter())
         y = out["tokens"][:, None]
+        del out, new_kv
         mx.eval(y, [c.state for c in caches])
         if i:  # the first call may trace
             for k, a, b in zip(spans, t, t[1:]):

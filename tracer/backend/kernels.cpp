@@ -17,6 +17,7 @@
 // Built and loaded by mlx_tracer/backend/kernels.py (see there).
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <optional>
 #include <stdexcept>
@@ -24,6 +25,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/vector.h>
 
 #include "mlx/array.h"
@@ -31,6 +33,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "mlx/primitives.h"
+#include "mlx/scheduler.h"
 #include "mlx/stream.h"
 #include "mlx/types/limits.h"
 
@@ -52,6 +55,9 @@ namespace {
 
 constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 
+// Cache buffers layer_in wrote in place / into a copy (cache_writes()).
+std::atomic<uint64_t> g_donated{0}, g_copied{0};
+
 // ------------------------------------------------------------ array helpers
 void alloc(std::vector<array>& outputs) {
   for (auto& o : outputs) {
@@ -67,6 +73,39 @@ struct Operand {
   bool trans;
   int ld;
 };
+
+// What a kernel's task reads of an array: its data pointer, shape and
+// strides, and no reference. A task must not hold arrays: MLX keeps a node's
+// input buffers alive until its tasks ran (as its own kernels rely on), and a
+// reference held by a task still queued would keep the next step from
+// writing a cache buffer in place.
+struct View {
+  float* p;
+  std::vector<int> shape;
+  std::vector<int64_t> strides;
+  size_t size;
+
+  View() : p(nullptr), size(0) {}
+  explicit View(const array& a)
+      : p(const_cast<float*>(a.data<float>())),
+        shape(a.shape().begin(), a.shape().end()),
+        strides(a.strides().begin(), a.strides().end()),
+        size(a.size()) {}
+  int dim(int i) const {
+    return shape[i < 0 ? i + int(shape.size()) : i];
+  }
+};
+
+// A matmul's right operand as a task sees it.
+struct OperandView {
+  const float* p;
+  bool trans;
+  int ld;
+};
+
+OperandView view(const Operand& w) {
+  return {w.a.data<float>(), w.trans, w.ld};
+}
 
 // --------------------------------------------------------------- row math
 // out [M, N] = x [M, K] @ w (+ bias [N], as mx.addmm: bias rows first, beta 1).
@@ -173,19 +212,19 @@ void softmax_row(float* row, int S) {
 // Decode attention: q [B, nk, R, D] (scaled), keys/values [B, nk, S, D] blocks,
 // bias [B, S] -> o [B, nk * R * D]: mx.addmm(bias, q, k^T), softmax, @ v, as
 // MLX runs them (one sgemm per (row, key head)). `scores`: [R, S] scratch.
-void attention_rows(const float* q, const array& k, const array& v, const float* bias, int B, int nk, int R, int D,
+void attention_rows(const float* q, const View& k, const View& v, const float* bias, int B, int nk, int R, int D,
                     float* scores, float* o) {
-  const int S = k.shape(2);
-  const float* kp = k.data<float>();
-  const float* vp = v.data<float>();
+  const int S = k.dim(2);
+  const float* kp = k.p;
+  const float* vp = v.p;
   for (int b = 0; b < B; ++b) {
     for (int h = 0; h < nk; ++h) {
       const size_t i = size_t(b) * nk + h;
       for (int r = 0; r < R; ++r) {
         std::memcpy(scores + size_t(r) * S, bias + size_t(b) * S, sizeof(float) * S);
       }
-      const float* ki = kp + b * k.strides()[0] + h * k.strides()[1];
-      const float* vi = vp + b * v.strides()[0] + h * v.strides()[1];
+      const float* ki = kp + b * k.strides[0] + h * k.strides[1];
+      const float* vi = vp + b * v.strides[0] + h * v.strides[1];
       cblas_sgemm(kRowMajor, kNoTrans, kTrans, R, S, D, 1.0f, q + i * R * D, D, ki, D, 1.0f, scores, S);
       for (int r = 0; r < R; ++r) {
         softmax_row(scores + size_t(r) * S, S);
@@ -232,25 +271,24 @@ class Kernel : public mx::Primitive {
     }
     array out(a.shape(), a.dtype(), nullptr, {});
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    run([a, out]() mutable {
-      const float* src = a.data<float>();
-      float* dst = out.data<float>();
-      const int nd = a.ndim();
+    run([a = View(a), dst = out.data<float>()]() {
+      const int nd = int(a.shape.size());
       std::vector<int> idx(nd, 0);
-      for (size_t i = 0; i < out.size(); ++i) {
+      for (size_t i = 0; i < a.size; ++i) {
         int64_t off = 0;
         for (int d = 0; d < nd; ++d) {
-          off += int64_t(idx[d]) * a.strides()[d];
+          off += int64_t(idx[d]) * a.strides[d];
         }
-        dst[i] = src[off];
+        dst[i] = a.p[off];
         for (int d = nd - 1; d >= 0; --d) {
-          if (++idx[d] < a.shape(d)) {
+          if (++idx[d] < a.shape[d]) {
             break;
           }
           idx[d] = 0;
         }
       }
     });
+    mx::cpu::get_command_encoder(stream()).add_temporary(out);  // alive until the tasks that read it ran
     return out;
   }
 
@@ -285,10 +323,9 @@ class RMSNormResidual : public Kernel {
     array s = residual_ ? outputs[0] : x, y = outputs.back();
     const float eps = eps_;
     const bool residual = residual_;
-    run([x, r, w, s, y, eps, residual]() mutable {
-      const int n = x.shape(-1);
-      norm_rows(x.data<float>(), residual ? r.data<float>() : nullptr, w.data<float>(), eps, x.size() / n, n,
-                residual ? s.data<float>() : nullptr, y.data<float>());
+    run([x = View(x), r = View(r), w = View(w), s = View(s), y = View(y), eps, residual]() {
+      const int n = x.dim(-1);
+      norm_rows(x.p, residual ? r.p : nullptr, w.p, eps, x.size / n, n, residual ? s.p : nullptr, y.p);
     });
   }
   const char* name() const override {
@@ -310,9 +347,8 @@ class RopeSplit : public Kernel {
     alloc(outputs);
     array q = outputs[0], k = outputs[1], v = outputs[2];
     const int nq = nq_, nk = nk_, D = D_;
-    run([=]() mutable {
-      rope_rows(y.data<float>(), C.data<float>(), S.data<float>(), F.data<float>(), q.shape(0), nq, nk, D,
-                q.data<float>(), k.data<float>(), v.data<float>());
+    run([y = View(y), C = View(C), S = View(S), F = View(F), q = View(q), k = View(k), v = View(v), nq, nk, D]() {
+      rope_rows(y.p, C.p, S.p, F.p, q.dim(0), nq, nk, D, q.p, k.p, v.p);
     });
   }
   const char* name() const override {
@@ -332,9 +368,9 @@ class SwiGLU : public Kernel {
     array gu = dense(inputs[0]);
     alloc(outputs);
     array out = outputs[0];
-    run([gu, out]() mutable {
-      const int F = out.shape(-1);
-      swiglu_rows(gu.data<float>(), out.size() / F, F, out.data<float>());
+    run([gu = View(gu), out = View(out)]() {
+      const int F = out.dim(-1);
+      swiglu_rows(gu.p, out.size / F, F, out.p);
     });
   }
   const char* name() const override {
@@ -352,11 +388,10 @@ class DecodeAttention : public Kernel {
     array k = blocks_dense(inputs[1]), v = blocks_dense(inputs[2]);
     alloc(outputs);
     array o = outputs[0];
-    run([q, k, v, bias, o]() mutable {
-      const int R = q.shape(2);
-      std::vector<float> scores(size_t(R) * k.shape(2));
-      attention_rows(q.data<float>(), k, v, bias.data<float>(), q.shape(0), q.shape(1), R, q.shape(3), scores.data(),
-                     o.data<float>());
+    run([q = View(q), k = View(k), v = View(v), bias = View(bias), o = View(o)]() {
+      const int R = q.dim(2);
+      std::vector<float> scores(size_t(R) * k.dim(2));
+      attention_rows(q.p, k, v, bias.p, q.dim(0), q.dim(1), R, q.dim(3), scores.data(), o.p);
     });
   }
   const char* name() const override {
@@ -373,8 +408,8 @@ class DecodeAttention : public Kernel {
 // outputs: [h_new], q [B, nk, R, D], kbuf', vbuf' [B, nk, S, D]
 class LayerIn : public Kernel {
  public:
-  LayerIn(mx::Stream s, float eps, bool carry, bool b_down, bool b_qkv, int nq, int nk, int D)
-      : Kernel(s), eps_(eps), carry_(carry), b_down_(b_down), b_qkv_(b_qkv), nq_(nq), nk_(nk), D_(D) {}
+  LayerIn(mx::Stream s, float eps, bool carry, bool b_down, bool b_qkv, int nq, int nk, int D, bool write)
+      : Kernel(s), eps_(eps), carry_(carry), b_down_(b_down), b_qkv_(b_qkv), write_(write), nq_(nq), nk_(nk), D_(D) {}
 
   void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
     size_t i = 0;
@@ -390,36 +425,41 @@ class LayerIn : public Kernel {
     Operand wq = operand(in[i++]);
     if (b_qkv_) bq = dense(in[i++]);
     array C = dense(in[i++]), S = dense(in[i++]), F = dense(in[i++]);
-    // the buffers: checked for donation where the graph holds them (a copy
-    // of the array would count as one more reference)
-    const array& kbuf = in[i++];
-    const array& vbuf = in[i++];
-    array col = in[i++];
-    size_t o = carry_ ? 1 : 0;
-    for (size_t j = 0; j < o + 1; ++j) {
-      outputs[j].set_data(mx::allocator::malloc(outputs[j].nbytes()));
+    const size_t o = carry_ ? 1 : 0;
+    const int32_t* col = nullptr;
+    if (write_) {
+      // the buffers: checked for donation where the graph holds them (a copy
+      // of the array would count as one more reference)
+      for (size_t j = 0; j < o + 1; ++j) {
+        outputs[j].set_data(mx::allocator::malloc(outputs[j].nbytes()));
+      }
+      take_buffer(in[i], outputs[o + 1], outputs.size());
+      take_buffer(in[i + 1], outputs[o + 2], outputs.size());
+      col = in[i + 2].data<int32_t>();
+    } else {
+      alloc(outputs);
     }
-    take_buffer(kbuf, outputs[o + 1], outputs.size());
-    take_buffer(vbuf, outputs[o + 2], outputs.size());
-    array kout = outputs[o + 1], vout = outputs[o + 2];
+    const array& kout = outputs[o + 1];
+    const array& vout = outputs[o + 2];
     const float eps = eps_;
     const int nq = nq_, nk = nk_, D = D_;
-    std::vector<array> outs = outputs;
-    run([=]() mutable {
-      const int B = h.shape(0), hid = h.shape(1), N = (nq + 2 * nk) * D, cols = kout.shape(2);
-      const int c = std::clamp(col.data<int32_t>()[0], 0, cols - 1);
+    const bool carry = carry_;
+    run([h = View(h), act = act ? View(*act) : View(), wd = wd ? view(*wd) : OperandView{}, bd = bd ? bd->data<float>() : nullptr,
+         nw = View(nw), wq = view(wq), bq = bq ? bq->data<float>() : nullptr, C = View(C), S = View(S), F = View(F),
+         col, h_new = carry ? outputs[0].data<float>() : nullptr, q = outputs[o].data<float>(),
+         kout = View(kout), vout = outputs[o + 2].data<float>(), eps, nq, nk, D, carry]() {
+      const int B = h.dim(0), hid = h.dim(1), N = (nq + 2 * nk) * D, cols = kout.dim(2);
+      const int c = col ? std::clamp(col[0], 0, cols - 1) : 0;
       std::vector<float> x(size_t(B) * hid), y(size_t(B) * N);
-      if (act) {
-        std::vector<float> carry(size_t(B) * hid);
-        gemm(act->data<float>(), B, act->shape(1), wd->a.data<float>(), wd->trans, wd->ld, hid,
-             bd ? bd->data<float>() : nullptr, carry.data());
-        norm_rows(h.data<float>(), carry.data(), nw.data<float>(), eps, B, hid, outs[0].data<float>(), x.data());
+      if (carry) {
+        std::vector<float> down(size_t(B) * hid);
+        gemm(act.p, B, act.dim(1), wd.p, wd.trans, wd.ld, hid, bd, down.data());
+        norm_rows(h.p, down.data(), nw.p, eps, B, hid, h_new, x.data());
       } else {
-        norm_rows(h.data<float>(), nullptr, nw.data<float>(), eps, B, hid, nullptr, x.data());
+        norm_rows(h.p, nullptr, nw.p, eps, B, hid, nullptr, x.data());
       }
-      gemm(x.data(), B, hid, wq.a.data<float>(), wq.trans, wq.ld, N, bq ? bq->data<float>() : nullptr, y.data());
-      rope_rows(y.data(), C.data<float>(), S.data<float>(), F.data<float>(), B, nq, nk, D, outs[o].data<float>(),
-                kout.data<float>(), vout.data<float>(), cols, c);
+      gemm(x.data(), B, hid, wq.p, wq.trans, wq.ld, N, bq, y.data());
+      rope_rows(y.data(), C.p, S.p, F.p, B, nq, nk, D, q, kout.p, vout, cols, c);
     });
   }
   const char* name() const override {
@@ -433,22 +473,35 @@ class LayerIn : public Kernel {
   // multi-output node its own copy of the inputs, so a buffer nobody else
   // holds is referenced once per output here (and once in all for MLX's
   // single-output slice_update).
+  //
+  // While earlier steps still run (a pipelined decode loop evaluates step
+  // t+1 while the worker computes step t), the buffer's memory is also held
+  // by MLX's keep-alive task of step t's attention, which reads it: then
+  // this waits for queued tasks to finish (as MLX's eval does when too many
+  // are queued) until only this node holds it. A buffer another array holds
+  // (a view the caller kept) is copied without waiting.
   void take_buffer(const array& buf, array& out, size_t outputs) {
     static_assert(sizeof(array) == sizeof(std::shared_ptr<void>), "mlx::core::array is one shared_ptr");
     const long holders = reinterpret_cast<const std::shared_ptr<void>*>(&buf)->use_count();
     const auto& data = buf.data_shared_ptr();
-    if (holders <= long(outputs) && data.use_count() == 1 && data->is_owned() && buf.flags().row_contiguous &&
-        buf.buffer_size() == out.nbytes()) {
+    bool ok = holders <= long(outputs) && data->is_owned() && buf.flags().row_contiguous &&
+        buf.buffer_size() == out.nbytes();
+    while (ok && data.use_count() > 1 && mx::scheduler::n_active_tasks() > 0) {
+      mx::scheduler::wait_for_one();
+    }
+    if (ok && data.use_count() == 1) {
       out.copy_shared_buffer(buf);
+      ++g_donated;
       return;
     }
+    ++g_copied;
     array src = dense(buf);
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    run([src, out]() mutable { std::memcpy(out.data<float>(), src.data<float>(), out.nbytes()); });
+    run([src = src.data<float>(), dst = out.data<float>(), n = out.nbytes()]() { std::memcpy(dst, src, n); });
   }
 
   float eps_;
-  bool carry_, b_down_, b_qkv_;
+  bool carry_, b_down_, b_qkv_, write_;
   int nq_, nk_, D_;
 };
 
@@ -474,16 +527,18 @@ class LayerMid : public Kernel {
     alloc(outputs);
     array h_mid = outputs[0], act = outputs[1];
     const float eps = eps_;
-    run([=]() mutable {
-      const int B = q.shape(0), nk = q.shape(1), R = q.shape(2), D = q.shape(3), hid = h.shape(1), F = act.shape(1);
+    run([q = View(q), k = View(k), v = View(v), bias = View(bias), wo = view(wo), bo = bo ? bo->data<float>() : nullptr,
+         h = View(h), nw = View(nw), wg = view(wg), bg = bg ? bg->data<float>() : nullptr, h_mid = h_mid.data<float>(),
+         act = View(act), eps]() {
+      const int B = q.dim(0), nk = q.dim(1), R = q.dim(2), D = q.dim(3), hid = h.dim(1), F = act.dim(1);
       const int nqD = nk * R * D;
-      std::vector<float> scores(size_t(R) * k.shape(2)), o(size_t(B) * nqD), a(size_t(B) * hid), x(size_t(B) * hid),
+      std::vector<float> scores(size_t(R) * k.dim(2)), o(size_t(B) * nqD), a(size_t(B) * hid), x(size_t(B) * hid),
           gu(size_t(B) * 2 * F);
-      attention_rows(q.data<float>(), k, v, bias.data<float>(), B, nk, R, D, scores.data(), o.data());
-      gemm(o.data(), B, nqD, wo.a.data<float>(), wo.trans, wo.ld, hid, bo ? bo->data<float>() : nullptr, a.data());
-      norm_rows(h.data<float>(), a.data(), nw.data<float>(), eps, B, hid, h_mid.data<float>(), x.data());
-      gemm(x.data(), B, hid, wg.a.data<float>(), wg.trans, wg.ld, 2 * F, bg ? bg->data<float>() : nullptr, gu.data());
-      swiglu_rows(gu.data(), B, F, act.data<float>());
+      attention_rows(q.p, k, v, bias.p, B, nk, R, D, scores.data(), o.data());
+      gemm(o.data(), B, nqD, wo.p, wo.trans, wo.ld, hid, bo, a.data());
+      norm_rows(h.p, a.data(), nw.p, eps, B, hid, h_mid, x.data());
+      gemm(x.data(), B, hid, wg.p, wg.trans, wg.ld, 2 * F, bg, gu.data());
+      swiglu_rows(gu.data(), B, F, act.p);
     });
   }
   const char* name() const override {
@@ -562,7 +617,7 @@ array decode_attention(const array& q, const array& k, const array& v, const arr
 std::vector<array> layer_in(const array& h, std::optional<array> act, std::optional<array> w_down,
                             std::optional<array> b_down, const array& norm_w, float eps, const array& w_qkv,
                             std::optional<array> b_qkv, const array& C, const array& S, const array& F, int nq, int nk,
-                            int D, const array& kbuf, const array& vbuf, const array& col) {
+                            int D, std::optional<array> kbuf, std::optional<array> vbuf, std::optional<array> col) {
   need(h.ndim() == 2 && norm_w.ndim() == 1 && norm_w.shape(0) == h.shape(1), "layer_in needs h [B, hidden], norm [hidden]");
   const int B = h.shape(0), hid = h.shape(1), N = (nq + 2 * nk) * D;
   need(act.has_value() == w_down.has_value() && (!b_down || act), "layer_in: act and w_down go together");
@@ -579,15 +634,24 @@ std::vector<array> layer_in(const array& h, std::optional<array> act, std::optio
   need_weight(w_qkv, hid, "layer_in: w_qkv must be [hidden, (nq + 2 nk) D]");
   need(w_qkv.shape(1) == N && (!b_qkv || b_qkv->size() == size_t(N)), "layer_in: w_qkv/b_qkv width");
   need_rope(size_t(B) * N, C, S, F, B, nq, nk, D);
-  need(kbuf.ndim() == 4 && kbuf.shape() == vbuf.shape() && kbuf.shape(0) == B && kbuf.shape(1) == nk &&
-           kbuf.shape(3) == D,
-       "layer_in: cache buffers must be [B, nk, S, D]");
-  need(col.dtype() == mx::int32 && col.size() == 1, "layer_in: col must be int32 [1]");
+  const bool write = kbuf.has_value();
+  need(write == vbuf.has_value() && write == col.has_value(), "layer_in: kbuf, vbuf and col go together");
+  if (write) {
+    need(kbuf->ndim() == 4 && kbuf->shape() == vbuf->shape() && kbuf->shape(0) == B && kbuf->shape(1) == nk &&
+             kbuf->shape(3) == D,
+         "layer_in: cache buffers must be [B, nk, S, D]");
+    need(col->dtype() == mx::int32 && col->size() == 1, "layer_in: col must be int32 [1]");
+  }
   inputs.insert(inputs.end(), {norm_w, w_qkv});
   if (b_qkv) inputs.push_back(*b_qkv);
-  inputs.insert(inputs.end(), {C, S, F, kbuf, vbuf, col});
-  shapes.insert(shapes.end(), {{B, nk, nq / nk, D}, kbuf.shape(), vbuf.shape()});
-  return make<LayerIn>(std::move(shapes), std::move(inputs), eps, bool(act), bool(b_down), bool(b_qkv), nq, nk, D);
+  inputs.insert(inputs.end(), {C, S, F});
+  if (write) {
+    inputs.insert(inputs.end(), {*kbuf, *vbuf, *col});
+    shapes.insert(shapes.end(), {{B, nk, nq / nk, D}, kbuf->shape(), vbuf->shape()});
+  } else {
+    shapes.insert(shapes.end(), {{B, nk, nq / nk, D}, {B, nk, 1, D}, {B, nk, 1, D}});
+  }
+  return make<LayerIn>(std::move(shapes), std::move(inputs), eps, bool(act), bool(b_down), bool(b_qkv), nq, nk, D, write);
 }
 
 std::vector<array> layer_mid(const array& q, const array& k, const array& v, const array& bias, const array& w_o,
@@ -609,6 +673,11 @@ std::vector<array> layer_mid(const array& q, const array& k, const array& v, con
   return make<LayerMid>({h.shape(), {B, w_gu.shape(1) / 2}}, std::move(inputs), eps, bool(b_o), bool(b_gu));
 }
 
+// (in place, copied): how often layer_in wrote a cache buffer in place and into a copy.
+std::pair<uint64_t, uint64_t> cache_writes() {
+  return {g_donated.load(), g_copied.load()};
+}
+
 }  // namespace
 
 NB_MODULE(_mlx_tracer_kernels, m) {
@@ -620,7 +689,8 @@ NB_MODULE(_mlx_tracer_kernels, m) {
   m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("bias"));
   m.def("layer_in", &layer_in, nb::arg("h"), nb::arg("act").none(), nb::arg("w_down").none(), nb::arg("b_down").none(),
         nb::arg("norm_w"), nb::arg("eps"), nb::arg("w_qkv"), nb::arg("b_qkv").none(), nb::arg("C"), nb::arg("S"),
-        nb::arg("F"), nb::arg("nq"), nb::arg("nk"), nb::arg("D"), nb::arg("kbuf"), nb::arg("vbuf"), nb::arg("col"));
+        nb::arg("F"), nb::arg("nq"), nb::arg("nk"), nb::arg("D"), nb::arg("kbuf").none() = nb::none(), nb::arg("vbuf").none() = nb::none(), nb::arg("col").none() = nb::none());
+  m.def("cache_writes", &cache_writes);
   m.def("layer_mid", &layer_mid, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("bias"), nb::arg("w_o"),
         nb::arg("b_o").none(), nb::arg("h"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("w_gu"), nb::arg("b_gu").none());
 }
