@@ -382,8 +382,8 @@ class FusedForward:
         """A decode step (L = 1) on the native kernels (:mod:`mlx_tracer.backend.kernels`):
         the same arithmetic as :meth:`__call__`, bit for bit, in fewer nodes.
         With dense float32 projections a layer is ``layer_in`` (the previous
-        MLP's down projection and residual, the norm, q/k/v and RoPE),
-        the cache writes), and ``layer_mid`` (attention, output projection,
+        MLP's down projection and residual, the norm, q/k/v, RoPE and the
+        cache writes) and ``layer_mid`` (attention, output projection,
         residual, norm, gate/up, SwiGLU): 2 nodes instead of 27. Otherwise
         (quantized projections) the norms, RoPE, attention and SwiGLU are
         kernels between MLX's matmuls: 11 nodes. The residual stream is
@@ -396,7 +396,6 @@ class FusedForward:
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             attn, g, b = layer.self_attn, self.groups[i], self.buffers
             nq, nk = attn.n_heads, attn.n_kv_heads
-            R = nq // nk
             norm, post = layer.input_layernorm, layer.post_attention_layernorm
             bias = self._bias(shared, masks, family_of[i], None, None, h.dtype)  # [B, 1, 1, S]
             if dense and getattr(cache, "column", None) is not None:
