@@ -65,3 +65,35 @@ def say_not_caching(d: Path, error: BaseException) -> None:
         file=sys.stderr,
         flush=True,
     )
+
+
+# --------------------------------------------------- compiled files kept here
+def _digest_file(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _sha256(data: bytes) -> str:
+    import hashlib
+
+    return hashlib.sha256(data).hexdigest()
+
+
+def check_kept(path: Path) -> None:
+    """Raise OSError unless ``path`` matches the sha256 recorded next to it
+    when it was built (loading a damaged shared object can fail or crash the
+    process: a truncated ELF faults when mapped)."""
+    try:
+        want = _digest_file(path).read_text().strip()
+    except OSError:
+        want = None
+    if want != _sha256(path.read_bytes()):
+        raise OSError(f"{path} does not match the sha256 recorded when it was built")
+
+
+def keep_built(out: Path, target: Path) -> None:
+    """Move a freshly built ``out`` to ``target`` with its sha256 next to it
+    (same file system: each move atomic, never half a file)."""
+    digest = _digest_file(out)
+    digest.write_text(_sha256(out.read_bytes()) + "\n")
+    os.replace(digest, _digest_file(target))
+    os.replace(out, target)

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from ..home import cache_dir, writable_cache_dir
+from ..home import cache_dir, check_kept, keep_built, writable_cache_dir
 
 ENV = "MLX_TRACER_BLAS"
 ENV_THREADS = "MLX_TRACER_BLAS_THREADS"
@@ -96,28 +96,13 @@ def shim_file(openblas: str) -> Path:
     return cache_dir() / f"blas-shim-{key}.so"
 
 
-def _digest_file(shim: Path) -> Path:
-    return shim.with_name(shim.name + ".sha256")
-
-
-def _sha256(data: bytes) -> str:
-    import hashlib
-
-    return hashlib.sha256(data).hexdigest()
-
-
 def _open_shim(path: Path, verify: bool = True, mode: int = ctypes.RTLD_GLOBAL) -> ctypes.CDLL:
     """dlopen the shim. A kept shim is first checked against the sha256
     written next to it when it was built: dlopen of a damaged file can fail,
     or crash the process (a truncated ELF faults when mapped), so a mismatch
     raises OSError before it gets that far."""
     if verify:
-        try:
-            want = _digest_file(path).read_text().strip()
-        except OSError:
-            want = None
-        if want != _sha256(path.read_bytes()):
-            raise OSError(f"{path} does not match the sha256 recorded when it was built")
+        check_kept(path)
     lib = ctypes.CDLL(str(path), mode=mode)
     if not hasattr(lib, "cblas_sgemm"):
         raise OSError(f"{path} defines no cblas_sgemm")
@@ -142,10 +127,7 @@ def _build_shim(openblas: str, target: Path, mode: int = ctypes.RTLD_GLOBAL) -> 
         subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", src, "-o", str(out)], check=True, capture_output=True)
         if folder is None:
             return _open_shim(out, verify=False, mode=mode)  # stays mapped after the folder is gone
-        digest = _digest_file(out)
-        digest.write_text(_sha256(out.read_bytes()) + "\n")
-        os.replace(digest, _digest_file(target))  # same file system: atomic, never half a file
-        os.replace(out, target)
+        keep_built(out, target)
     return _open_shim(target, mode=mode)
 
 

@@ -55,8 +55,7 @@ import tempfile
 from pathlib import Path
 from typing import Optional
 
-from ..home import cache_dir, writable_cache_dir
-from .blas import _digest_file, _sha256
+from ..home import cache_dir, check_kept, keep_built, writable_cache_dir
 
 ENV = "MLX_TRACER_KERNELS"
 SOURCE = Path(__file__).with_name("kernels.cpp")
@@ -112,12 +111,7 @@ def _compile(out: Path) -> None:
 
 def _import(path: Path, verify: bool = True):
     if verify:
-        try:
-            want = _digest_file(path).read_text().strip()
-        except OSError:
-            want = None
-        if want != _sha256(path.read_bytes()):
-            raise OSError(f"{path} does not match the sha256 recorded when it was built")
+        check_kept(path)
     loader = importlib.machinery.ExtensionFileLoader(MODULE, str(path))
     spec = importlib.util.spec_from_file_location(MODULE, str(path), loader=loader)
     module = importlib.util.module_from_spec(spec)
@@ -132,10 +126,7 @@ def _build(target: Path):
         _compile(out)
         if folder is None:
             return _import(out, verify=False)  # stays mapped after the folder is gone
-        digest = _digest_file(out)
-        digest.write_text(_sha256(out.read_bytes()) + "\n")
-        os.replace(digest, _digest_file(target))
-        os.replace(out, target)
+        keep_built(out, target)
     return _import(target)
 
 
