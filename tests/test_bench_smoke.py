@@ -42,6 +42,17 @@ def test_bench_command_writes_table_json_and_plot(tmp_path, capsys):
     assert ("WARNING" in table) == (not cond["quiet"])
 
 
+def test_conditions_line_says_what_it_knows_and_warns_when_not_quiet():
+    start = bench.Conditions(cores=2, busy=0, load_before=0.2)
+    assert start.line() == "load average (1 min): 0.20 before, 2 cores"  # no after yet
+    start.load_after = 1.6
+    assert start.quiet and start.line() == "load average (1 min): 0.20 before, 1.60 after, 2 cores"
+    loaded = bench.Conditions(cores=2, busy=0, load_before=1.2, load_after=1.9)
+    assert not loaded.quiet and "WARNING: the machine was not quiet" in loaded.line()
+    busy = bench.Conditions(cores=2, busy=2, load_before=0.1, load_after=3.0)
+    assert not busy.quiet and "2 busy processes started" in busy.line() and "WARNING" not in busy.line()
+
+
 def test_baseline_worker_decodes_on_request_reports_errors_and_exits():
     """The as-run baseline process: one run per request, on MLX's reference
     BLAS; a failed request raises in the parent with the worker's reason,

@@ -39,8 +39,8 @@ class Conditions:
         return self.busy == 0 and self.load_before <= 0.5 and after <= self.cores + 0.5
 
     def line(self) -> str:
-        after = "?" if self.load_after is None else f"{self.load_after:.2f}"
-        text = f"load average (1 min): {self.load_before:.2f} before, {after} after, {self.cores} cores"
+        after = "" if self.load_after is None else f", {self.load_after:.2f} after"
+        text = f"load average (1 min): {self.load_before:.2f} before{after}, {self.cores} cores"
         if self.busy:
             text += f"; {self.busy} busy processes started beside the run on purpose"
         elif not self.quiet:
