@@ -94,3 +94,51 @@ def test_generate_and_info_with_a_read_only_home_run_without_caching(tmp_path):
     assert i.returncode == 0 and "Traceback" not in i.stderr, i.stderr
     assert sorted(p.name for p in home.iterdir()) == sorted(["formats.json", MODEL_FILENAME])
     assert json.loads((home / "formats.json").read_text()) == []
+
+
+def _age(path: Path, days: float) -> None:
+    import time
+
+    t = time.time() - days * 86400
+    os.utime(path, (t, t))
+
+
+def test_old_builds_of_a_kind_are_pruned_when_a_new_one_lands_and_used_ones_stay(tmp_path):
+    """Each new shim/kernel build has a new name; builds nothing has loaded
+    for STALE_DAYS go when the next one of their kind is kept, with their
+    sha256 files. Loading a build marks it used."""
+    from mlx_tracer import home
+
+    def built(name: str, days: float, digest: bool = True) -> Path:
+        p = tmp_path / name
+        p.write_bytes(name.encode())
+        if digest:
+            (tmp_path / (name + ".sha256")).write_text(home._sha256(p.read_bytes()) + "\n")
+        _age(p, days)
+        return p
+
+    stale = built("kernels-aaa.so", home.STALE_DAYS + 5)
+    no_digest = built("kernels-bbb.so", home.STALE_DAYS + 1, digest=False)
+    recent = built("kernels-ccc.so", home.STALE_DAYS - 5)
+    in_use = built("kernels-ddd.so", home.STALE_DAYS + 9)
+    other_kind = built("blas-shim-eee.so", home.STALE_DAYS + 9)
+    (tmp_path / "kernels-fff.so.sha256").write_text("digest of a build that is gone\n")
+    home.check_kept(in_use)  # loaded: marked used
+    build_dir = tmp_path / ".kernels-build-x"
+    build_dir.mkdir()
+    out = build_dir / "kernels-new.so"
+    out.write_bytes(b"new build")
+
+    home.keep_built(out, tmp_path / "kernels-new.so", "kernels-")
+
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == sorted([
+        ".kernels-build-x", "blas-shim-eee.so", "blas-shim-eee.so.sha256", "kernels-ccc.so", "kernels-ccc.so.sha256",
+        "kernels-ddd.so", "kernels-ddd.so.sha256", "kernels-new.so", "kernels-new.so.sha256",
+    ])
+    assert not stale.exists() and not no_digest.exists() and recent.exists() and other_kind.exists()
+    home.check_kept(tmp_path / "kernels-new.so")  # the kept build verifies
+    # the target itself is never pruned, however old
+    _age(tmp_path / "kernels-new.so", home.STALE_DAYS * 3)
+    assert home.prune_stale(tmp_path / "kernels-new.so", "kernels-") == []
+    assert (tmp_path / "kernels-new.so").exists()

@@ -133,3 +133,36 @@ def test_an_entry_without_a_load_average_counts_as_busy(home, source, monkeypatc
     (c,) = format_cache.list_choices()
     assert c.measured_busy
     assert weights.should_remeasure(c, 0.5) and not weights.should_remeasure(c, None)
+
+
+def test_a_write_drops_entries_that_can_never_apply_again(home, source, tmp_path):
+    """A model file that is gone, or a BLAS shim build the cache folder no
+    longer has (pruned), leaves an entry no setup can match: the next write
+    drops it; other MLX versions' and BLAS libraries' entries stay."""
+    (home / "blas-shim-present.so").write_bytes(b"shim")
+    gone_model = valid_entry(source, model=str(tmp_path / "deleted.gguf"))
+    gone_shim = valid_entry(source, blas="blas-shim-pruned.so")
+    other_mlx = valid_entry(source, mlx="0.0.1")
+    kept_shim = valid_entry(source, blas="blas-shim-present.so")
+    (home / "formats.json").write_text(json.dumps({"version": 2, "entries": [gone_model, gone_shim, other_mlx, kept_shim]}))
+    assert len(format_cache.list_choices()) == 4  # reading drops nothing
+    new = FormatChoice.from_json(valid_entry(source, cores=999))
+    assert format_cache.record(new)
+    entries = json.loads((home / "formats.json").read_text())["entries"]
+    assert entries == [other_mlx, kept_shim, new.to_json()]
+
+
+def test_info_shows_the_entries_that_apply_here_and_counts_the_rest(home, source, monkeypatch, capsys):
+    monkeypatch.setattr("mlx_tracer.bench.Machine.measure", classmethod(lambda cls: cls({1 << 20: 1.0, 256 << 20: 1.0}, 1.0)))
+    here = valid_entry(source)
+    others = [valid_entry(source, mlx="0.0.1"), valid_entry(source, blas="libother.so"), valid_entry(source, cores=999)]
+    (home / "formats.json").write_text(json.dumps({"version": 2, "entries": [here, *others]}))
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("weights")]
+    assert len(lines) == 1 and f"[mlx {here['mlx']}|{here['blas']}|{here['cores']} cores]" in lines[0]
+    assert "3 more in" in out and "not used here" in out
+    (home / "formats.json").write_text(json.dumps({"version": 2, "entries": others}))
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "auto not measured yet for this MLX/BLAS/core count" in out and "3 more in" in out

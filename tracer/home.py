@@ -6,8 +6,8 @@ keep its compiled shim, so this module may import nothing heavier than the
 standard library.
 
 Location: ``$MLX_TRACER_HOME``, else ``$XDG_CACHE_HOME/mlx-tracer``, else
-``~/.cache/mlx-tracer``. It holds the default model file, the BLAS shim and
-``formats.json`` (the measured weight formats).
+``~/.cache/mlx-tracer``. It holds the default model file, the BLAS shim, the
+CPU kernels and ``formats.json`` (the measured weight formats).
 
 A folder that cannot be written (read-only mount, wrong owner) is not an
 error: everything that caches asks :func:`writable_cache_dir` first and runs
@@ -78,22 +78,75 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+# Every change of a compiled file's source, compiler input or MLX version
+# names a new file (the key is in the name), so old builds would pile up:
+# a build unused for this long is removed when another of its kind is built.
+STALE_DAYS = 30
+_DAY = 86400.0
+
+
 def check_kept(path: Path) -> None:
     """Raise OSError unless ``path`` matches the sha256 recorded next to it
     when it was built (loading a damaged shared object can fail or crash the
-    process: a truncated ELF faults when mapped)."""
+    process: a truncated ELF faults when mapped). A good file is marked used
+    (its mtime, at most once a day) so that :func:`prune_stale` keeps it."""
     try:
         want = _digest_file(path).read_text().strip()
     except OSError:
         want = None
     if want != _sha256(path.read_bytes()):
         raise OSError(f"{path} does not match the sha256 recorded when it was built")
+    _mark_used(path)
 
 
-def keep_built(out: Path, target: Path) -> None:
+def _mark_used(path: Path) -> None:
+    import time
+
+    try:
+        if time.time() - path.stat().st_mtime > _DAY:
+            os.utime(path)
+    except OSError:
+        pass  # a read-only folder: nothing is pruned there either
+
+
+def keep_built(out: Path, target: Path, kind: str) -> None:
     """Move a freshly built ``out`` to ``target`` with its sha256 next to it
-    (same file system: each move atomic, never half a file)."""
+    (same file system: each move atomic, never half a file), then remove the
+    builds of the same ``kind`` (file-name prefix) unused for STALE_DAYS."""
     digest = _digest_file(out)
     digest.write_text(_sha256(out.read_bytes()) + "\n")
     os.replace(digest, _digest_file(target))
     os.replace(out, target)
+    prune_stale(target, kind)
+
+
+def prune_stale(keep: Path, kind: str, days: float = STALE_DAYS) -> list:
+    """Remove files in ``keep``'s folder named ``kind*`` (with their sha256
+    files) whose mtime is older than ``days``; ``keep`` itself stays. A build
+    that some process still loads is marked used at each load (at most a day
+    old), so only builds nothing has loaded for ``days`` go. Returns the
+    removed paths; a file that cannot be removed is left."""
+    import time
+
+    cutoff = time.time() - days * _DAY
+    removed = []
+    for f in keep.parent.glob(kind + "*"):
+        if f == keep or f.name.endswith(".sha256") or not f.is_file():
+            continue
+        try:
+            if f.stat().st_mtime >= cutoff:
+                continue
+            f.unlink()
+            removed.append(f)
+            _digest_file(f).unlink(missing_ok=True)
+        except OSError:
+            continue
+    # digests whose build is gone (an older version removed the build alone)
+    for d in keep.parent.glob(kind + "*.sha256"):
+        build = d.with_name(d.name[: -len(".sha256")])
+        if not build.exists():
+            try:
+                d.unlink()
+            except OSError:
+                pass
+    return removed

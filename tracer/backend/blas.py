@@ -127,7 +127,7 @@ def _build_shim(openblas: str, target: Path, mode: int = ctypes.RTLD_GLOBAL) -> 
         subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", src, "-o", str(out)], check=True, capture_output=True)
         if folder is None:
             return _open_shim(out, verify=False, mode=mode)  # stays mapped after the folder is gone
-        keep_built(out, target)
+        keep_built(out, target, "blas-shim-")
     return _open_shim(target, mode=mode)
 
 

@@ -126,7 +126,7 @@ def _build(target: Path):
         _compile(out)
         if folder is None:
             return _import(out, verify=False)  # stays mapped after the folder is gone
-        keep_built(out, target)
+        keep_built(out, target, "kernels-")
     return _import(target)
 
 

@@ -90,8 +90,9 @@ def info(args) -> int:
     ok = store.is_valid_model_file(path)
     print(f"model        {path} ({'present' if ok else 'missing: run mlx-tracer fetch'})")
     choices = format_cache.list_choices()
-    if choices:
-        for c in choices:
+    here = [c for c in choices if format_cache.applies_here(c)]
+    if here:
+        for c in here:
             s = c.setup
             ms = ", ".join(f"{f} " + "/".join(f"{t[b]:.0f}" for b in sorted(t)) for f, t in c.timings.items())
             widths = "/".join(str(b) for b in sorted({b for t in c.timings.values() for b in t}))
@@ -100,7 +101,11 @@ def info(args) -> int:
             print(f"weights      {c.format} for {s.model} [mlx {s.mlx}|{s.blas}|{s.cores} cores] "
                   f"(ms/step at B={widths}: {ms}; {load}{note})")
     else:
-        print("weights      auto not measured yet (the first `mlx-tracer generate` measures and caches it)")
+        print("weights      auto not measured yet for this MLX/BLAS/core count (the first `mlx-tracer generate` "
+              "measures and caches it)")
+    if len(choices) > len(here):
+        print(f"             {len(choices) - len(here)} more in {format_cache.store_path()}, measured under another "
+              "MLX version, BLAS build or core count (not used here)")
     lean = "on" if mx.default_device().type == mx.DeviceType.cpu else "off (not the CPU backend)"
     print(f"forward      lean {lean} for llama/mistral/qwen2/qwen3 (q/k/v and gate/up fused, RoPE tables once per step); "
           "other families run their own forward")

@@ -16,7 +16,10 @@ The file is checked on every read: an unreadable file, one of another shape
 ``format``, a format without timings, a negative time) is dropped, and the
 file is rewritten with what remained, so one bad write cannot stop a later
 load. :func:`list_choices` is the public, structured view (``mlx-tracer
-info`` prints it); :func:`find` and :func:`record` serve the ``auto`` policy.
+info`` prints the entries that apply to this process in full, the others as
+a count); :func:`find` and :func:`record` serve the ``auto`` policy, and a
+write drops the entries that can never apply again (model file gone, BLAS
+shim build pruned).
 """
 
 from __future__ import annotations
@@ -180,10 +183,33 @@ def find(setup: Setup) -> Optional[FormatChoice]:
 
 
 def record(choice: FormatChoice) -> bool:
-    """Store ``choice`` (replacing its setup's entry). Returns False, having
+    """Store ``choice`` (replacing its setup's entry), dropping the entries
+    that can never apply again (:func:`is_orphan`). Returns False, having
     said so once on stderr, when the cache folder cannot be written."""
     FormatChoice.from_json(choice.to_json())  # never write what a read would drop
-    return _write([c for c in list_choices() if c.setup != choice.setup] + [choice])
+    kept = [c for c in list_choices() if c.setup != choice.setup and not is_orphan(c)]
+    return _write(kept + [choice])
+
+
+def is_orphan(choice: FormatChoice) -> bool:
+    """The entry's model file is gone, or it names a BLAS shim build that the
+    cache folder no longer has (old builds are pruned: :mod:`mlx_tracer.home`)."""
+    shim = choice.setup.blas
+    if shim.startswith("blas-shim-") and not (cache_dir() / shim).exists():
+        return True
+    return not os.path.exists(choice.setup.model)
+
+
+def applies_here(choice: FormatChoice) -> bool:
+    """Measured under this process's MLX version, BLAS library and core count
+    (for any model): the entries ``auto`` can use now."""
+    import mlx.core as mx
+
+    from ..backend import blas
+
+    lib = os.path.basename(blas.status().library or "?")
+    s = choice.setup
+    return (s.mlx, s.blas, s.cores) == (mx.__version__, lib, os.cpu_count() or 1)
 
 
 def _write(choices: List[FormatChoice]) -> bool:
