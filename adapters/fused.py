@@ -365,7 +365,7 @@ class FusedForward:
 
     def _kernels(self, h: mx.array):
         """The native kernels module when this forward can run a decode step
-        on it (float32 throughout, no per-head norms), else None."""
+        on it (float32 throughout; per-head norms of one eps), else None."""
         if self.native is None:
             return None
         f32 = mx.float32
@@ -373,8 +373,11 @@ class FusedForward:
         if h.dtype != f32 or inner.norm.weight.dtype != f32:
             return None
         for layer in self.layers:
-            if hasattr(layer.self_attn, "q_norm") or layer.input_layernorm.weight.dtype != f32 or \
-                    layer.post_attention_layernorm.weight.dtype != f32:
+            if layer.input_layernorm.weight.dtype != f32 or layer.post_attention_layernorm.weight.dtype != f32:
+                return None
+            attn = layer.self_attn
+            if hasattr(attn, "q_norm") and (attn.q_norm.weight.dtype != f32 or attn.k_norm.weight.dtype != f32
+                                            or attn.q_norm.eps != attn.k_norm.eps):
                 return None
         return self.native
 
@@ -398,13 +401,16 @@ class FusedForward:
             nq, nk = attn.n_heads, attn.n_kv_heads
             norm, post = layer.input_layernorm, layer.post_attention_layernorm
             bias = self._bias(shared, masks, family_of[i], None, None, h.dtype)  # [B, 1, 1, S]
+            qk = {}  # qwen3: the per-head norms, applied by the kernel before the rotation
+            if hasattr(attn, "q_norm"):
+                qk = dict(q_norm=attn.q_norm.weight, k_norm=attn.k_norm.weight, qk_eps=attn.q_norm.eps)
             if dense and getattr(cache, "column", None) is not None:
                 qkv = b[f"qkv{i}"]
                 D = qkv["wt"].shape[1] // (nq + 2 * nk)
                 rot = self._rotation(shared, _table_rope(attn.rope), offsets, 1, (nq, nk, nk), D, attn.scale, h.dtype)
                 down = b[f"down{i - 1}"] if act is not None else {}
                 outs = K.layer_in(h, act, down.get("wt"), down.get("bias"), norm.weight, norm.eps, qkv["wt"],
-                                  qkv.get("bias"), rot.C, rot.S, rot.F, nq, nk, D, cache.keys, cache.values, cache.column)
+                                  qkv.get("bias"), rot.C, rot.S, rot.F, nq, nk, D, cache.keys, cache.values, cache.column, **qk)
                 if act is not None:
                     h, *outs = outs  # h + down, to the bit
                 q, k, v = outs  # the queries, the buffers with this step's keys and values written
@@ -420,7 +426,7 @@ class FusedForward:
             y = g["qkv"](x, b[f"qkv{i}"])  # [B, (nq + 2 nk) * D]
             D = y.shape[-1] // (nq + 2 * nk)
             rot = self._rotation(shared, _table_rope(attn.rope), offsets, 1, (nq, nk, nk), D, attn.scale, y.dtype)
-            q, k, v = K.rope_split(y, rot.C, rot.S, rot.F, B, nq, nk, D)  # [B, nk, R, D], [B, nk, 1, D] x 2
+            q, k, v = K.rope_split(y, rot.C, rot.S, rot.F, B, nq, nk, D, **qk)  # [B, nk, R, D], [B, nk, 1, D] x 2
             k, v = cache.update_and_fetch(k, v)
             a = g["o"](K.decode_attention(q, k, v, bias), b[f"o{i}"])  # [B, nq * D] -> [B, hidden]
             h, x = K.add_rms_norm(h, a, post.weight, post.eps)  # h + a

@@ -65,6 +65,15 @@ def test_rope_split_and_swiglu_equal_mlx(B, nq, nk, D):
     q, k, v = mx.split(rot(y), [nq, nq + nk], axis=rot.axis)
     got = K.rope_split(y, rot.C, rot.S, rot.F, B, nq, nk, D)
     assert same(got[0], q.reshape(B, nk, nq // nk, D)) and same(got[1], k) and same(got[2], v)
+    # qwen3's per-head norms before the rotation, as the lean forward's MLX path computes them
+    qn, kn = nn.RMSNorm(D, eps=1e-6), nn.RMSNorm(D, eps=1e-6)
+    qn.weight, kn.weight = mx.random.normal((D,)), mx.random.normal((D,))
+    heads = mx.split(y.reshape(B, nq + 2 * nk, 1, D), [nq, nq + nk], axis=1)
+    cos, sin = rope_tables(mx.array(list(range(5, 5 + 7 * B, 7))), 1, D, 10000.0, 1.0, mx.float32)
+    rot_qk = HeadRotation(cos, sin, (nq, nk, 0), D, D**-0.5)
+    q, k = mx.split(rot_qk(mx.concatenate([qn(heads[0]), kn(heads[1])], axis=1)), [nq], axis=1)
+    got = K.rope_split(y, rot.C, rot.S, rot.F, B, nq, nk, D, q_norm=qn.weight, k_norm=kn.weight, qk_eps=1e-6)
+    assert same(got[0], q.reshape(B, nk, nq // nk, D)) and same(got[1], k) and same(got[2], heads[2])
     gu = mx.random.normal((B, 6 * D))
     gate, up = mx.split(gu, 2, axis=-1)
     assert same(K.swiglu(gu), nn.silu(gate) * up)
@@ -191,9 +200,15 @@ def decode_logits(cm, prompts, steps, native):
     return out, cm
 
 
-@pytest.mark.parametrize("family,quantize", [("llama", False), ("llama_mixed", False), ("llama", True)])
+@pytest.mark.parametrize("family,quantize", [("llama", False), ("llama_mixed", False), ("llama", True), ("qwen3", False),
+                                             ("qwen3", True)])
 def test_the_lean_decode_on_kernels_equals_it_on_mlx_ops(family, quantize, tmp_path):
     model = tiny_model(family)
+    for i, layer in enumerate(model.layers):  # qwen3: per-head norm weights that are not all ones
+        if hasattr(layer.self_attn, "q_norm"):
+            mx.random.seed(i)
+            layer.self_attn.q_norm.weight = mx.random.uniform(0.5, 1.5, layer.self_attn.q_norm.weight.shape)
+            layer.self_attn.k_norm.weight = mx.random.uniform(0.5, 1.5, layer.self_attn.k_norm.weight.shape)
     if quantize:  # float32 activations, quantized projections: the small kernels between MLX's matmuls
         nn.quantize(model, group_size=32, bits=4)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]

@@ -158,6 +158,18 @@ void norm_rows(const float* x, const float* r, const float* w, float eps, size_t
   }
 }
 
+// qwen3's per-head norms before the rotation: the nq query heads and the nk
+// key heads of each row of y [M, (nq + 2 nk) D] normalized in place (over D,
+// weights qw / kw), as norm_rows does for a whole row.
+void qk_norm_rows(float* y, const float* qw, const float* kw, float eps, size_t M, int nq, int nk, int D) {
+  const size_t N = size_t(nq + 2 * nk) * D;
+  for (size_t m = 0; m < M; ++m) {
+    float* r = y + m * N;
+    norm_rows(r, nullptr, qw, eps, nq, D, nullptr, r);
+    norm_rows(r + size_t(nq) * D, nullptr, kw, eps, nk, D, nullptr, r + size_t(nq) * D);
+  }
+}
+
 // y [M, H * D] rotated head by head as ((x * C) + (x_swapped * S)) * F (x_swapped:
 // the head's halves exchanged; C/S [M * H, D], F [M * H, 1]: the lean
 // forward's tables, values with C = 1, S = 0, F = 1), written out as q
@@ -340,15 +352,30 @@ class RMSNormResidual : public Kernel {
 // y, C, S, F -> q [B, nk, R, D], k, v [B, nk, 1, D].
 class RopeSplit : public Kernel {
  public:
-  RopeSplit(mx::Stream s, int nq, int nk, int D) : Kernel(s), nq_(nq), nk_(nk), D_(D) {}
+  RopeSplit(mx::Stream s, int nq, int nk, int D, bool qk, float qk_eps)
+      : Kernel(s), nq_(nq), nk_(nk), D_(D), qk_(qk), qk_eps_(qk_eps) {}
 
   void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
     array y = dense(inputs[0]), C = dense(inputs[1]), S = dense(inputs[2]), F = dense(inputs[3]);
+    std::optional<array> qn, kn;
+    if (qk_) {
+      qn = dense(inputs[4]);
+      kn = dense(inputs[5]);
+    }
     alloc(outputs);
     array q = outputs[0], k = outputs[1], v = outputs[2];
     const int nq = nq_, nk = nk_, D = D_;
-    run([y = View(y), C = View(C), S = View(S), F = View(F), q = View(q), k = View(k), v = View(v), nq, nk, D]() {
-      rope_rows(y.p, C.p, S.p, F.p, q.dim(0), nq, nk, D, q.p, k.p, v.p);
+    const float qk_eps = qk_eps_;
+    run([y = View(y), C = View(C), S = View(S), F = View(F), q = View(q), k = View(k), v = View(v), nq, nk, D,
+         qn = qn ? qn->data<float>() : nullptr, kn = kn ? kn->data<float>() : nullptr, qk_eps]() {
+      const float* src = y.p;
+      std::vector<float> normed;
+      if (qn != nullptr) {
+        normed.assign(y.p, y.p + y.size);
+        qk_norm_rows(normed.data(), qn, kn, qk_eps, q.dim(0), nq, nk, D);
+        src = normed.data();
+      }
+      rope_rows(src, C.p, S.p, F.p, q.dim(0), nq, nk, D, q.p, k.p, v.p);
     });
   }
   const char* name() const override {
@@ -357,6 +384,8 @@ class RopeSplit : public Kernel {
 
  private:
   int nq_, nk_, D_;
+  bool qk_;
+  float qk_eps_;
 };
 
 // gu [M, 2F] -> [M, F].
@@ -408,8 +437,10 @@ class DecodeAttention : public Kernel {
 // outputs: [h_new], q [B, nk, R, D], kbuf', vbuf' [B, nk, S, D]
 class LayerIn : public Kernel {
  public:
-  LayerIn(mx::Stream s, float eps, bool carry, bool b_down, bool b_qkv, int nq, int nk, int D, bool write)
-      : Kernel(s), eps_(eps), carry_(carry), b_down_(b_down), b_qkv_(b_qkv), write_(write), nq_(nq), nk_(nk), D_(D) {}
+  LayerIn(mx::Stream s, float eps, bool carry, bool b_down, bool b_qkv, int nq, int nk, int D, bool write, bool qk,
+          float qk_eps)
+      : Kernel(s), eps_(eps), qk_eps_(qk_eps), carry_(carry), b_down_(b_down), b_qkv_(b_qkv), write_(write), qk_(qk),
+        nq_(nq), nk_(nk), D_(D) {}
 
   void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
     size_t i = 0;
@@ -425,6 +456,11 @@ class LayerIn : public Kernel {
     Operand wq = operand(in[i++]);
     if (b_qkv_) bq = dense(in[i++]);
     array C = dense(in[i++]), S = dense(in[i++]), F = dense(in[i++]);
+    std::optional<array> qn, kn;
+    if (qk_) {
+      qn = dense(in[i++]);
+      kn = dense(in[i++]);
+    }
     const size_t o = carry_ ? 1 : 0;
     const int32_t* col = nullptr;
     if (write_) {
@@ -441,13 +477,14 @@ class LayerIn : public Kernel {
     }
     const array& kout = outputs[o + 1];
     const array& vout = outputs[o + 2];
-    const float eps = eps_;
+    const float eps = eps_, qk_eps = qk_eps_;
     const int nq = nq_, nk = nk_, D = D_;
     const bool carry = carry_;
     run([h = View(h), act = act ? View(*act) : View(), wd = wd ? view(*wd) : OperandView{}, bd = bd ? bd->data<float>() : nullptr,
          nw = View(nw), wq = view(wq), bq = bq ? bq->data<float>() : nullptr, C = View(C), S = View(S), F = View(F),
          col, h_new = carry ? outputs[0].data<float>() : nullptr, q = outputs[o].data<float>(),
-         kout = View(kout), vout = outputs[o + 2].data<float>(), eps, nq, nk, D, carry]() {
+         kout = View(kout), vout = outputs[o + 2].data<float>(), eps, nq, nk, D, carry,
+         qn = qn ? qn->data<float>() : nullptr, kn = kn ? kn->data<float>() : nullptr, qk_eps]() {
       const int B = h.dim(0), hid = h.dim(1), N = (nq + 2 * nk) * D, cols = kout.dim(2);
       const int c = col ? std::clamp(col[0], 0, cols - 1) : 0;
       std::vector<float> x(size_t(B) * hid), y(size_t(B) * N);
@@ -459,6 +496,9 @@ class LayerIn : public Kernel {
         norm_rows(h.p, nullptr, nw.p, eps, B, hid, nullptr, x.data());
       }
       gemm(x.data(), B, hid, wq.p, wq.trans, wq.ld, N, bq, y.data());
+      if (qn != nullptr) {
+        qk_norm_rows(y.data(), qn, kn, qk_eps, B, nq, nk, D);
+      }
       rope_rows(y.data(), C.p, S.p, F.p, B, nq, nk, D, q, kout.p, vout, cols, c);
     });
   }
@@ -500,8 +540,8 @@ class LayerIn : public Kernel {
     run([src = src.data<float>(), dst = out.data<float>(), n = out.nbytes()]() { std::memcpy(dst, src, n); });
   }
 
-  float eps_;
-  bool carry_, b_down_, b_qkv_, write_;
+  float eps_, qk_eps_;
+  bool carry_, b_down_, b_qkv_, write_, qk_;
   int nq_, nk_, D_;
 };
 
@@ -593,9 +633,22 @@ void need_rope(size_t y_size, const array& C, const array& S, const array& F, in
        "rope shapes do not match (y [B, (nq + 2 nk) D], C/S [B (nq + 2 nk), D], F [B (nq + 2 nk), 1])");
 }
 
-std::vector<array> rope_split(const array& y, const array& C, const array& S, const array& F, int B, int nq, int nk, int D) {
+// q_norm / k_norm: both or neither, each [D] (qwen3's per-head norms, applied before the rotation).
+bool need_qk_norm(const std::optional<array>& qn, const std::optional<array>& kn, int D) {
+  need(qn.has_value() == kn.has_value(), "q_norm and k_norm go together");
+  if (qn) {
+    need(qn->ndim() == 1 && qn->shape(0) == D && kn->ndim() == 1 && kn->shape(0) == D, "q_norm and k_norm must be [D]");
+  }
+  return qn.has_value();
+}
+
+std::vector<array> rope_split(const array& y, const array& C, const array& S, const array& F, int B, int nq, int nk, int D,
+                              std::optional<array> q_norm, std::optional<array> k_norm, float qk_eps) {
   need_rope(y.size(), C, S, F, B, nq, nk, D);
-  return make<RopeSplit>({{B, nk, nq / nk, D}, {B, nk, 1, D}, {B, nk, 1, D}}, {y, C, S, F}, nq, nk, D);
+  const bool qk = need_qk_norm(q_norm, k_norm, D);
+  std::vector<array> inputs{y, C, S, F};
+  if (qk) inputs.insert(inputs.end(), {*q_norm, *k_norm});
+  return make<RopeSplit>({{B, nk, nq / nk, D}, {B, nk, 1, D}, {B, nk, 1, D}}, std::move(inputs), nq, nk, D, qk, qk_eps);
 }
 
 array swiglu(const array& gu) {
@@ -617,7 +670,8 @@ array decode_attention(const array& q, const array& k, const array& v, const arr
 std::vector<array> layer_in(const array& h, std::optional<array> act, std::optional<array> w_down,
                             std::optional<array> b_down, const array& norm_w, float eps, const array& w_qkv,
                             std::optional<array> b_qkv, const array& C, const array& S, const array& F, int nq, int nk,
-                            int D, std::optional<array> kbuf, std::optional<array> vbuf, std::optional<array> col) {
+                            int D, std::optional<array> kbuf, std::optional<array> vbuf, std::optional<array> col,
+                            std::optional<array> q_norm, std::optional<array> k_norm, float qk_eps) {
   need(h.ndim() == 2 && norm_w.ndim() == 1 && norm_w.shape(0) == h.shape(1), "layer_in needs h [B, hidden], norm [hidden]");
   const int B = h.shape(0), hid = h.shape(1), N = (nq + 2 * nk) * D;
   need(act.has_value() == w_down.has_value() && (!b_down || act), "layer_in: act and w_down go together");
@@ -645,13 +699,16 @@ std::vector<array> layer_in(const array& h, std::optional<array> act, std::optio
   inputs.insert(inputs.end(), {norm_w, w_qkv});
   if (b_qkv) inputs.push_back(*b_qkv);
   inputs.insert(inputs.end(), {C, S, F});
+  const bool qk = need_qk_norm(q_norm, k_norm, D);
+  if (qk) inputs.insert(inputs.end(), {*q_norm, *k_norm});
   if (write) {
     inputs.insert(inputs.end(), {*kbuf, *vbuf, *col});
     shapes.insert(shapes.end(), {{B, nk, nq / nk, D}, kbuf->shape(), vbuf->shape()});
   } else {
     shapes.insert(shapes.end(), {{B, nk, nq / nk, D}, {B, nk, 1, D}, {B, nk, 1, D}});
   }
-  return make<LayerIn>(std::move(shapes), std::move(inputs), eps, bool(act), bool(b_down), bool(b_qkv), nq, nk, D, write);
+  return make<LayerIn>(std::move(shapes), std::move(inputs), eps, bool(act), bool(b_down), bool(b_qkv), nq, nk, D, write,
+                         qk, qk_eps);
 }
 
 std::vector<array> layer_mid(const array& q, const array& k, const array& v, const array& bias, const array& w_o,
@@ -684,12 +741,14 @@ NB_MODULE(_mlx_tracer_kernels, m) {
   m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
   m.def("add_rms_norm", &add_rms_norm, nb::arg("x"), nb::arg("r"), nb::arg("weight"), nb::arg("eps"));
   m.def("rope_split", &rope_split, nb::arg("y"), nb::arg("C"), nb::arg("S"), nb::arg("F"), nb::arg("B"), nb::arg("nq"),
-        nb::arg("nk"), nb::arg("D"));
+        nb::arg("nk"), nb::arg("D"), nb::arg("q_norm").none() = nb::none(), nb::arg("k_norm").none() = nb::none(),
+        nb::arg("qk_eps") = 0.0f);
   m.def("swiglu", &swiglu, nb::arg("gu"));
   m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("bias"));
   m.def("layer_in", &layer_in, nb::arg("h"), nb::arg("act").none(), nb::arg("w_down").none(), nb::arg("b_down").none(),
         nb::arg("norm_w"), nb::arg("eps"), nb::arg("w_qkv"), nb::arg("b_qkv").none(), nb::arg("C"), nb::arg("S"),
-        nb::arg("F"), nb::arg("nq"), nb::arg("nk"), nb::arg("D"), nb::arg("kbuf").none() = nb::none(), nb::arg("vbuf").none() = nb::none(), nb::arg("col").none() = nb::none());
+        nb::arg("F"), nb::arg("nq"), nb::arg("nk"), nb::arg("D"), nb::arg("kbuf").none() = nb::none(), nb::arg("vbuf").none() = nb::none(), nb::arg("col").none() = nb::none(),
+        nb::arg("q_norm").none() = nb::none(), nb::arg("k_norm").none() = nb::none(), nb::arg("qk_eps") = 0.0f);
   m.def("cache_writes", &cache_writes);
   m.def("layer_mid", &layer_mid, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("bias"), nb::arg("w_o"),
         nb::arg("b_o").none(), nb::arg("h"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("w_gu"), nb::arg("b_gu").none());
