@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
+
 from mlx_tracer import bench
 from mlx_tracer.cli import main
 
@@ -51,6 +53,29 @@ def test_conditions_line_says_what_it_knows_and_warns_when_not_quiet():
     assert not loaded.quiet and "WARNING: the machine was not quiet" in loaded.line()
     busy = bench.Conditions(cores=2, busy=2, load_before=0.1, load_after=3.0)
     assert not busy.quiet and "2 busy processes started" in busy.line() and "WARNING" not in busy.line()
+
+
+def test_bench_model_names_are_checked_before_anything_runs(capsys):
+    import pytest
+
+    assert bench.parse_bench_model("qwen3-h256") == ("qwen3", 256) and bench.parse_bench_model("smollm2") == ("smollm2", None)
+    for bad in ("llama-h100", "llama-hx", "gemma-h64", "llama"):
+        with pytest.raises(ValueError, match="unknown bench model"):
+            bench.parse_bench_model(bad)
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--models", "llama-h64,llama-h7", "--json", "/nonexistent/never-written.json"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown bench model 'llama-h7'" in err and "multiple of 64" in err
+
+
+def test_bench_runs_a_random_qwen3_on_the_layer_kernels(capsys):
+    model = bench.random_model("qwen3", 64)
+    assert model.args.model_type == "qwen3" and hasattr(model.layers[0].self_attn, "q_norm")
+    assert not mx.array_equal(model.layers[0].self_attn.q_norm.weight, mx.ones_like(model.layers[0].self_attn.q_norm.weight))
+    rc = main(["bench", "--models", "qwen3-h64", "--buckets", "1", "--contexts", "16", "--tokens", "2", "--runs", "1",
+               "--steady-steps", "0", "--no-baseline"])
+    assert rc == 0 and "qwen3 4x64 fp32 (random)" in capsys.readouterr().out
 
 
 def test_baseline_worker_decodes_on_request_reports_errors_and_exits():

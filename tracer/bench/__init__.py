@@ -17,13 +17,13 @@ the library needs lives here.
 from .baseline import BaselineWorker, worker_main
 from .conditions import Conditions, busy_processes
 from .machine import Machine, model_costs, roofline_tps
-from .models import DEFAULT_MODELS, copy_caches, load_bench_model, random_llama, synthetic_context
+from .models import DEFAULT_MODELS, copy_caches, load_bench_model, parse_bench_model, random_llama, random_model, synthetic_context
 from .report import HEADER, UNITS, format_row, plot, write_json
 from .run import BenchRow, bench_model, steady_state
 from .systems import host_ms, stock_decode, stock_host_ms, tracer_decode, tracer_host_ms
 
 __all__ = [
     "BaselineWorker", "BenchRow", "Conditions", "DEFAULT_MODELS", "busy_processes", "HEADER", "Machine", "UNITS", "bench_model",
-    "copy_caches", "format_row", "load_bench_model", "model_costs", "plot", "random_llama", "roofline_tps",
+    "copy_caches", "format_row", "load_bench_model", "model_costs", "plot", "parse_bench_model", "random_llama", "random_model", "roofline_tps",
     "host_ms", "steady_state", "stock_decode", "stock_host_ms", "synthetic_context", "tracer_decode", "tracer_host_ms", "worker_main", "write_json",
 ]

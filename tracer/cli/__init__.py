@@ -69,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(func=tools.info)
 
     b = sub.add_parser("bench", help="stock mlx-lm decode vs the compiled loop: table, JSON, plot")
-    b.add_argument("--models", type=opt.names, default=("smollm2", "llama-h64", "llama-h256"),
-                   help="comma-separated: smollm2, llama-h64, llama-h256 (random 4-layer llamas of that width)")
+    b.add_argument("--models", type=opt.bench_models, default=("smollm2", "llama-h64", "llama-h256"),
+                   help="comma-separated: smollm2, llama-h64, llama-h256, qwen3-h256 (random 4-layer llama / qwen3 "
+                        "models of that width)")
     b.add_argument("--model", help="the GGUF / mlx-lm directory used for 'smollm2' (default: the fetched SmolLM2)")
     b.add_argument("--buckets", type=opt.positive_ints, default=(1, 2, 4, 8))
     b.add_argument("--contexts", type=opt.non_negative_ints, default=(128, 1024))

@@ -100,6 +100,19 @@ def names(text: str) -> Tuple[str, ...]:
     return items
 
 
+def bench_models(text: str) -> Tuple[str, ...]:
+    """``--models``: names the bench knows, checked before any model loads."""
+    from ..bench.models import parse_bench_model
+
+    items = names(text)
+    for name in items:
+        try:
+            parse_bench_model(name)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return items
+
+
 def undecodable_argument(argv: Sequence[str]):
     """The first argument that is not valid UTF-8 (Python keeps its bad bytes
     as lone surrogates), as ``(index, byte)``; None when all are."""
