@@ -69,7 +69,7 @@ def test_bench_model_names_are_checked_before_anything_runs(capsys):
     assert "unknown bench model 'llama-h7'" in err and "multiple of 64" in err
 
 
-def test_bench_runs_a_random_qwen3_on_the_layer_kernels(capsys):
+def test_bench_runs_a_random_qwen3(capsys):
     model = bench.random_model("qwen3", 64)
     assert model.args.model_type == "qwen3" and hasattr(model.layers[0].self_attn, "q_norm")
     assert not mx.array_equal(model.layers[0].self_attn.q_norm.weight, mx.ones_like(model.layers[0].self_attn.q_norm.weight))

@@ -123,6 +123,8 @@ def test_old_builds_of_a_kind_are_pruned_when_a_new_one_lands_and_used_ones_stay
     in_use = built("kernels-ddd.so", home.STALE_DAYS + 9)
     other_kind = built("blas-shim-eee.so", home.STALE_DAYS + 9)
     (tmp_path / "kernels-fff.so.sha256").write_text("digest of a build that is gone\n")
+    _age(tmp_path / "kernels-fff.so.sha256", home.STALE_DAYS + 1)
+    (tmp_path / "kernels-ggg.so.sha256").write_text("another process's build, about to move in\n")
     home.check_kept(in_use)  # loaded: marked used
     build_dir = tmp_path / ".kernels-build-x"
     build_dir.mkdir()
@@ -134,7 +136,7 @@ def test_old_builds_of_a_kind_are_pruned_when_a_new_one_lands_and_used_ones_stay
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == sorted([
         ".kernels-build-x", "blas-shim-eee.so", "blas-shim-eee.so.sha256", "kernels-ccc.so", "kernels-ccc.so.sha256",
-        "kernels-ddd.so", "kernels-ddd.so.sha256", "kernels-new.so", "kernels-new.so.sha256",
+        "kernels-ddd.so", "kernels-ddd.so.sha256", "kernels-ggg.so.sha256", "kernels-new.so", "kernels-new.so.sha256",
     ])
     assert not stale.exists() and not no_digest.exists() and recent.exists() and other_kind.exists()
     home.check_kept(tmp_path / "kernels-new.so")  # the kept build verifies

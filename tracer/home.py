@@ -141,12 +141,12 @@ def prune_stale(keep: Path, kind: str, days: float = STALE_DAYS) -> list:
             _digest_file(f).unlink(missing_ok=True)
         except OSError:
             continue
-    # digests whose build is gone (an older version removed the build alone)
+    # old digests whose build is gone (an older version removed builds alone;
+    # a fresh one may be another process's build, its file about to move in)
     for d in keep.parent.glob(kind + "*.sha256"):
-        build = d.with_name(d.name[: -len(".sha256")])
-        if not build.exists():
-            try:
+        try:
+            if not d.with_name(d.name[: -len(".sha256")]).exists() and d.stat().st_mtime < cutoff:
                 d.unlink()
-            except OSError:
-                pass
+        except OSError:
+            continue
     return removed

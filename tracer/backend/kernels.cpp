@@ -437,10 +437,9 @@ class DecodeAttention : public Kernel {
 // outputs: [h_new], q [B, nk, R, D], kbuf', vbuf' [B, nk, S, D]
 class LayerIn : public Kernel {
  public:
-  LayerIn(mx::Stream s, float eps, bool carry, bool b_down, bool b_qkv, int nq, int nk, int D, bool write, bool qk,
-          float qk_eps)
-      : Kernel(s), eps_(eps), qk_eps_(qk_eps), carry_(carry), b_down_(b_down), b_qkv_(b_qkv), write_(write), qk_(qk),
-        nq_(nq), nk_(nk), D_(D) {}
+  LayerIn(mx::Stream s, float eps, bool carry, bool b_down, bool b_qkv, int nq, int nk, int D, bool qk, float qk_eps)
+      : Kernel(s), eps_(eps), qk_eps_(qk_eps), carry_(carry), b_down_(b_down), b_qkv_(b_qkv), qk_(qk), nq_(nq), nk_(nk),
+        D_(D) {}
 
   void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
     size_t i = 0;
@@ -461,20 +460,15 @@ class LayerIn : public Kernel {
       qn = dense(in[i++]);
       kn = dense(in[i++]);
     }
+    // the buffers: checked for donation where the graph holds them (a copy
+    // of the array would count as one more reference)
     const size_t o = carry_ ? 1 : 0;
-    const int32_t* col = nullptr;
-    if (write_) {
-      // the buffers: checked for donation where the graph holds them (a copy
-      // of the array would count as one more reference)
-      for (size_t j = 0; j < o + 1; ++j) {
-        outputs[j].set_data(mx::allocator::malloc(outputs[j].nbytes()));
-      }
-      take_buffer(in[i], outputs[o + 1], outputs.size());
-      take_buffer(in[i + 1], outputs[o + 2], outputs.size());
-      col = in[i + 2].data<int32_t>();
-    } else {
-      alloc(outputs);
+    for (size_t j = 0; j < o + 1; ++j) {
+      outputs[j].set_data(mx::allocator::malloc(outputs[j].nbytes()));
     }
+    take_buffer(in[i], outputs[o + 1], outputs.size());
+    take_buffer(in[i + 1], outputs[o + 2], outputs.size());
+    const int32_t* col = in[i + 2].data<int32_t>();
     const array& kout = outputs[o + 1];
     const array& vout = outputs[o + 2];
     const float eps = eps_, qk_eps = qk_eps_;
@@ -486,7 +480,7 @@ class LayerIn : public Kernel {
          kout = View(kout), vout = outputs[o + 2].data<float>(), eps, nq, nk, D, carry,
          qn = qn ? qn->data<float>() : nullptr, kn = kn ? kn->data<float>() : nullptr, qk_eps]() {
       const int B = h.dim(0), hid = h.dim(1), N = (nq + 2 * nk) * D, cols = kout.dim(2);
-      const int c = col ? std::clamp(col[0], 0, cols - 1) : 0;
+      const int c = std::clamp(col[0], 0, cols - 1);
       std::vector<float> x(size_t(B) * hid), y(size_t(B) * N);
       if (carry) {
         std::vector<float> down(size_t(B) * hid);
@@ -541,7 +535,7 @@ class LayerIn : public Kernel {
   }
 
   float eps_, qk_eps_;
-  bool carry_, b_down_, b_qkv_, write_, qk_;
+  bool carry_, b_down_, b_qkv_, qk_;
   int nq_, nk_, D_;
 };
 
@@ -670,8 +664,8 @@ array decode_attention(const array& q, const array& k, const array& v, const arr
 std::vector<array> layer_in(const array& h, std::optional<array> act, std::optional<array> w_down,
                             std::optional<array> b_down, const array& norm_w, float eps, const array& w_qkv,
                             std::optional<array> b_qkv, const array& C, const array& S, const array& F, int nq, int nk,
-                            int D, std::optional<array> kbuf, std::optional<array> vbuf, std::optional<array> col,
-                            std::optional<array> q_norm, std::optional<array> k_norm, float qk_eps) {
+                            int D, const array& kbuf, const array& vbuf, const array& col, std::optional<array> q_norm,
+                            std::optional<array> k_norm, float qk_eps) {
   need(h.ndim() == 2 && norm_w.ndim() == 1 && norm_w.shape(0) == h.shape(1), "layer_in needs h [B, hidden], norm [hidden]");
   const int B = h.shape(0), hid = h.shape(1), N = (nq + 2 * nk) * D;
   need(act.has_value() == w_down.has_value() && (!b_down || act), "layer_in: act and w_down go together");
@@ -688,27 +682,19 @@ std::vector<array> layer_in(const array& h, std::optional<array> act, std::optio
   need_weight(w_qkv, hid, "layer_in: w_qkv must be [hidden, (nq + 2 nk) D]");
   need(w_qkv.shape(1) == N && (!b_qkv || b_qkv->size() == size_t(N)), "layer_in: w_qkv/b_qkv width");
   need_rope(size_t(B) * N, C, S, F, B, nq, nk, D);
-  const bool write = kbuf.has_value();
-  need(write == vbuf.has_value() && write == col.has_value(), "layer_in: kbuf, vbuf and col go together");
-  if (write) {
-    need(kbuf->ndim() == 4 && kbuf->shape() == vbuf->shape() && kbuf->shape(0) == B && kbuf->shape(1) == nk &&
-             kbuf->shape(3) == D,
-         "layer_in: cache buffers must be [B, nk, S, D]");
-    need(col->dtype() == mx::int32 && col->size() == 1, "layer_in: col must be int32 [1]");
-  }
+  need(kbuf.ndim() == 4 && kbuf.shape() == vbuf.shape() && kbuf.shape(0) == B && kbuf.shape(1) == nk &&
+           kbuf.shape(3) == D,
+       "layer_in: cache buffers must be [B, nk, S, D]");
+  need(col.dtype() == mx::int32 && col.size() == 1, "layer_in: col must be int32 [1]");
   inputs.insert(inputs.end(), {norm_w, w_qkv});
   if (b_qkv) inputs.push_back(*b_qkv);
   inputs.insert(inputs.end(), {C, S, F});
   const bool qk = need_qk_norm(q_norm, k_norm, D);
   if (qk) inputs.insert(inputs.end(), {*q_norm, *k_norm});
-  if (write) {
-    inputs.insert(inputs.end(), {*kbuf, *vbuf, *col});
-    shapes.insert(shapes.end(), {{B, nk, nq / nk, D}, kbuf->shape(), vbuf->shape()});
-  } else {
-    shapes.insert(shapes.end(), {{B, nk, nq / nk, D}, {B, nk, 1, D}, {B, nk, 1, D}});
-  }
-  return make<LayerIn>(std::move(shapes), std::move(inputs), eps, bool(act), bool(b_down), bool(b_qkv), nq, nk, D, write,
-                         qk, qk_eps);
+  inputs.insert(inputs.end(), {kbuf, vbuf, col});
+  shapes.insert(shapes.end(), {{B, nk, nq / nk, D}, kbuf.shape(), vbuf.shape()});
+  return make<LayerIn>(std::move(shapes), std::move(inputs), eps, bool(act), bool(b_down), bool(b_qkv), nq, nk, D, qk,
+                       qk_eps);
 }
 
 std::vector<array> layer_mid(const array& q, const array& k, const array& v, const array& bias, const array& w_o,
@@ -747,8 +733,7 @@ NB_MODULE(_mlx_tracer_kernels, m) {
   m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("bias"));
   m.def("layer_in", &layer_in, nb::arg("h"), nb::arg("act").none(), nb::arg("w_down").none(), nb::arg("b_down").none(),
         nb::arg("norm_w"), nb::arg("eps"), nb::arg("w_qkv"), nb::arg("b_qkv").none(), nb::arg("C"), nb::arg("S"),
-        nb::arg("F"), nb::arg("nq"), nb::arg("nk"), nb::arg("D"), nb::arg("kbuf").none() = nb::none(), nb::arg("vbuf").none() = nb::none(), nb::arg("col").none() = nb::none(),
-        nb::arg("q_norm").none() = nb::none(), nb::arg("k_norm").none() = nb::none(), nb::arg("qk_eps") = 0.0f);
+        nb::arg("F"), nb::arg("nq"), nb::arg("nk"), nb::arg("D"), nb::arg("kbuf"), nb::arg("vbuf"), nb::arg("col"), nb::arg("q_norm").none() = nb::none(), nb::arg("k_norm").none() = nb::none(), nb::arg("qk_eps") = 0.0f);
   m.def("cache_writes", &cache_writes);
   m.def("layer_mid", &layer_mid, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("bias"), nb::arg("w_o"),
         nb::arg("b_o").none(), nb::arg("h"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("w_gu"), nb::arg("b_gu").none());

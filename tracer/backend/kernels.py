@@ -10,8 +10,9 @@ CPU kernels; ``tests/test_kernels.py``):
 
 * ``layer_in``: a decode step's layer up to attention: the previous MLP's
   down projection and residual, the input norm, the q/k/v projection,
-  qwen3's per-head q/k norms where given, RoPE and the write of the new keys and values into the cache buffers (in place
-  when MLX may donate them, as its ``slice_update`` does);
+  qwen3's per-head q/k norms where given, RoPE and the write of the new
+  keys and values into the cache buffers (in place when MLX may donate
+  them, as its ``slice_update`` does);
 * ``layer_mid``: attention, the output projection and residual, the
   post-attention norm, gate/up and SwiGLU;
 

@@ -2,9 +2,9 @@
 
 Models: ``smollm2`` (the default GGUF, or ``--model``, through
 :func:`mlx_tracer.loading.load_model`), ``llama-h<N>`` and ``qwen3-h<N>``,
-random-init 4-layer mlx-lm models of width ``N``. A context of ``C`` positions is random
-K/V written into mlx-lm prompt caches: decode speed does not depend on the
-values, and it spares a long prefill.
+random-init 4-layer mlx-lm models of width ``N``. A context of ``C``
+positions is random K/V written into mlx-lm prompt caches: decode speed
+does not depend on the values, and it spares a long prefill.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ RANDOM_FAMILIES = ("llama", "qwen3")  # ``<family>-h<N>``: a random-init 4-layer
 
 def random_model(family: str, hidden: int, layers: int = 4, vocab: int = 1024, window: Optional[int] = None,
                  seed: int = 0):
-    """A random-init mlx-lm ``llama`` or ``qwen3`` (float32: heads of 32 wide
-    for the queries, 64 for keys/values as in the llamas; qwen3 adds its
-    per-head q/k norms); ``window`` makes every layer sliding."""
+    """A random-init mlx-lm ``llama`` or ``qwen3`` (float32; ``hidden / 32``
+    query heads and ``hidden / 64`` key/value heads, at least 2 and 1; qwen3
+    adds its per-head q/k norms); ``window`` makes every layer sliding."""
     import importlib
 
     from mlx_lm.models.cache import RotatingKVCache

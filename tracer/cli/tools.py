@@ -90,7 +90,8 @@ def info(args) -> int:
     ok = store.is_valid_model_file(path)
     print(f"model        {path} ({'present' if ok else 'missing: run mlx-tracer fetch'})")
     choices = format_cache.list_choices()
-    here = [c for c in choices if format_cache.applies_here(c)]
+    env = format_cache.environment()
+    here = [c for c in choices if c.setup.environment == env]
     if here:
         for c in here:
             s = c.setup

@@ -56,13 +56,23 @@ class Setup:
 
     @classmethod
     def of(cls, source: Path) -> "Setup":
-        import mlx.core as mx
-
-        from ..backend import blas
-
         st = source.stat()
-        lib = blas.status().library or "?"
-        return cls(str(source.resolve()), st.st_size, int(st.st_mtime), mx.__version__, os.path.basename(lib), os.cpu_count() or 1)
+        return cls(str(source.resolve()), st.st_size, int(st.st_mtime), *environment())
+
+    @property
+    def environment(self) -> Tuple[str, str, int]:
+        return self.mlx, self.blas, self.cores
+
+
+def environment() -> Tuple[str, str, int]:
+    """This process's part of a setup: the MLX version, the file name of the
+    library serving ``cblas_sgemm`` and the core count. ``mlx-tracer info``
+    shows the entries measured under it (the ones ``auto`` can use here)."""
+    import mlx.core as mx
+
+    from ..backend import blas
+
+    return mx.__version__, os.path.basename(blas.status().library or "?"), os.cpu_count() or 1
 
 
 @dataclass
@@ -199,17 +209,6 @@ def is_orphan(choice: FormatChoice) -> bool:
         return True
     return not os.path.exists(choice.setup.model)
 
-
-def applies_here(choice: FormatChoice) -> bool:
-    """Measured under this process's MLX version, BLAS library and core count
-    (for any model): the entries ``auto`` can use now."""
-    import mlx.core as mx
-
-    from ..backend import blas
-
-    lib = os.path.basename(blas.status().library or "?")
-    s = choice.setup
-    return (s.mlx, s.blas, s.cores) == (mx.__version__, lib, os.cpu_count() or 1)
 
 
 def _write(choices: List[FormatChoice]) -> bool:
