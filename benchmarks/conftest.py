@@ -38,7 +38,7 @@ def loaded():
         if name not in cache:
             model, label = bench.load_bench_model(name)
             compiled = CompiledModel(model)
-            ctx = bench.synthetic_context(model, compiled.layouts, CONTEXT)
+            ctx = bench.synthetic_context(model, compiled.layout, CONTEXT)
             cache[name] = (model, label, compiled, ctx)
         return cache[name]
 

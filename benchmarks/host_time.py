@@ -40,7 +40,7 @@ def main() -> int:
     args = ap.parse_args()
     model, label = load_bench_model("smollm2", weights=args.weights)
     compiled = CompiledModel(model)
-    contexts = [synthetic_context(model, compiled.layouts, args.context)] * args.bucket
+    contexts = [synthetic_context(model, compiled.layout, args.context)] * args.bucket
     print(f"{label}, bucket {args.bucket}, context {args.context}; load average {os.getloadavg()[0]:.2f} before")
 
     def measure(label):

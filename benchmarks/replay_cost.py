@@ -77,8 +77,8 @@ def parts(compiled, contexts, steps: int):
         t.append(time.perf_counter())
         kv = [caches[j].fit(plans[f]) for j, f in enumerate(layout.family_of)]
         t.append(time.perf_counter())
-        if compiled.fused is not None:
-            compiled.fused.refresh()
+        if compiled.lean is not None:
+            compiled.lean.refresh()
         t.append(time.perf_counter())
         out, new_kv = fn(tokens, plans[0].offsets, [p.arrays for p in plans], kv, {})
         del kv
@@ -103,7 +103,7 @@ def main() -> int:
     args = ap.parse_args()
     model, label = load_bench_model("smollm2", weights=args.weights)
     compiled = CompiledModel(model)
-    contexts = [synthetic_context(model, compiled.layouts, args.context)]
+    contexts = [synthetic_context(model, compiled.layout, args.context)]
     build, evaluate = _tracer_steps(compiled, contexts)
     print(f"{label}, bucket 1, context {args.context}; load average {os.getloadavg()[0]:.2f} before")
 

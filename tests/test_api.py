@@ -163,7 +163,7 @@ def test_a_dropped_loop_frees_its_model_without_the_cyclic_collector(owner):
             for ev in loop.stream_generate([4, 5], max_tokens=2):
                 pass
             del ev
-            assert loop.engine.compiled.fused is not None  # the lean forward
+            assert loop.engine.compiled.lean is not None  # the lean forward
         else:
             loop = Engine(CompiledModel(model, fuse=False), buckets=(1,))
             loop.add([1, 2, 3], max_tokens=3)

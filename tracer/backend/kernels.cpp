@@ -19,12 +19,15 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <map>
 #include <optional>
 #include <stdexcept>
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/vector.h>
 
@@ -55,7 +58,7 @@ namespace {
 
 constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 
-// Cache buffers layer_in wrote in place / into a copy (cache_writes()).
+// Cache buffers cache_write wrote in place / into a copy (cache_writes()).
 std::atomic<uint64_t> g_donated{0}, g_copied{0};
 
 // ------------------------------------------------------------ array helpers
@@ -174,10 +177,8 @@ void qk_norm_rows(float* y, const float* qw, const float* kw, float eps, size_t 
 // the head's halves exchanged; C/S [M * H, D], F [M * H, 1]: the lean
 // forward's tables, values with C = 1, S = 0, F = 1), written out as q
 // [M, nq, D] (= [M, nk, R, D]), k [M, nk, D], v [M, nk, D].
-// `kv_stride`/`kv_cols`: the keys/values land in column `col` of buffers
-// [M, nk, kv_cols, D] instead (a decode step's cache write; 1 and 0: [M, nk, 1, D]).
 void rope_rows(const float* y, const float* C, const float* S, const float* F, size_t M, int nq, int nk, int D,
-               float* q, float* k, float* v, int kv_cols = 1, int col = 0) {
+               float* q, float* k, float* v) {
   const int H = nq + 2 * nk, half = D / 2;
   for (size_t m = 0; m < M; ++m) {
     for (int h = 0; h < H; ++h) {
@@ -186,7 +187,7 @@ void rope_rows(const float* y, const float* C, const float* S, const float* F, s
       const float* c = C + row * D;
       const float* s = S + row * D;
       const float f = F[row];
-      const size_t kv = ((m * nk + (h < nq + nk ? h - nq : h - nq - nk)) * kv_cols + col) * D;
+      const size_t kv = (m * nk + (h < nq + nk ? h - nq : h - nq - nk)) * D;
       float* o = h < nq ? q + (m * nq + h) * D : (h < nq + nk ? k + kv : v + kv);
       for (int j = 0; j < D; ++j) {
         float tmp_F = Multiply()(x[j], c[j]);
@@ -260,6 +261,97 @@ void swiglu_rows(const float* gu, size_t M, int F, float* out) {
   }
 }
 
+// ---------------------------------------------------------- kernel inputs
+// A kernel's inputs are described once, in one X-macro list per kernel: it
+// gives the slots (an enum), the names the binding takes them by and which
+// are optional. The binding lays out the arrays it was given in list order,
+// skipping absent optional ones (Inputs), and the primitive keeps that
+// layout: eval_cpu finds each input by its slot, never by counting.
+struct Slot {
+  const char* name;
+  bool required;
+};
+
+#define TRACER_SLOT_ENUM(name, required) name,
+#define TRACER_SLOT_TABLE(name, required) {#name, bool(required)},
+
+// layer_in: a decode step's layer up to attention.
+#define TRACER_LAYER_IN(X)                                                       \
+  X(h, 1)      /* [B, hidden] the residual stream */                             \
+  X(act, 0)    /* [B, F] the previous layer's MLP activation (not in layer 0) */ \
+  X(w_down, 0) /* [F, hidden] its down projection (x @ w), with act */          \
+  X(b_down, 0) /* [hidden] */                                                    \
+  X(norm, 1)   /* [hidden] the input norm's weight */                            \
+  X(w_qkv, 1)  /* [hidden, (nq + 2 nk) D] */                                     \
+  X(b_qkv, 0)  /* [(nq + 2 nk) D] */                                             \
+  X(cos, 1)    /* C [B (nq + 2 nk), D] (the lean forward's rotation tables) */   \
+  X(sin, 1)    /* S [B (nq + 2 nk), D] */                                        \
+  X(scale, 1)  /* F [B (nq + 2 nk), 1] */                                        \
+  X(q_norm, 0) /* [D] qwen3's per-head norms, both or neither */                 \
+  X(k_norm, 0) /* [D] */
+
+// layer_mid: attention to the MLP's activation.
+#define TRACER_LAYER_MID(X)                                                  \
+  X(q, 1)    /* [B, nk, R, D] scaled queries */                              \
+  X(k, 1)    /* [B, nk, S, D] the cache buffers, this step written */        \
+  X(v, 1)    /* [B, nk, S, D] */                                             \
+  X(bias, 1) /* [B, 1, 1, S] 0 where visible, float32's lowest elsewhere */ \
+  X(w_o, 1)  /* [nq D, hidden] */                                            \
+  X(b_o, 0)  /* [hidden] */                                                  \
+  X(h, 1)    /* [B, hidden] the residual stream */                           \
+  X(norm, 1) /* [hidden] the post-attention norm's weight */                 \
+  X(w_gu, 1) /* [hidden, 2F] gate and up, side by side */                    \
+  X(b_gu, 0) /* [2F] */
+
+namespace in_slot {
+enum LayerIn : int { TRACER_LAYER_IN(TRACER_SLOT_ENUM) kLayerInCount };
+}
+namespace mid_slot {
+enum LayerMid : int { TRACER_LAYER_MID(TRACER_SLOT_ENUM) kLayerMidCount };
+}
+const std::vector<Slot> kLayerInSlots = {TRACER_LAYER_IN(TRACER_SLOT_TABLE)};
+const std::vector<Slot> kLayerMidSlots = {TRACER_LAYER_MID(TRACER_SLOT_TABLE)};
+
+using Named = std::map<std::string, std::optional<array>>;
+
+void need(bool ok, const std::string& what) {
+  if (!ok) {
+    throw std::invalid_argument("mlx_tracer kernels: " + what);
+  }
+}
+
+// Where each slot's array sits in a node's input list (-1: not given).
+class Inputs {
+ public:
+  Inputs() = default;
+  // Lays `given` out in slot order into `out`; refuses unknown names and missing required slots.
+  Inputs(const std::vector<Slot>& slots, const Named& given, const char* kernel, std::vector<array>& out)
+      : at_(slots.size(), -1) {
+    for (const auto& [name, value] : given) {
+      auto it = std::find_if(slots.begin(), slots.end(), [&](const Slot& s) { return name == s.name; });
+      need(it != slots.end(), std::string(kernel) + " has no input '" + name + "' (see inputs('" + kernel + "'))");
+    }
+    for (size_t s = 0; s < slots.size(); ++s) {
+      auto it = given.find(slots[s].name);
+      const bool present = it != given.end() && it->second.has_value();
+      need(present || !slots[s].required, std::string(kernel) + " needs input '" + slots[s].name + "'");
+      if (present) {
+        at_[s] = int(out.size());
+        out.push_back(*it->second);
+      }
+    }
+  }
+  bool has(int slot) const {
+    return at_[slot] >= 0;
+  }
+  const array& operator()(const std::vector<array>& in, int slot) const {
+    return in[at_[slot]];
+  }
+
+ private:
+  std::vector<int> at_;
+};
+
 // ------------------------------------------------------------- primitives
 class Kernel : public mx::Primitive {
  public:
@@ -309,6 +401,10 @@ class Kernel : public mx::Primitive {
     return a.strides()[3] == 1 && a.strides()[2] == a.shape(3) ? a : dense(a);
   }
 
+  std::optional<array> dense_if(const Inputs& at, const std::vector<array>& in, int slot) {
+    return at.has(slot) ? std::optional<array>(dense(at(in, slot))) : std::nullopt;
+  }
+
   Operand operand(const array& w) {
     const int64_t stx = w.strides()[0], sty = w.strides()[1];
     if (stx == w.shape(1) && sty == 1) {
@@ -322,165 +418,39 @@ class Kernel : public mx::Primitive {
   }
 };
 
-// rms_norm / add_rms_norm: outputs (x + r,) norm.
-class RMSNormResidual : public Kernel {
- public:
-  RMSNormResidual(mx::Stream s, float eps, bool residual) : Kernel(s), eps_(eps), residual_(residual) {}
-
-  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
-    array x = dense(inputs[0]);
-    array r = residual_ ? dense(inputs[1]) : x;
-    array w = dense(inputs.back());
-    alloc(outputs);
-    array s = residual_ ? outputs[0] : x, y = outputs.back();
-    const float eps = eps_;
-    const bool residual = residual_;
-    run([x = View(x), r = View(r), w = View(w), s = View(s), y = View(y), eps, residual]() {
-      const int n = x.dim(-1);
-      norm_rows(x.p, residual ? r.p : nullptr, w.p, eps, x.size / n, n, residual ? s.p : nullptr, y.p);
-    });
-  }
-  const char* name() const override {
-    return residual_ ? "TracerAddRMSNorm" : "TracerRMSNorm";
-  }
-
- private:
-  float eps_;
-  bool residual_;
-};
-
-// y, C, S, F -> q [B, nk, R, D], k, v [B, nk, 1, D].
-class RopeSplit : public Kernel {
- public:
-  RopeSplit(mx::Stream s, int nq, int nk, int D, bool qk, float qk_eps)
-      : Kernel(s), nq_(nq), nk_(nk), D_(D), qk_(qk), qk_eps_(qk_eps) {}
-
-  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
-    array y = dense(inputs[0]), C = dense(inputs[1]), S = dense(inputs[2]), F = dense(inputs[3]);
-    std::optional<array> qn, kn;
-    if (qk_) {
-      qn = dense(inputs[4]);
-      kn = dense(inputs[5]);
-    }
-    alloc(outputs);
-    array q = outputs[0], k = outputs[1], v = outputs[2];
-    const int nq = nq_, nk = nk_, D = D_;
-    const float qk_eps = qk_eps_;
-    run([y = View(y), C = View(C), S = View(S), F = View(F), q = View(q), k = View(k), v = View(v), nq, nk, D,
-         qn = qn ? qn->data<float>() : nullptr, kn = kn ? kn->data<float>() : nullptr, qk_eps]() {
-      const float* src = y.p;
-      std::vector<float> normed;
-      if (qn != nullptr) {
-        normed.assign(y.p, y.p + y.size);
-        qk_norm_rows(normed.data(), qn, kn, qk_eps, q.dim(0), nq, nk, D);
-        src = normed.data();
-      }
-      rope_rows(src, C.p, S.p, F.p, q.dim(0), nq, nk, D, q.p, k.p, v.p);
-    });
-  }
-  const char* name() const override {
-    return "TracerRopeSplit";
-  }
-
- private:
-  int nq_, nk_, D_;
-  bool qk_;
-  float qk_eps_;
-};
-
-// gu [M, 2F] -> [M, F].
-class SwiGLU : public Kernel {
- public:
-  using Kernel::Kernel;
-
-  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
-    array gu = dense(inputs[0]);
-    alloc(outputs);
-    array out = outputs[0];
-    run([gu = View(gu), out = View(out)]() {
-      const int F = out.dim(-1);
-      swiglu_rows(gu.p, out.size / F, F, out.p);
-    });
-  }
-  const char* name() const override {
-    return "TracerSwiGLU";
-  }
-};
-
-// q [B, nk, R, D], keys, values [B, nk, S, D], bias [B, 1, 1, S] -> o [B, nk * R * D].
-class DecodeAttention : public Kernel {
- public:
-  using Kernel::Kernel;
-
-  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
-    array q = dense(inputs[0]), bias = dense(inputs[3]);
-    array k = blocks_dense(inputs[1]), v = blocks_dense(inputs[2]);
-    alloc(outputs);
-    array o = outputs[0];
-    run([q = View(q), k = View(k), v = View(v), bias = View(bias), o = View(o)]() {
-      const int R = q.dim(2);
-      std::vector<float> scores(size_t(R) * k.dim(2));
-      attention_rows(q.p, k, v, bias.p, q.dim(0), q.dim(1), R, q.dim(3), scores.data(), o.p);
-    });
-  }
-  const char* name() const override {
-    return "TracerDecodeAttention";
-  }
-};
+const float* ptr(const std::optional<array>& a) {
+  return a ? a->data<float>() : nullptr;
+}
 
 // A decoder layer up to its attention, for one decode token per row:
 //   [h_new = h + act @ w_down (+ b_down)]        (the previous layer's MLP output)
-//   x = rms_norm(h_new or h), y = x @ w_qkv (+ b_qkv), q, k, v = rope_split(y)
-//   keys/values written at column `col` of the cache buffers (in place when
-//   MLX may donate them, as its slice_update does; `col` clamped to the buffer)
-// inputs: h, [act, w_down, (b_down)], norm_w, w_qkv, (b_qkv), C, S, F, kbuf, vbuf, col
-// outputs: [h_new], q [B, nk, R, D], kbuf', vbuf' [B, nk, S, D]
+//   x = rms_norm(h_new or h), y = x @ w_qkv (+ b_qkv), [q/k per-head norms], rotation
+// inputs: TRACER_LAYER_IN; outputs: [h_new], q [B, nk, R, D], k, v [B, nk, 1, D]
 class LayerIn : public Kernel {
  public:
-  LayerIn(mx::Stream s, float eps, bool carry, bool b_down, bool b_qkv, int nq, int nk, int D, bool qk, float qk_eps)
-      : Kernel(s), eps_(eps), qk_eps_(qk_eps), carry_(carry), b_down_(b_down), b_qkv_(b_qkv), qk_(qk), nq_(nq), nk_(nk),
-        D_(D) {}
+  LayerIn(mx::Stream s, Inputs at, float eps, int nq, int nk, int D, float qk_eps)
+      : Kernel(s), at_(std::move(at)), eps_(eps), qk_eps_(qk_eps), nq_(nq), nk_(nk), D_(D) {}
 
   void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
-    size_t i = 0;
-    array h = dense(in[i++]);
-    std::optional<array> act, bd, bq;
+    namespace s = in_slot;
+    array h = dense(at_(in, s::h)), nw = dense(at_(in, s::norm));
+    array C = dense(at_(in, s::cos)), S = dense(at_(in, s::sin)), F = dense(at_(in, s::scale));
+    std::optional<array> act = dense_if(at_, in, s::act), bd = dense_if(at_, in, s::b_down);
+    std::optional<array> bq = dense_if(at_, in, s::b_qkv);
+    std::optional<array> qn = dense_if(at_, in, s::q_norm), kn = dense_if(at_, in, s::k_norm);
     std::optional<Operand> wd;
-    if (carry_) {
-      act = dense(in[i++]);
-      wd = operand(in[i++]);
-      if (b_down_) bd = dense(in[i++]);
-    }
-    array nw = dense(in[i++]);
-    Operand wq = operand(in[i++]);
-    if (b_qkv_) bq = dense(in[i++]);
-    array C = dense(in[i++]), S = dense(in[i++]), F = dense(in[i++]);
-    std::optional<array> qn, kn;
-    if (qk_) {
-      qn = dense(in[i++]);
-      kn = dense(in[i++]);
-    }
-    // the buffers: checked for donation where the graph holds them (a copy
-    // of the array would count as one more reference)
-    const size_t o = carry_ ? 1 : 0;
-    for (size_t j = 0; j < o + 1; ++j) {
-      outputs[j].set_data(mx::allocator::malloc(outputs[j].nbytes()));
-    }
-    take_buffer(in[i], outputs[o + 1], outputs.size());
-    take_buffer(in[i + 1], outputs[o + 2], outputs.size());
-    const int32_t* col = in[i + 2].data<int32_t>();
-    const array& kout = outputs[o + 1];
-    const array& vout = outputs[o + 2];
+    if (act) wd = operand(at_(in, s::w_down));
+    Operand wq = operand(at_(in, s::w_qkv));
+    alloc(outputs);
+    const bool carry = act.has_value();
+    const size_t o = carry ? 1 : 0;
     const float eps = eps_, qk_eps = qk_eps_;
     const int nq = nq_, nk = nk_, D = D_;
-    const bool carry = carry_;
-    run([h = View(h), act = act ? View(*act) : View(), wd = wd ? view(*wd) : OperandView{}, bd = bd ? bd->data<float>() : nullptr,
-         nw = View(nw), wq = view(wq), bq = bq ? bq->data<float>() : nullptr, C = View(C), S = View(S), F = View(F),
-         col, h_new = carry ? outputs[0].data<float>() : nullptr, q = outputs[o].data<float>(),
-         kout = View(kout), vout = outputs[o + 2].data<float>(), eps, nq, nk, D, carry,
-         qn = qn ? qn->data<float>() : nullptr, kn = kn ? kn->data<float>() : nullptr, qk_eps]() {
-      const int B = h.dim(0), hid = h.dim(1), N = (nq + 2 * nk) * D, cols = kout.dim(2);
-      const int c = std::clamp(col[0], 0, cols - 1);
+    run([h = View(h), act = act ? View(*act) : View(), wd = wd ? view(*wd) : OperandView{}, bd = ptr(bd), nw = View(nw),
+         wq = view(wq), bq = ptr(bq), C = View(C), S = View(S), F = View(F), qn = ptr(qn), kn = ptr(kn),
+         h_new = carry ? outputs[0].data<float>() : nullptr, q = outputs[o].data<float>(),
+         k = outputs[o + 1].data<float>(), v = outputs[o + 2].data<float>(), eps, nq, nk, D, carry, qk_eps]() {
+      const int B = h.dim(0), hid = h.dim(1), N = (nq + 2 * nk) * D;
       std::vector<float> x(size_t(B) * hid), y(size_t(B) * N);
       if (carry) {
         std::vector<float> down(size_t(B) * hid);
@@ -493,7 +463,7 @@ class LayerIn : public Kernel {
       if (qn != nullptr) {
         qk_norm_rows(y.data(), qn, kn, qk_eps, B, nq, nk, D);
       }
-      rope_rows(y.data(), C.p, S.p, F.p, B, nq, nk, D, q, kout.p, vout, cols, c);
+      rope_rows(y.data(), C.p, S.p, F.p, B, nq, nk, D, q, k, v);
     });
   }
   const char* name() const override {
@@ -501,69 +471,79 @@ class LayerIn : public Kernel {
   }
 
  private:
-  // `out` takes `buf`'s memory when MLX may donate it, else a row-major copy
-  // made on the worker. The test is array::is_donatable() allowing the
-  // references this node's own outputs hold: MLX gives each output of a
-  // multi-output node its own copy of the inputs, so a buffer nobody else
-  // holds is referenced once per output here (and once in all for MLX's
-  // single-output slice_update).
-  //
-  // While earlier steps still run (a pipelined decode loop evaluates step
-  // t+1 while the worker computes step t), the buffer's memory is also held
-  // by MLX's keep-alive task of step t's attention, which reads it: then
-  // this waits for queued tasks to finish (as MLX's eval does when too many
-  // are queued) until only this node holds it. A buffer another array holds
-  // (a view the caller kept) is copied without waiting.
-  void take_buffer(const array& buf, array& out, size_t outputs) {
-    static_assert(sizeof(array) == sizeof(std::shared_ptr<void>), "mlx::core::array is one shared_ptr");
-    const long holders = reinterpret_cast<const std::shared_ptr<void>*>(&buf)->use_count();
-    const auto& data = buf.data_shared_ptr();
-    bool ok = holders <= long(outputs) && data->is_owned() && buf.flags().row_contiguous &&
-        buf.buffer_size() == out.nbytes();
-    while (ok && data.use_count() > 1 && mx::scheduler::n_active_tasks() > 0) {
-      mx::scheduler::wait_for_one();
-    }
-    if (ok && data.use_count() == 1) {
-      out.copy_shared_buffer(buf);
-      ++g_donated;
-      return;
-    }
-    ++g_copied;
-    array src = dense(buf);
-    out.set_data(mx::allocator::malloc(out.nbytes()));
-    run([src = src.data<float>(), dst = out.data<float>(), n = out.nbytes()]() { std::memcpy(dst, src, n); });
-  }
-
+  Inputs at_;
   float eps_, qk_eps_;
-  bool carry_, b_down_, b_qkv_, qk_;
   int nq_, nk_, D_;
 };
 
-// A decoder layer from its attention to the MLP's activation:
-//   o = attention(q, keys, values, bias), a = o @ w_o (+ b_o)
-//   h_mid = h + a, x = rms_norm(h_mid), act = swiglu(x @ w_gu (+ b_gu))
-// inputs: q, keys, values, bias, w_o, (b_o), h, norm_w, w_gu, (b_gu)
-// outputs: h_mid [B, hidden], act [B, F]
-class LayerMid : public Kernel {
+// A decode step's cache write: buf [B, H, S, D] with new [B, H, 1, D] at
+// column col [1] int32 (clamped to the buffer), as mx.slice_update writes it.
+//
+// In place when MLX may donate the buffer (array::is_donatable(): this node
+// holds the only reference to the array and its memory), as MLX's own
+// slice_update does; else into a row-major copy made on the worker. One
+// output, so that the public test applies (MLX gives every output of a node a
+// reference to each input).
+//
+// A pipelined decode loop builds step t+1 while the worker still runs step
+// t, whose attention holds the buffer's memory until its task ran. Then the
+// buffer is not donatable *yet*: this waits for queued tasks to finish, with
+// the scheduler calls MLX's eval loop makes when too many are queued
+// (mlx/scheduler.h), until it is or nothing is left to wait for (then another
+// array holds it, and it is copied).
+class CacheWrite : public Kernel {
  public:
-  LayerMid(mx::Stream s, float eps, bool b_o, bool b_gu) : Kernel(s), eps_(eps), b_o_(b_o), b_gu_(b_gu) {}
+  using Kernel::Kernel;
 
   void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
-    size_t i = 0;
-    array q = dense(in[i++]), k = blocks_dense(in[i++]), v = blocks_dense(in[i++]);
-    array bias = dense(in[i++]);
-    Operand wo = operand(in[i++]);
-    std::optional<array> bo, bg;
-    if (b_o_) bo = dense(in[i++]);
-    array h = dense(in[i++]), nw = dense(in[i++]);
-    Operand wg = operand(in[i++]);
-    if (b_gu_) bg = dense(in[i++]);
+    const array& buf = in[0];
+    array upd = dense(in[1]);
+    const int32_t* col = in[2].data<int32_t>();
+    array& out = outputs[0];
+    const bool fits = buf.flags().row_contiguous && buf.buffer_size() == out.nbytes();
+    while (fits && !buf.is_donatable() && mx::scheduler::n_active_tasks() > 0) {
+      mx::scheduler::wait_for_one();
+    }
+    if (fits && buf.is_donatable()) {
+      out.copy_shared_buffer(buf);
+      ++g_donated;
+    } else {
+      ++g_copied;
+      array src = dense(buf);
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+      run([src = src.data<float>(), dst = out.data<float>(), n = out.nbytes()]() { std::memcpy(dst, src, n); });
+    }
+    run([upd = View(upd), out = View(out), col]() {
+      const int rows = out.dim(0) * out.dim(1), S = out.dim(2), D = out.dim(3);
+      const int c = std::clamp(col[0], 0, S - 1);
+      for (int r = 0; r < rows; ++r) {
+        std::memcpy(out.p + (size_t(r) * S + c) * D, upd.p + size_t(r) * D, sizeof(float) * D);
+      }
+    });
+  }
+  const char* name() const override {
+    return "TracerCacheWrite";
+  }
+};
+
+// A decoder layer from its attention to the MLP's activation:
+//   o = attention(q, k, v, bias), a = o @ w_o (+ b_o)
+//   h_mid = h + a, x = rms_norm(h_mid), act = swiglu(x @ w_gu (+ b_gu))
+// inputs: TRACER_LAYER_MID; outputs: h_mid [B, hidden], act [B, F]
+class LayerMid : public Kernel {
+ public:
+  LayerMid(mx::Stream s, Inputs at, float eps) : Kernel(s), at_(std::move(at)), eps_(eps) {}
+
+  void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
+    namespace s = mid_slot;
+    array q = dense(at_(in, s::q)), k = blocks_dense(at_(in, s::k)), v = blocks_dense(at_(in, s::v));
+    array bias = dense(at_(in, s::bias)), h = dense(at_(in, s::h)), nw = dense(at_(in, s::norm));
+    std::optional<array> bo = dense_if(at_, in, s::b_o), bg = dense_if(at_, in, s::b_gu);
+    Operand wo = operand(at_(in, s::w_o)), wg = operand(at_(in, s::w_gu));
     alloc(outputs);
-    array h_mid = outputs[0], act = outputs[1];
     const float eps = eps_;
-    run([q = View(q), k = View(k), v = View(v), bias = View(bias), wo = view(wo), bo = bo ? bo->data<float>() : nullptr,
-         h = View(h), nw = View(nw), wg = view(wg), bg = bg ? bg->data<float>() : nullptr, h_mid = h_mid.data<float>(),
-         act = View(act), eps]() {
+    run([q = View(q), k = View(k), v = View(v), bias = View(bias), wo = view(wo), bo = ptr(bo), h = View(h),
+         nw = View(nw), wg = view(wg), bg = ptr(bg), h_mid = outputs[0].data<float>(), act = View(outputs[1]), eps]() {
       const int B = q.dim(0), nk = q.dim(1), R = q.dim(2), D = q.dim(3), hid = h.dim(1), F = act.dim(1);
       const int nqD = nk * R * D;
       std::vector<float> scores(size_t(R) * k.dim(2)), o(size_t(B) * nqD), a(size_t(B) * hid), x(size_t(B) * hid),
@@ -580,17 +560,11 @@ class LayerMid : public Kernel {
   }
 
  private:
+  Inputs at_;
   float eps_;
-  bool b_o_, b_gu_;
 };
 
 // -------------------------------------------------------------- bindings
-void need(bool ok, const char* what) {
-  if (!ok) {
-    throw std::invalid_argument(std::string("mlx_tracer kernels: ") + what);
-  }
-}
-
 mx::Stream cpu_stream() {
   return mx::default_stream(mx::Device::cpu);
 }
@@ -604,50 +578,24 @@ std::vector<array> make(std::vector<mx::Shape> shapes, std::vector<array> inputs
   return array::make_arrays(std::move(shapes), dtypes, std::make_shared<P>(cpu_stream(), args...), inputs);
 }
 
-// w: a weight operand [K, N] of `x @ w`
-void need_weight(const array& w, int K, const char* what) {
-  need(w.ndim() == 2 && w.shape(0) == K, what);
-}
-
-std::vector<array> rms_norm(const array& x, const array& w, float eps) {
-  need(w.ndim() == 1 && w.shape(0) == x.shape(-1), "rms_norm weight must be [x.shape[-1]]");
-  return make<RMSNormResidual>({x.shape()}, {x, w}, eps, false);
-}
-
-std::vector<array> add_rms_norm(const array& x, const array& r, const array& w, float eps) {
-  need(x.shape() == r.shape() && w.ndim() == 1 && w.shape(0) == x.shape(-1),
-       "add_rms_norm needs x and r of one shape, weight [x.shape[-1]]");
-  return make<RMSNormResidual>({x.shape(), x.shape()}, {x, r, w}, eps, true);
-}
-
-void need_rope(size_t y_size, const array& C, const array& S, const array& F, int B, int nq, int nk, int D) {
-  const size_t H = nq + 2 * nk;
-  need(nk > 0 && nq % nk == 0 && D % 2 == 0 && y_size == B * H * D && C.size() == y_size && S.size() == y_size &&
-           F.size() == B * H,
-       "rope shapes do not match (y [B, (nq + 2 nk) D], C/S [B (nq + 2 nk), D], F [B (nq + 2 nk), 1])");
-}
-
-// q_norm / k_norm: both or neither, each [D] (qwen3's per-head norms, applied before the rotation).
-bool need_qk_norm(const std::optional<array>& qn, const std::optional<array>& kn, int D) {
-  need(qn.has_value() == kn.has_value(), "q_norm and k_norm go together");
-  if (qn) {
-    need(qn->ndim() == 1 && qn->shape(0) == D && kn->ndim() == 1 && kn->shape(0) == D, "q_norm and k_norm must be [D]");
+std::string shape_of(const array& a) {
+  std::string s = "[";
+  for (int i = 0; i < a.ndim(); ++i) {
+    s += (i ? ", " : "") + std::to_string(a.shape(i));
   }
-  return qn.has_value();
+  return s + "]";
 }
 
-std::vector<array> rope_split(const array& y, const array& C, const array& S, const array& F, int B, int nq, int nk, int D,
-                              std::optional<array> q_norm, std::optional<array> k_norm, float qk_eps) {
-  need_rope(y.size(), C, S, F, B, nq, nk, D);
-  const bool qk = need_qk_norm(q_norm, k_norm, D);
-  std::vector<array> inputs{y, C, S, F};
-  if (qk) inputs.insert(inputs.end(), {*q_norm, *k_norm});
-  return make<RopeSplit>({{B, nk, nq / nk, D}, {B, nk, 1, D}, {B, nk, 1, D}}, std::move(inputs), nq, nk, D, qk, qk_eps);
+// w: the right operand [K, N] of `x @ w`
+void need_weight(const array& w, int K, int N, const std::string& what) {
+  need(w.ndim() == 2 && w.shape(0) == K && w.shape(1) == N,
+       what + " must be [" + std::to_string(K) + ", " + std::to_string(N) + "], got " + shape_of(w));
 }
 
-array swiglu(const array& gu) {
-  need(gu.ndim() == 2 && gu.shape(1) % 2 == 0, "swiglu needs [M, 2F]");
-  return make<SwiGLU>({{gu.shape(0), gu.shape(1) / 2}}, {gu})[0];
+void need_vector(const Inputs& at, const std::vector<array>& in, int slot, size_t n, const std::string& what) {
+  if (at.has(slot)) {
+    need(at(in, slot).size() == n, what + " must hold " + std::to_string(n) + " values");
+  }
 }
 
 void need_attention(const array& q, const array& k, const array& v, const array& bias) {
@@ -656,67 +604,77 @@ void need_attention(const array& q, const array& k, const array& v, const array&
        "decode attention needs q [B, nk, R, D], keys/values [B, nk, S, D], bias [B, 1, 1, S]");
 }
 
-array decode_attention(const array& q, const array& k, const array& v, const array& bias) {
-  need_attention(q, k, v, bias);
-  return make<DecodeAttention>({{q.shape(0), q.shape(1) * q.shape(2) * q.shape(3)}}, {q, k, v, bias})[0];
-}
-
-std::vector<array> layer_in(const array& h, std::optional<array> act, std::optional<array> w_down,
-                            std::optional<array> b_down, const array& norm_w, float eps, const array& w_qkv,
-                            std::optional<array> b_qkv, const array& C, const array& S, const array& F, int nq, int nk,
-                            int D, const array& kbuf, const array& vbuf, const array& col, std::optional<array> q_norm,
-                            std::optional<array> k_norm, float qk_eps) {
-  need(h.ndim() == 2 && norm_w.ndim() == 1 && norm_w.shape(0) == h.shape(1), "layer_in needs h [B, hidden], norm [hidden]");
-  const int B = h.shape(0), hid = h.shape(1), N = (nq + 2 * nk) * D;
-  need(act.has_value() == w_down.has_value() && (!b_down || act), "layer_in: act and w_down go together");
-  std::vector<array> inputs{h};
+std::vector<array> layer_in(const Named& given, float eps, int nq, int nk, int D, float qk_eps) {
+  namespace s = in_slot;
+  std::vector<array> in;
+  Inputs at(kLayerInSlots, given, "layer_in", in);
+  const array& h = at(in, s::h);
+  need(h.ndim() == 2 && at(in, s::norm).ndim() == 1 && at(in, s::norm).shape(0) == h.shape(1),
+       "layer_in needs h [B, hidden], norm [hidden]");
+  need(nk > 0 && nq % nk == 0 && D % 2 == 0, "layer_in needs nq a multiple of nk > 0 and an even D");
+  const int B = h.shape(0), hid = h.shape(1), H = nq + 2 * nk, N = H * D;
+  need(at.has(s::act) == at.has(s::w_down) && (!at.has(s::b_down) || at.has(s::act)),
+       "layer_in: act and w_down go together (b_down only with them)");
   std::vector<mx::Shape> shapes;
-  if (act) {
-    need(act->ndim() == 2 && act->shape(0) == B, "layer_in: act must be [B, F]");
-    need_weight(*w_down, act->shape(1), "layer_in: w_down must be [F, hidden]");
-    need(w_down->shape(1) == hid && (!b_down || b_down->size() == size_t(hid)), "layer_in: w_down/b_down width");
-    inputs.insert(inputs.end(), {*act, *w_down});
-    if (b_down) inputs.push_back(*b_down);
+  if (at.has(s::act)) {
+    const array& act = at(in, s::act);
+    need(act.ndim() == 2 && act.shape(0) == B, "layer_in: act must be [B, F]");
+    need_weight(at(in, s::w_down), act.shape(1), hid, "layer_in: w_down");
+    need_vector(at, in, s::b_down, hid, "layer_in: b_down");
     shapes.push_back(h.shape());
   }
-  need_weight(w_qkv, hid, "layer_in: w_qkv must be [hidden, (nq + 2 nk) D]");
-  need(w_qkv.shape(1) == N && (!b_qkv || b_qkv->size() == size_t(N)), "layer_in: w_qkv/b_qkv width");
-  need_rope(size_t(B) * N, C, S, F, B, nq, nk, D);
-  need(kbuf.ndim() == 4 && kbuf.shape() == vbuf.shape() && kbuf.shape(0) == B && kbuf.shape(1) == nk &&
-           kbuf.shape(3) == D,
-       "layer_in: cache buffers must be [B, nk, S, D]");
-  need(col.dtype() == mx::int32 && col.size() == 1, "layer_in: col must be int32 [1]");
-  inputs.insert(inputs.end(), {norm_w, w_qkv});
-  if (b_qkv) inputs.push_back(*b_qkv);
-  inputs.insert(inputs.end(), {C, S, F});
-  const bool qk = need_qk_norm(q_norm, k_norm, D);
-  if (qk) inputs.insert(inputs.end(), {*q_norm, *k_norm});
-  inputs.insert(inputs.end(), {kbuf, vbuf, col});
-  shapes.insert(shapes.end(), {{B, nk, nq / nk, D}, kbuf.shape(), vbuf.shape()});
-  return make<LayerIn>(std::move(shapes), std::move(inputs), eps, bool(act), bool(b_down), bool(b_qkv), nq, nk, D, qk,
-                       qk_eps);
+  need_weight(at(in, s::w_qkv), hid, N, "layer_in: w_qkv");
+  need_vector(at, in, s::b_qkv, N, "layer_in: b_qkv");
+  const size_t rows = size_t(B) * H;
+  need(at(in, s::cos).size() == rows * D && at(in, s::sin).size() == rows * D && at(in, s::scale).size() == rows,
+       "layer_in: rotation tables must be cos/sin [B (nq + 2 nk), D], scale [B (nq + 2 nk), 1]");
+  need(at.has(s::q_norm) == at.has(s::k_norm), "layer_in: q_norm and k_norm go together");
+  need_vector(at, in, s::q_norm, D, "layer_in: q_norm");
+  need_vector(at, in, s::k_norm, D, "layer_in: k_norm");
+  shapes.insert(shapes.end(), {{B, nk, nq / nk, D}, {B, nk, 1, D}, {B, nk, 1, D}});
+  return make<LayerIn>(std::move(shapes), std::move(in), at, eps, nq, nk, D, qk_eps);
 }
 
-std::vector<array> layer_mid(const array& q, const array& k, const array& v, const array& bias, const array& w_o,
-                             std::optional<array> b_o, const array& h, const array& norm_w, float eps,
-                             const array& w_gu, std::optional<array> b_gu) {
-  need_attention(q, k, v, bias);
+array cache_write(const array& buf, const array& upd, const array& col) {
+  need(buf.ndim() == 4 && upd.ndim() == 4 && upd.shape(0) == buf.shape(0) && upd.shape(1) == buf.shape(1) &&
+           upd.shape(2) == 1 && upd.shape(3) == buf.shape(3),
+       "cache_write needs buf [B, H, S, D] and new [B, H, 1, D], got " + shape_of(buf) + " and " + shape_of(upd));
+  need(col.dtype() == mx::int32 && col.size() == 1, "cache_write: col must be int32 [1]");
+  return make<CacheWrite>({buf.shape()}, {buf, upd, col})[0];
+}
+
+std::vector<array> layer_mid(const Named& given, float eps) {
+  namespace s = mid_slot;
+  std::vector<array> in;
+  Inputs at(kLayerMidSlots, given, "layer_mid", in);
+  const array& q = at(in, s::q);
+  need_attention(q, at(in, s::k), at(in, s::v), at(in, s::bias));
+  const array& h = at(in, s::h);
   const int B = q.shape(0), nqD = q.shape(1) * q.shape(2) * q.shape(3);
-  need(h.ndim() == 2 && h.shape(0) == B && norm_w.ndim() == 1 && norm_w.shape(0) == h.shape(1),
+  need(h.ndim() == 2 && h.shape(0) == B && at(in, s::norm).ndim() == 1 && at(in, s::norm).shape(0) == h.shape(1),
        "layer_mid needs h [B, hidden], norm [hidden]");
   const int hid = h.shape(1);
-  need_weight(w_o, nqD, "layer_mid: w_o must be [nq D, hidden]");
-  need(w_o.shape(1) == hid && (!b_o || b_o->size() == size_t(hid)), "layer_mid: w_o/b_o width");
-  need_weight(w_gu, hid, "layer_mid: w_gu must be [hidden, 2F]");
-  need(w_gu.shape(1) % 2 == 0 && (!b_gu || b_gu->size() == size_t(w_gu.shape(1))), "layer_mid: w_gu/b_gu width");
-  std::vector<array> inputs{q, k, v, bias, w_o};
-  if (b_o) inputs.push_back(*b_o);
-  inputs.insert(inputs.end(), {h, norm_w, w_gu});
-  if (b_gu) inputs.push_back(*b_gu);
-  return make<LayerMid>({h.shape(), {B, w_gu.shape(1) / 2}}, std::move(inputs), eps, bool(b_o), bool(b_gu));
+  const array& wg = at(in, s::w_gu);
+  need_weight(at(in, s::w_o), nqD, hid, "layer_mid: w_o");
+  need(wg.ndim() == 2 && wg.shape(1) % 2 == 0, "layer_mid: w_gu must be [hidden, 2F]");
+  need_weight(wg, hid, wg.shape(1), "layer_mid: w_gu");
+  need_vector(at, in, s::b_o, hid, "layer_mid: b_o");
+  need_vector(at, in, s::b_gu, wg.shape(1), "layer_mid: b_gu");
+  return make<LayerMid>({h.shape(), {B, wg.shape(1) / 2}}, std::move(in), at, eps);
 }
 
-// (in place, copied): how often layer_in wrote a cache buffer in place and into a copy.
+// A kernel's inputs as (name, required), in slot order: what its binding takes.
+std::vector<std::pair<std::string, bool>> inputs_of(const std::string& kernel) {
+  const std::vector<Slot>* slots = kernel == "layer_in" ? &kLayerInSlots : kernel == "layer_mid" ? &kLayerMidSlots : nullptr;
+  need(slots != nullptr, "no kernel '" + kernel + "' (layer_in, layer_mid)");
+  std::vector<std::pair<std::string, bool>> out;
+  for (const auto& s : *slots) {
+    out.emplace_back(s.name, s.required);
+  }
+  return out;
+}
+
+// (in place, copied): how often cache_write wrote a buffer in place and into a copy.
 std::pair<uint64_t, uint64_t> cache_writes() {
   return {g_donated.load(), g_copied.load()};
 }
@@ -724,17 +682,10 @@ std::pair<uint64_t, uint64_t> cache_writes() {
 }  // namespace
 
 NB_MODULE(_mlx_tracer_kernels, m) {
-  m.def("rms_norm", &rms_norm, nb::arg("x"), nb::arg("weight"), nb::arg("eps"));
-  m.def("add_rms_norm", &add_rms_norm, nb::arg("x"), nb::arg("r"), nb::arg("weight"), nb::arg("eps"));
-  m.def("rope_split", &rope_split, nb::arg("y"), nb::arg("C"), nb::arg("S"), nb::arg("F"), nb::arg("B"), nb::arg("nq"),
-        nb::arg("nk"), nb::arg("D"), nb::arg("q_norm").none() = nb::none(), nb::arg("k_norm").none() = nb::none(),
+  m.def("layer_in", &layer_in, nb::arg("inputs"), nb::arg("eps"), nb::arg("nq"), nb::arg("nk"), nb::arg("D"),
         nb::arg("qk_eps") = 0.0f);
-  m.def("swiglu", &swiglu, nb::arg("gu"));
-  m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("bias"));
-  m.def("layer_in", &layer_in, nb::arg("h"), nb::arg("act").none(), nb::arg("w_down").none(), nb::arg("b_down").none(),
-        nb::arg("norm_w"), nb::arg("eps"), nb::arg("w_qkv"), nb::arg("b_qkv").none(), nb::arg("C"), nb::arg("S"),
-        nb::arg("F"), nb::arg("nq"), nb::arg("nk"), nb::arg("D"), nb::arg("kbuf"), nb::arg("vbuf"), nb::arg("col"), nb::arg("q_norm").none() = nb::none(), nb::arg("k_norm").none() = nb::none(), nb::arg("qk_eps") = 0.0f);
+  m.def("cache_write", &cache_write, nb::arg("buf"), nb::arg("new"), nb::arg("col"));
+  m.def("layer_mid", &layer_mid, nb::arg("inputs"), nb::arg("eps"));
+  m.def("inputs", &inputs_of, nb::arg("kernel"));
   m.def("cache_writes", &cache_writes);
-  m.def("layer_mid", &layer_mid, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("bias"), nb::arg("w_o"),
-        nb::arg("b_o").none(), nb::arg("h"), nb::arg("norm_w"), nb::arg("eps"), nb::arg("w_gu"), nb::arg("b_gu").none());
 }

@@ -1,29 +1,34 @@
 """CPU kernels for the lean decode forward: MLX primitives of our own.
 
 On MLX's CPU backend ``mx.fast.rms_norm`` / ``rope`` run their multi-node
-fallbacks, and a compiled step's host cost grows with its node count (about
-1.1-1.5 µs a node here; ``benchmarks/replay_cost.py``). ``kernels.cpp``
-defines primitives that do in one node what the lean forward
-(:mod:`mlx_tracer.adapters.fused`) otherwise does in several, **bit for bit**
-(MLX's own element functors, in the same order, compiled as MLX compiles its
-CPU kernels; ``tests/test_kernels.py``):
+fallbacks, and a compiled step's host cost grows with its node count
+(``benchmarks/replay_cost.py`` measures it). ``kernels.cpp`` defines
+primitives that do in one node what the lean forward's MLX ops
+(:mod:`mlx_tracer.adapters.lean.ops`) do in many, **bit for bit** (MLX's own
+element functors, in the same order, compiled as MLX compiles its CPU
+kernels; ``tests/test_kernels.py``):
 
 * ``layer_in``: a decode step's layer up to attention: the previous MLP's
   down projection and residual, the input norm, the q/k/v projection,
-  qwen3's per-head q/k norms where given, RoPE and the write of the new
-  keys and values into the cache buffers (in place when MLX may donate
-  them, as its ``slice_update`` does);
+  qwen3's per-head q/k norms where given, and RoPE;
+* ``cache_write``: the new key or value at the step's column of a cache
+  buffer, in place when MLX may donate the buffer (the test MLX's own
+  ``slice_update`` makes, ``array::is_donatable``);
 * ``layer_mid``: attention, the output projection and residual, the
   post-attention norm, gate/up and SwiGLU;
 
-  together a layer is 2 graph nodes instead of 27 (SmolLM2's decode step:
-  113 nodes, 839 on MLX's ops). The projections are computed with the
-  ``cblas_sgemm`` call MLX's CPU matmul makes for the same operands;
-* the parts, for projections the layer kernels do not take (quantized):
-  ``rms_norm`` / ``add_rms_norm``, ``rope_split``, ``decode_attention``,
-  ``swiglu`` (11 nodes a layer);
-They are float32 and CPU only; the forward uses them where they apply and
-MLX's ops elsewhere.
+together a layer is 4 graph nodes instead of 27 on MLX's ops. The
+projections are computed with the ``cblas_sgemm`` call MLX's CPU matmul
+makes for the same operands. They are float32 and CPU only; the lean forward
+plans them for decode steps where every projection is a float32 matrix
+(:mod:`mlx_tracer.adapters.lean.native`) and runs MLX's ops elsewhere.
+
+Each kernel's inputs are described once, in ``kernels.cpp`` (one list per
+kernel that gives the slots, their names and which are optional): the
+binding takes them as a dict by those names, and ``inputs(kernel)`` lists
+them. The kernels use MLX's public C++ API only (``mlx/array.h``,
+``mlx/primitives.h``, ``mlx/scheduler.h``, the CPU encoder); a release that
+changes it fails the build, and the kernels are then off with the reason.
 
 Building: the source is compiled at first use with the C++ compiler MLX's
 CPU backend needs for its own kernel JIT (``$CXX`` or ``g++``), against the
@@ -136,7 +141,7 @@ def _check(module) -> None:
     import mlx.core as mx
 
     try:
-        got = module.swiglu(mx.array([[0.0, 2.0]]))
+        got = module.cache_write(mx.zeros((1, 1, 2, 2)), mx.ones((1, 1, 1, 2)), mx.array([1], dtype=mx.int32))
         mx.eval(got)
     except TypeError as e:
         raise OSError(f"the kernels do not accept mx.array (nanobind does not match mlx's): {e}") from None
@@ -180,5 +185,5 @@ def status() -> str:
     """One line for ``mlx-tracer info``."""
     module = load()
     if module is not None:
-        return f"active: decode layers in 2 graph nodes each on the CPU ({Path(module.__file__).name})"
+        return f"active: decode layers in 4 graph nodes each on the CPU ({Path(module.__file__).name})"
     return f"not used: {_state['why']}"

@@ -35,7 +35,7 @@ class _AsRun:
     def load(self, name: str, path: Optional[str]):
         self.model, self.contexts = None, {}
         self.model, _ = load_bench_model(name, path, weights="as-is")
-        self.layouts = CompiledModel(self.model).layouts
+        self.layouts = CompiledModel(self.model).layout
 
     def decode(self, B: int, C: int, tokens: int) -> float:
         if self.model is None:

@@ -56,11 +56,11 @@ def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[in
     ``baseline``: a :class:`~.baseline.BaselineWorker` with this model loaded: its
     as-run decode runs take turns with the stock and tracer runs of each row."""
     compiled = CompiledModel(model)
-    costs = model_costs(model, compiled.layouts)
+    costs = model_costs(model, compiled.layout)
     file_bytes = getattr(model, "mlx_tracer_file_bytes", costs["weight_bytes"])  # as loaded, before a format change
     rows = []
     for C in contexts:
-        ctx = synthetic_context(model, compiled.layouts, C)
+        ctx = synthetic_context(model, compiled.layout, C)
         for B in buckets:
             contexts_b = [ctx] * B
             first = [(7 * i + 3) % compiled.vocab_size for i in range(B)]
@@ -86,8 +86,8 @@ def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[in
             assert traces == traces_before, "the timed runs retraced"
             s, t = statistics.median(s_runs), statistics.median(t_runs)
             host = host_ms(model, compiled, contexts_b)
-            roof = roofline_tps(costs, compiled.layouts, machine, B, C, weight_bytes=file_bytes)
-            fmt_roof = roofline_tps(costs, compiled.layouts, machine, B, C)
+            roof = roofline_tps(costs, compiled.layout, machine, B, C, weight_bytes=file_bytes)
+            fmt_roof = roofline_tps(costs, compiled.layout, machine, B, C)
             row = BenchRow(
                 label, B, C, s, t, t / s, host[0], host[1],
                 len(warm),  # decode traces this configuration made (the timed runs made none)

@@ -11,12 +11,11 @@
 traced by ``mx.compile`` once per :class:`TraceKey` (step kind, bucket width
 Bk, step length L, capacity of the full layers, sampler kind, outputs) and
 replayed for every later step with those shapes. Under the lean forward
-(:mod:`mlx_tracer.adapters.fused`) the weights are constants of the trace:
-a call then hands MLX only the step's own arrays (each input costs about
-1.5 us of host time per call here, and a model has hundreds of weight
-arrays), and weights swapped or modules replaced are seen before the next
-step (:meth:`FusedForward.refresh`), which drops the lean traces: the next
-step traces again (tens of ms). The model's own forward takes them as inputs
+(:mod:`mlx_tracer.adapters.lean`) the weights are constants of the trace:
+a call then hands MLX only the step's own arrays (each input costs host time
+per call, and a model has hundreds of weight arrays), and weights swapped or
+modules replaced are seen before the next step (:meth:`LeanForward.refresh`),
+which drops the lean traces: the next step traces again. The model's own forward takes them as inputs
 (``inputs=model.state``): other weights of the same shapes reuse its traces.
 
 Two step kinds: **decode** (L = 1) and **window** (L > 1: prefill chunks,
@@ -39,7 +38,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..adapters.contract import probe_layout
-from ..adapters.fused import FusedForward, why_not
+from ..adapters.lean import LeanForward, why_not
 from ..backend import kernels
 from ..backend.jit import check_compiler
 from ..adapters.traced import FamilyMasks
@@ -77,6 +76,8 @@ class StepResult:
     logprobs: Optional[mx.array] = None
     keys: Optional[mx.array] = None
     logits: Optional[mx.array] = None
+    # (keys, values) per layer: the new buffers, from :meth:`CompiledModel.step_graph` only
+    buffers: Optional[List[tuple]] = None
 
     def arrays(self) -> List[mx.array]:
         return [a for a in (self.tokens, self.logprobs, self.keys, self.logits) if a is not None]
@@ -110,7 +111,7 @@ class CompiledModel:
     Args:
         model: an mlx-lm language model following the adapter contract.
         capacities: capacity buckets of the full-attention caches.
-        fuse: run the lean forward of :mod:`mlx_tracer.adapters.fused`
+        fuse: run the lean forward of :mod:`mlx_tracer.adapters.lean`
             (q/k/v and gate/up fused into one matmul each, RoPE tables once
             per step): ``None`` (default) where the model's family has one,
             ``True`` to require it, ``False`` for the model's own forward
@@ -125,16 +126,11 @@ class CompiledModel:
         reason = why_not(model) if fuse is not False else "fuse=False"
         if fuse is True and reason is not None:
             raise ValueError(f"fuse=True: {type(model).__name__} has no lean forward ({reason}); pass fuse=None or False")
-        self.fused: Optional[FusedForward] = FusedForward(model, kernels.load()) if reason is None else None
+        self.lean: Optional[LeanForward] = LeanForward(model, kernels.load()) if reason is None else None
         self.traces: Counter = Counter()
         self.trace_ms: Dict[TraceKey, float] = {}
         self._fns: Dict[tuple, object] = {}
         self._tracing: Optional[TraceKey] = None  # the key of the call in progress
-
-    @property
-    def layouts(self):
-        """Per-layer :class:`~mlx_tracer.adapters.LayerLayout` (a :class:`ModelLayout`)."""
-        return self.layout
 
     @property
     def vocab_size(self) -> int:
@@ -180,7 +176,6 @@ class CompiledModel:
         sampler: Optional[dict] = None,
         return_logits: bool = False,
         last: Optional[mx.array] = None,
-        eager: bool = False,
     ) -> StepResult:
         """Run one compiled step over ``caches`` (one per layer, in lockstep).
 
@@ -188,10 +183,18 @@ class CompiledModel:
         greedy). A decode fills ``tokens``/``logprobs`` (and ``keys``); a
         window step returns nothing unless ``return_logits`` (then ``logits``
         at each row's ``last`` query index). The caches adopt the new buffers
-        and advance. ``eager=True`` returns the uncompiled, unevaluated outputs
-        and the new buffers ``(result, kv)`` and leaves the caches as they were
-        (to inspect the graph).
+        and advance.
         """
+        return self._step(caches, tokens, sampler, return_logits, last, eager=False)
+
+    def step_graph(self, caches: List[StaticKVCache], tokens: mx.array, sampler: Optional[dict] = None,
+                   return_logits: bool = False, last: Optional[mx.array] = None) -> StepResult:
+        """The step :meth:`step` would run, built eagerly (not compiled, not
+        evaluated), to inspect its graph: the outputs and, in ``buffers``, the
+        new keys/values per layer. The caches stay as they were."""
+        return self._step(caches, tokens, sampler, return_logits, last, eager=True)
+
+    def _step(self, caches, tokens, sampler, return_logits, last, eager: bool) -> StepResult:
         tokens = self._check(caches, tokens)
         Bk, L = tokens.shape
         plans = [caches[i].plan(L) for i in self.layout.representatives]
@@ -205,7 +208,7 @@ class CompiledModel:
             extra["last"] = mx.full((Bk,), L - 1, dtype=mx.int32) if last is None else last
         out, new_kv = self._run(kind, sampler_kind, return_logits, caches, tokens, plans, extra, eager)
         if eager:
-            return out, new_kv
+            return StepResult(**out, buffers=new_kv)
         # the trace returns the shapes fit() handed in: committed unchecked
         StaticKVCache.commit_all(caches, [plans[f] for f in self.layout.family_of], new_kv)
         return StepResult(**out)
@@ -253,10 +256,10 @@ class CompiledModel:
         capacity = next((p.capacity for p in plans if p.capacity is not None), None)
         key = TraceKey(kind, Bk, L, capacity, sampler_kind, want_logits)
         args = (tokens, plans[0].offsets, [p.arrays for p in plans], kv, extra)
-        if self.fused is not None:
-            generation = self.fused.generation
-            self.fused.refresh()  # weights swapped or modules replaced since the last step
-            if self.fused.generation != generation:  # the lean traces hold the old weights as constants
+        if self.lean is not None:
+            generation = self.lean.generation
+            self.lean.refresh()  # weights swapped or modules replaced since the last step
+            if self.lean.generation != generation:  # the lean traces hold the old weights as constants
                 self._fns = {sig: fn for sig, fn in self._fns.items() if not sig[-1]}
         if eager:
             return self._forward(kind, sampler_kind, want_logits, *args)
@@ -271,13 +274,13 @@ class CompiledModel:
     def export_decode_graph(self, path: str, width: int = 1) -> Counter:
         """Write the decode step's graph (bucket ``width``) as DOT; returns op counts."""
         caches = self.new_caches(width, rows=width)
-        out, kv = self.step(caches, mx.zeros((width, 1), dtype=mx.int32), eager=True)
-        mx.export_to_dot(path, out["tokens"], *[a for pair in kv for a in pair])
+        graph = self.step_graph(caches, mx.zeros((width, 1), dtype=mx.int32))
+        mx.export_to_dot(path, graph.tokens, *[a for pair in graph.buffers for a in pair])
         with open(path) as f:
             return Counter(m.group(1) for m in re.finditer(r'label ="([A-Za-z_]+)', f.read()))
 
     def _compiled(self, kind: str, sampler_kind: str, logits: bool):
-        lean = self.fused is not None and self.fused.active
+        lean = self.lean is not None and self.lean.active
         sig = (kind, sampler_kind, logits, lean)
         if sig not in self._fns:
             # the function refers to its owner weakly: a closure over self would
@@ -307,10 +310,10 @@ class CompiledModel:
             layout.traced(kind, k, v, offsets, plans[f][1], masks[f], i)
             for i, (layout, f, (k, v)) in enumerate(zip(self.layout, self.layout.family_of, kv))
         ]
-        lean = self.fused is not None and self.fused.active
+        lean = self.lean is not None and self.lean.active
         if lean:
             want = "all" if kind != "window" else ("last" if want_logits else "none")
-            logits = self.fused(tokens, layer_caches, masks, self.layout.family_of, want, extra.get("last"))
+            logits = self.lean(tokens, layer_caches, masks, self.layout.family_of, decode, want, extra.get("last"))
         else:
             logits = self.model(tokens, cache=layer_caches)  # [Bk, L, V]
         out = {}
@@ -322,9 +325,9 @@ class CompiledModel:
                 out["keys"] = keys
             rejected = L - count  # [Bk] window columns each row does not keep
             strips = []
-            for geometry, _ in plans:  # per family: left padding every live row holds afterwards
-                first_valid, live = geometry[3], geometry[4]
-                strips.append(mx.min(mx.where(live, first_valid + rejected, 2**30)))
+            for family in masks:  # per family: left padding every live row holds afterwards
+                g = family.geometry
+                strips.append(mx.min(mx.where(g.live, g.first_valid + rejected, 2**30)))
             new_kv = [
                 layout.cache_class.verify_commit(c.keys, c.values, plans[f][1], rejected, strips[f], k.shape[2])
                 for layout, f, c, (k, _) in zip(self.layout, self.layout.family_of, layer_caches, kv)

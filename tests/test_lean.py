@@ -1,4 +1,4 @@
-"""The lean forward (mlx_tracer.adapters.fused): which models get it, that it
+"""The lean forward (mlx_tracer.adapters.lean): which models get it, that it
 computes what the model's own forward computes (bit for bit where the
 arithmetic is the same, within a stated tolerance for quantized matmuls), that
 it follows weight swaps and module replacements, keeps memory flat, and that
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlx_tracer.adapters.fused import why_not
+from mlx_tracer.adapters.lean import why_not
 from mlx_tracer.runtime.engine import Engine
 from mlx_tracer.runtime.step import CompiledModel
 
@@ -66,11 +66,11 @@ def compiled_logits(cm, prompt, steps):
 def test_which_families_get_the_lean_forward(family):
     model = tiny_model(family)
     cm = CompiledModel(model)
-    assert (cm.fused is not None and cm.fused.active) == (family in LEAN), why_not(model)
+    assert (cm.lean is not None and cm.lean.active) == (family in LEAN), why_not(model)
     if family not in LEAN:
         with pytest.raises(ValueError, match="fuse=True"):
             CompiledModel(model, fuse=True)
-    assert CompiledModel(model, fuse=False).fused is None
+    assert CompiledModel(model, fuse=False).lean is None
 
 
 @pytest.mark.parametrize("family", sorted(LEAN))
@@ -87,7 +87,7 @@ def test_qwen2_biases_fuse_and_match_eager():
     model = tiny_qwen2()
     ref = eager_logits(model, PROMPTS[0], 8)
     cm = CompiledModel(model, fuse=True)
-    assert "bias" in cm.fused.buffers["qkv0"]
+    assert "bias" in cm.lean.buffers["qkv0"]
     got = compiled_logits(cm, PROMPTS[0], 8)
     for a, b in zip(got, ref):
         assert np.allclose(np.array(a), np.array(b), atol=1e-5)
@@ -100,7 +100,7 @@ def test_quantized_projections_fuse_within_tolerance_and_keep_greedy_tokens():
     mx.eval(model.parameters())
     plain = Engine(CompiledModel(model, fuse=False), buckets=(1, 2, 4))
     lean = Engine(CompiledModel(model, fuse=True), buckets=(1, 2, 4))
-    assert "scales" in lean.compiled.fused.buffers["qkv0"]
+    assert "scales" in lean.compiled.lean.buffers["qkv0"]
     a = compiled_logits(plain.compiled, PROMPTS[0], 6)
     b = compiled_logits(lean.compiled, PROMPTS[0], 6)
     for x, y in zip(a, b):
@@ -130,7 +130,7 @@ def test_fusing_keeps_the_models_own_output_and_memory():
     assert mx.array_equal(model(x), before)  # the modules hold views of the fused buffers: same values
     # no second copy of the fused weights stays alive (the originals were released): here
     # ~50 KB grow, against ~340 KB when the original q/k/v/gate/up arrays are kept
-    fused_bytes = sum(a.nbytes for k, b in cm.fused.buffers.items() if k.startswith(("qkv", "gu")) for a in b.values())
+    fused_bytes = sum(a.nbytes for k, b in cm.lean.buffers.items() if k.startswith(("qkv", "gu")) for a in b.values())
     assert mx.get_active_memory() - base < 0.5 * fused_bytes
 
 
@@ -156,7 +156,7 @@ def test_swapped_weights_and_replaced_modules_rebuild_the_fused_buffers():
     nn.quantize(model, group_size=32, bits=4)  # modules replaced: rebuilt as quantized groups
     mx.eval(model.parameters())
     c = cm.step(cm.new_caches(1, rows=1), mx.array([[5]]), return_logits=True).logits
-    assert "scales" in cm.fused.buffers["qkv0"]
+    assert "scales" in cm.lean.buffers["qkv0"]
     assert np.allclose(np.array(c), np.array(model(mx.array([[5]]))[:, -1, :]), atol=1e-4)
 
 
@@ -176,7 +176,7 @@ def test_a_model_that_stops_qualifying_falls_back_to_its_own_forward():
     for layer in model.model.layers:
         layer.self_attn.o_proj = Scaled(layer.self_attn.o_proj)
     got = cm.step(cm.new_caches(1, rows=1), mx.array([[5]]), return_logits=True).logits
-    assert not cm.fused.active
+    assert not cm.lean.active
     assert mx.array_equal(got, model(mx.array([[5]]))[:, -1, :])
 
 

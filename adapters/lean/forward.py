@@ -1,0 +1,106 @@
+"""The lean forward of one model: bind, plan, run, finish.
+
+:class:`LeanForward` binds the model's weights (:func:`~.weights.bind`),
+then *plans* once per binding which layer implementation serves each step
+kind — decode on the native kernels (:class:`~.native.NativeLayers`) where
+they apply, else, and for every window step, MLX's ops
+(:class:`~.ops.OpsLayers`) — and runs: embedding, the planned layers, then
+the final norm and output head (written once, here, for every path).
+
+Before every step :meth:`LeanForward.refresh` checks the binding's watch
+list by identity: weights swapped or modules replaced rebind (the step then
+drops its lean traces and traces again), or turn the lean forward off when
+the new modules no longer qualify.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Dict, Optional
+
+import mlx.core as mx
+
+from .native import NativeLayers, why_not_native
+from .ops import OpsLayers
+from .qualify import why_not
+from .step_tables import StepTables
+from .weights import Binding, bind
+
+
+class LeanForward:
+    """The lean forward of one qualifying model.
+
+    Args:
+        model: an mlx-lm model (:func:`~.qualify.why_not` is None).
+        native: the native kernels module (``mlx_tracer.backend.kernels.load()``),
+            or None for MLX's ops everywhere.
+    """
+
+    def __init__(self, model, native=None):
+        self.model = model
+        self.native = native
+        self.generation = 0  # bumped by every (re)bind and re-plan: the step drops its lean traces
+        self.active = False
+        self.binding: Optional[Binding] = None
+        self.decode_layers = self.window_layers = None
+        self.native_off: Optional[str] = None  # why decode steps do not run on the kernels
+        self._set_watch([])
+        self.refresh(force=True)
+
+    # ----------------------------------------------------------- binding
+    def refresh(self, force: bool = False) -> bool:
+        """Rebind if a watched module or array changed; returns whether the lean forward is active."""
+        if not force and not any(map(operator.is_not, map(operator.getitem, self._containers, self._keys), self._expected)):
+            return self.active
+        self.generation += 1
+        self.binding, self.active = None, why_not(self.model) is None
+        self._set_watch([])
+        if self.active:
+            self.binding = bind(self.model)
+            self._set_watch(self.binding.watch)
+            self._plan()
+        return self.active
+
+    def use_kernels(self, native) -> None:
+        """Hand in (or, with None, take away) the native kernels module; re-plans."""
+        self.native = native
+        self.generation += 1
+        if self.active:
+            self._plan()
+
+    def _plan(self):
+        b = self.binding
+        self.window_layers = OpsLayers(b.layers)
+        self.native_off = why_not_native(b, self.native)
+        self.decode_layers = NativeLayers(b.layers, self.native) if self.native_off is None else self.window_layers
+
+    def _set_watch(self, watch):
+        # the per-step check runs as C-level map() loops over these three
+        self._containers = [c for c, _, _ in watch]
+        self._keys = [k for _, k, _ in watch]
+        self._expected = [v for _, _, v in watch]
+
+    @property
+    def buffers(self) -> Dict[str, Dict[str, mx.array]]:
+        """The fused groups' arrays by name (``qkv0``, ``gu0``, ..., ``head``)."""
+        return self.binding.buffers() if self.binding is not None else {}
+
+    # ------------------------------------------------------------- graph
+    def __call__(self, tokens: mx.array, caches, masks, family_of, decode: bool, want: str,
+                 last: Optional[mx.array] = None):
+        """Logits of one step over ``tokens [B, L]``: ``want`` is "all"
+        (``[B, L, V]``), "last" (at ``last [B]``: ``[B, V]``) or "none" (no
+        head: None, for prefill windows). ``decode``: a decode step (L = 1,
+        each cache writes one column)."""
+        b = self.binding
+        B, L = tokens.shape
+        h = b.embed(tokens)  # [B, L, hidden]
+        h = h.reshape(B * L, h.shape[-1])  # the residual stream, 2-D
+        tables = StepTables(caches[0].offset, L, masks, family_of)
+        h = (self.decode_layers if decode else self.window_layers)(h, caches, tables)
+        if want == "none":
+            return None
+        h = h.reshape(B, L, -1)
+        if want == "last":
+            h = mx.take_along_axis(h, last[:, None, None], axis=1)[:, 0, :]  # [B, hidden]
+        return b.logits(b.norm(h))

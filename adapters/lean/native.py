@@ -1,0 +1,80 @@
+"""The lean decode layers on the native kernels: 4 graph nodes a layer.
+
+The same arithmetic as :class:`~.ops.OpsLayers` for a decode step (L = 1),
+bit for bit, on the primitives of ``mlx_tracer.backend.kernels`` (handed in
+by the runtime: adapters import nothing but caches):
+
+* ``layer_in``: the previous layer's down projection and residual, the input
+  norm, q/k/v, qwen3's per-head norms and the rotation;
+* ``cache_write`` twice: the new key and value at the step's column, in place
+  (what the cache's ``update_and_fetch`` does with MLX's ops);
+* ``layer_mid``: attention, the output projection and residual, the
+  post-attention norm, gate/up and SwiGLU.
+
+The residual stream is carried as ``h`` plus the last MLP's activation; the
+last layer's down projection and residual are MLX ops. The kernels' inputs
+are passed by name (the names the kernels module lists in ``inputs(kernel)``).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import mlx.core as mx
+
+from .step_tables import StepTables
+from .weights import Binding, LayerSpec
+
+
+def why_not_native(binding: Binding, kernels) -> Optional[str]:
+    """``None`` when the kernels can run this binding's decode steps, else why not."""
+    if kernels is None:
+        return "no native kernels"
+    f32 = mx.float32
+    if binding.activation_dtype != f32:
+        return f"{binding.activation_dtype} activations (the kernels are float32)"
+    for s in binding.layers:
+        if not all(g.dense_f32() for g in s.groups().values()):
+            return f"layer {s.index}: quantized or non-float32 projections (the layer kernels take float32 matrices)"
+        norms = [s.input_norm, s.post_norm, *(s.qk_norms or ())]
+        if any(n.weight.dtype != f32 for n in norms):
+            return f"layer {s.index}: norms not float32"
+        if s.qk_norms is not None and s.qk_norms[0].eps != s.qk_norms[1].eps:
+            return f"layer {s.index}: q and k norms of different eps"
+    return None
+
+
+class NativeLayers:
+    """The decoder layers of a decode step on the native layer kernels."""
+
+    name = "native"
+
+    def __init__(self, layers: List[LayerSpec], kernels):
+        self.layers = layers
+        self.K = kernels
+
+    def __call__(self, h: mx.array, caches, t: StepTables) -> mx.array:
+        """``h [B, hidden]`` through every layer (writing each layer's cache)."""
+        K = self.K
+        act = None  # the previous layer's MLP activation
+        for s, cache in zip(self.layers, caches):
+            rot = t.rotation(s, h.dtype)
+            inputs = dict(h=h, norm=s.input_norm.weight, w_qkv=s.qkv.p["wt"], b_qkv=s.qkv.p.get("bias"),
+                          cos=rot.C, sin=rot.S, scale=rot.F)
+            if act is not None:
+                prev = self.layers[s.index - 1].down
+                inputs.update(act=act, w_down=prev.p["wt"], b_down=prev.p.get("bias"))
+            qk_eps = 0.0
+            if s.qk_norms is not None:
+                inputs.update(q_norm=s.qk_norms[0].weight, k_norm=s.qk_norms[1].weight)
+                qk_eps = s.qk_norms[0].eps
+            outs = K.layer_in(inputs, eps=s.input_norm.eps, nq=s.nq, nk=s.nk, D=s.D, qk_eps=qk_eps)
+            if act is not None:
+                h, *outs = outs  # h + down, to the bit
+            q, k, v = outs  # [B, nk, R, D], [B, nk, 1, D] x 2
+            keys, values = K.cache_write(cache.keys, k, cache.column), K.cache_write(cache.values, v, cache.column)
+            cache.written(keys, values)
+            h, act = K.layer_mid(dict(q=q, k=keys, v=values, bias=t.bias(s.index, h.dtype), w_o=s.o.p["wt"],
+                                      b_o=s.o.p.get("bias"), h=h, norm=s.post_norm.weight, w_gu=s.gu.p["wt"],
+                                      b_gu=s.gu.p.get("bias")), eps=s.post_norm.eps)  # h + a, silu(gate) * up
+        return h + self.layers[-1].down(act)  # (h + a) + down, as the ops compute it

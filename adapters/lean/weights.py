@@ -1,0 +1,172 @@
+"""The weights the lean forward reads, bound once per set of model weights.
+
+:func:`bind` walks a qualifying model once and returns a :class:`Binding`:
+per layer a :class:`LayerSpec` (its head counts, rotation, norms and four
+:class:`LinearGroup` s), the output head, and the *watch list* of every
+(container, key, object) the binding read. The compiled step holds these
+arrays as constants of its trace, so before each step the forward checks the
+watch list by identity: a weight swapped (``model.update`` /
+``load_weights``) or a module replaced (``nn.quantize``, sharding) means a
+new binding and new traces.
+
+q/k/v and gate/up are concatenated along the output axis into one buffer
+each; the model's own ``q_proj`` / ``k_proj`` / ... then hold *views* of it,
+so memory does not grow and the model's own forward computes what it did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .qualify import ARRAYS, table_rope
+
+
+class LinearGroup:
+    """Linears that read the same input (q/k/v, gate/up), computed as one.
+
+    Its arrays ``p`` are constants of the lean trace: a dense weight as its
+    transposed view ``wt`` (the matmul reads the same memory the same way as
+    ``x @ weight.T``, with no transpose node), quantized ones as they are.
+    """
+
+    def __init__(self, mods):
+        self.mods = list(mods)
+        m0 = self.mods[0]
+        self.quant = (m0.group_size, m0.bits, m0.mode) if type(m0) is nn.QuantizedLinear else None
+        self.keys = [k for k in ARRAYS if k in m0]
+        self.p = self._build()
+
+    def _build(self) -> Dict[str, mx.array]:
+        if len(self.mods) > 1:
+            fused = {k: mx.concatenate([m[k] for m in self.mods], axis=0) for k in self.keys}
+            mx.eval(fused)
+            start = 0
+            for m in self.mods:  # the modules hold views of the fused buffer from now on
+                n = m["weight"].shape[0]
+                for k in self.keys:
+                    m[k] = fused[k][start : start + n]
+                start += n
+            mx.eval([m[k] for m in self.mods for k in self.keys])
+        else:
+            fused = {k: self.mods[0][k] for k in self.keys}
+        if self.quant is None:
+            fused["wt"] = fused.pop("weight").T
+        mx.eval(fused)
+        return fused
+
+    @property
+    def outputs(self) -> int:
+        """Columns of the group's result."""
+        return self.p["wt"].shape[1] if self.quant is None else self.p["weight"].shape[0]
+
+    def dense_f32(self) -> bool:
+        """A float32 ``Linear`` (what the layer kernels' matmuls take)."""
+        return self.quant is None and all(a.dtype == mx.float32 for a in self.p.values())
+
+    def watch(self) -> List[tuple]:
+        return [(m, k, m[k]) for m in self.mods for k in self.keys]
+
+    def __call__(self, x: mx.array) -> mx.array:
+        """``x [M, in]`` through the group: ``[M, sum of outputs]``, computed
+        as mlx's ``Linear`` / ``QuantizedLinear`` computes each part."""
+        p = self.p
+        if self.quant is None:
+            return mx.addmm(p["bias"], x, p["wt"]) if "bias" in p else x @ p["wt"]
+        group_size, bits, mode = self.quant
+        y = mx.quantized_matmul(x, p["weight"], scales=p["scales"], biases=p.get("biases"), transpose=True,
+                                group_size=group_size, bits=bits, mode=mode)
+        return y + p["bias"] if "bias" in p else y
+
+
+@dataclass
+class LayerSpec:
+    """One decoder layer as the lean forward reads it."""
+
+    index: int
+    nq: int  # query heads
+    nk: int  # key/value heads
+    D: int  # head dimension
+    rope: Tuple[int, float, float]  # nn.RoPE's (dims, base, scale)
+    scale: float  # attention scale (applied to queries after the rotation)
+    input_norm: nn.RMSNorm
+    post_norm: nn.RMSNorm
+    qk_norms: Optional[Tuple[nn.RMSNorm, nn.RMSNorm]]  # qwen3's per-head norms, before the rotation
+    qkv: LinearGroup
+    o: LinearGroup
+    gu: LinearGroup
+    down: LinearGroup
+
+    @property
+    def R(self) -> int:
+        """Query heads per key head."""
+        return self.nq // self.nk
+
+    def groups(self) -> Dict[str, LinearGroup]:
+        return {"qkv": self.qkv, "o": self.o, "gu": self.gu, "down": self.down}
+
+
+@dataclass
+class Binding:
+    """Everything the lean forward reads of one set of model weights."""
+
+    layers: List[LayerSpec]
+    norm: nn.RMSNorm  # the final norm
+    head: Optional[LinearGroup]  # a dense head (or tied dense embedding) as a group; None: the module's own call
+    head_module: nn.Module  # the tied embedding or lm_head
+    tied: bool
+    embed: nn.Module
+    watch: List[tuple] = field(default_factory=list)
+
+    @property
+    def activation_dtype(self):
+        """The residual stream's dtype (what the embedding returns)."""
+        e = self.embed
+        return e.scales.dtype if isinstance(e, nn.QuantizedEmbedding) else e.weight.dtype
+
+    def buffers(self) -> Dict[str, Dict[str, mx.array]]:
+        """The groups' arrays by name (``qkv0``, ..., ``head``)."""
+        out = {f"{name}{s.index}": g.p for s in self.layers for name, g in s.groups().items()}
+        if self.head is not None:
+            out["head"] = self.head.p
+        return out
+
+    def logits(self, h: mx.array) -> mx.array:
+        """The output head on normed ``h [..., hidden]``."""
+        if self.head is not None:
+            return self.head(h)
+        return self.head_module.as_linear(h) if self.tied else self.head_module(h)
+
+
+def bind(model) -> Binding:
+    """The binding of a qualifying model (:func:`~.qualify.why_not` is None)."""
+    inner = model.model
+    tied = bool(model.args.tie_word_embeddings)
+    watch = [(model, "model", inner), (inner, "layers", inner.layers)]
+    specs = []
+    for i, layer in enumerate(inner.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        watch += [(inner.layers, i, layer), (layer, "self_attn", attn), (layer, "mlp", mlp)]
+        groups = {}
+        for name, parent, keys in (("qkv", attn, ("q_proj", "k_proj", "v_proj")), ("o", attn, ("o_proj",)),
+                                   ("gu", mlp, ("gate_proj", "up_proj")), ("down", mlp, ("down_proj",))):
+            group = groups[name] = LinearGroup([parent[k] for k in keys])
+            watch += [(parent, k, m) for k, m in zip(keys, group.mods)] + group.watch()
+        nq, nk = attn.n_heads, attn.n_kv_heads
+        qk = (attn.q_norm, attn.k_norm) if "q_norm" in attn else None
+        specs.append(LayerSpec(i, nq, nk, groups["qkv"].outputs // (nq + 2 * nk), table_rope(attn.rope), attn.scale,
+                               layer.input_layernorm, layer.post_attention_layernorm, qk, **groups))
+        # the modules the lean forward calls itself
+        watch += [(layer, "input_layernorm", layer.input_layernorm), (layer, "post_attention_layernorm", layer.post_attention_layernorm)]
+        watch += [(attn, k, attn[k]) for k in ("q_norm", "k_norm") if k in attn]
+    head_module = inner.embed_tokens if tied else model.lm_head
+    head = LinearGroup([head_module]) if type(head_module) in (nn.Linear, nn.Embedding) else None
+    watch += [(inner, "embed_tokens", inner.embed_tokens), (inner, "norm", inner.norm)]
+    if not tied:
+        watch.append((model, "lm_head", model.lm_head))
+    if head is not None:
+        watch += head.watch()
+    return Binding(specs, inner.norm, head, head_module, tied, inner.embed_tokens, watch)
