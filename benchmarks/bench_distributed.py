@@ -33,7 +33,6 @@ import numpy as np  # noqa: E402
 
 from mlx_tracer.runtime.distributed import DEFAULT_CHECK_EVERY, Lockstep, init_group, shard_model
 from mlx_tracer.runtime.engine import Engine
-from mlx_tracer.runtime.requests import EngineStats
 
 
 def tiny_llama(hidden: int, layers: int, heads: int, kv_heads: int, vocab: int, seed: int = 0):
@@ -54,7 +53,7 @@ def decode_run(engine: Engine, step, batch: int, tokens: int) -> tuple:
     for _ in range(batch):
         engine.add(rng.integers(1, engine.vocab_size, size=16).tolist(), max_tokens=tokens)
     engine.admit()  # prefill stays out of the decode timing
-    engine.stats = EngineStats()
+    engine.reset_stats()
     while engine.has_work():
         step(engine)
     s = engine.stats

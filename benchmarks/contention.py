@@ -25,7 +25,7 @@ gen = Generator.load(weights="float32", buckets=(1,))
 gen.warmup(buckets=[1], prefill=False)
 prompt = " ".join(["Write a short paragraph about the history of Paris."] * int(sys.argv[2]))
 gen.generate(prompt, max_tokens=4)  # prefill windows traced, kernels built
-gen.engine.stats = type(gen.engine.stats)()
+gen.engine.reset_stats()
 gen.generate(prompt, max_tokens=int(sys.argv[1]))
 print(json.dumps({"decode": gen.stats.decode_tps, "prefill": gen.stats.prefill_tps}))
 '''

@@ -51,7 +51,7 @@ def main() -> int:
             outs = {}
             for rep in range(args.reps + 1):  # the first rep traces and builds kernels
                 for label, gen in (("plain", plain), ("spec", spec)):
-                    gen.engine.stats = type(gen.engine.stats)()
+                    gen.engine.reset_stats()
                     t0 = time.perf_counter()
                     res = gen.batch_generate(batch, max_tokens=args.tokens)
                     dt = time.perf_counter() - t0

@@ -16,6 +16,8 @@ import openai
 import pytest
 
 from mlx_tracer import Generator
+from mlx_tracer.runtime.options import OptionError, check_context_length
+from mlx_tracer.runtime.prefix_cache import PrefixCache
 
 from .helpers import FRANCE, SYSTEM, model_present
 from .serve_helpers import metrics, running_server, save_chat_model_dir, wait_for
@@ -74,8 +76,8 @@ def refs(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir, refs):
-    gen = Generator.load(model_dir, progress=False, weights="as-is")
-    with running_server(gen, warmup=(1, 2), prefix_cache_bytes=1 << 20) as (url, worker):
+    gen = Generator.load(model_dir, progress=False, weights="as-is", prefix_cache=PrefixCache(1 << 20))
+    with running_server(gen, warmup=(1, 2)) as (url, worker):
         yield url, worker
 
 
@@ -253,6 +255,21 @@ def test_bad_completion_requests_and_oversize_prompts(server):
     assert httpx.post(url + "/v1/completions", json={"prompt": "5", "max_tokens": 1}, timeout=30).status_code == 200
 
 
+def test_context_length_is_refused_by_the_runtimes_own_check_with_its_param_and_code(server):
+    url, worker = server
+    ids = list(range(1, 100)) * 400
+    r = httpx.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 5}, timeout=30)
+    with pytest.raises(OptionError) as want:
+        check_context_length(len(ids), 5, worker.context_limit, param="prompt", limit_name="position limit")
+    assert r.status_code == 400 and r.json()["error"] == {"message": str(want.value), "type": "invalid_request_error",
+                                                          "param": "prompt", "code": "context_length_exceeded"}
+    r = httpx.post(url + "/v1/chat/completions", json={"messages": CHAT, "max_completion_tokens": 10**9}, timeout=30)
+    with pytest.raises(OptionError) as want:
+        check_context_length(None, 10**9, worker.context_limit, max_param="max_completion_tokens")
+    assert r.status_code == 400 and r.json()["error"]["message"] == str(want.value)
+    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == ("max_completion_tokens", "context_length_exceeded")
+
+
 def test_health_models_and_metrics(server):
     url, _ = server
     assert httpx.get(url + "/health", timeout=10).json() == {"status": "ok", "model": "tiny"}
@@ -286,8 +303,8 @@ def test_a_second_chat_turn_reuses_the_first_turns_keys_and_values(server, refs)
 
 # ---------------------------------------------- back-pressure, timeouts, eviction
 def test_full_queue_answers_503_with_retry_after_and_the_prefix_cache_stays_within_its_bound(model_dir, refs):
-    gen = Generator.load(model_dir, progress=False, weights="as-is", buckets=(1,))
-    with running_server(gen, max_queue=1, prefix_cache_bytes=20_000) as (url, worker):
+    gen = Generator.load(model_dir, progress=False, weights="as-is", buckets=(1,), prefix_cache=PrefixCache(20_000))
+    with running_server(gen, max_queue=1) as (url, worker):
         c = client(url)
         running = c.completions.create(model="tiny", prompt=LONG, max_tokens=3000, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True})
@@ -326,8 +343,9 @@ def test_a_request_past_the_timeout_is_cancelled(model_dir):
 
 
 def test_a_speculative_server_gives_the_same_greedy_answers(model_dir, refs):
-    gen = Generator.load(model_dir, progress=False, weights="as-is", speculative="prompt-lookup", draft_tokens=3)
-    with running_server(gen, prefix_cache_bytes=1 << 20) as (url, _):
+    gen = Generator.load(model_dir, progress=False, weights="as-is", speculative="prompt-lookup", draft_tokens=3,
+                         prefix_cache=PrefixCache(1 << 20))
+    with running_server(gen) as (url, _):
         c = client(url)
         got = {}
         threads = [threading.Thread(target=lambda i=i: got.setdefault(i, c.completions.create(
@@ -367,9 +385,9 @@ needs_model = pytest.mark.skipif(not model_present(), reason="SmolLM2 GGUF not p
 @pytest.mark.model
 @needs_model
 def test_smollm2_answers_over_http_and_reuses_the_conversation():
-    gen = Generator.load(progress=False, weights="as-is")
+    gen = Generator.load(progress=False, weights="as-is", prefix_cache=PrefixCache(64 << 20))
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": FRANCE}]
-    with running_server(gen, model_id="SmolLM2-135M-Instruct", prefix_cache_bytes=64 << 20) as (url, _):
+    with running_server(gen, model_id="SmolLM2-135M-Instruct") as (url, _):
         c = client(url)
         r = c.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=16, temperature=0)
         answer = r.choices[0].message.content

@@ -212,15 +212,15 @@ def test_the_auto_policy_verifies_only_when_it_pays():
     assert spec.drafts(rows, 2) is not None  # prior 0.5, guessed cost 1.5x: 2 * (1 + 0.5 * n) / 0.15 > 2 / 0.1
     spec.observe("verify", 2, 0.300)  # measured: a verify step costs 3 plain steps
     for r in rows:
-        r.accept_rate = 0.3
+        spec.row(r.uid).accept_rate = 0.3
     assert spec.drafts(rows, 2) is None  # 2 * (1 + 0.3 * n <= 2.2) / 0.3 < 2 / 0.1
     for r in rows:
-        r.accept_rate = 0.95
+        spec.row(r.uid).accept_rate = 0.95
     assert spec.drafts(rows, 2) is not None  # 2 * (1 + 0.95 * n) / 0.3 > 20 for n >= 3
-    low = rows[0].accept_rate = rows[1].accept_rate = 0.0
+    low = spec.row(0).accept_rate = spec.row(1).accept_rate = 0.0
     for _ in range(100):
         spec.plain_step(rows)
-    assert low < rows[0].accept_rate <= PRIOR and abs(rows[0].accept_rate - PRIOR) < 0.01
+    assert low < spec.row(0).accept_rate <= PRIOR and abs(spec.row(0).accept_rate - PRIOR) < 0.01
 
 
 def test_the_auto_policy_keeps_greedy_output_equal():

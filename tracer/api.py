@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import List, Optional, Sequence, Union
 
 from .generator import Generator, Prompt
+from .runtime.options import DEFAULT_MAX_TOKENS
 from .stream import Completion, GenerationEvent, TokenStream
 
 __all__ = ["Completion", "GenerationEvent", "Generator", "TokenStream", "batch_generate", "generate", "load", "stream_generate"]
@@ -64,14 +65,14 @@ def _split(kwargs: dict):
     return loop, kwargs
 
 
-def generate(model, tokenizer, prompt: Prompt, max_tokens: int = 256, **kwargs) -> str:
+def generate(model, tokenizer, prompt: Prompt, max_tokens: int = DEFAULT_MAX_TOKENS, **kwargs) -> str:
     """mlx-lm's ``generate`` through the compiled loop (prompts used as given;
     ``speculative=``/``draft_tokens=`` as on :class:`Generator`)."""
     loop, kwargs = _split(kwargs)
     return _generator_for(model, tokenizer, **loop).generate(prompt, max_tokens=max_tokens, **kwargs)
 
 
-def stream_generate(model, tokenizer, prompt: Prompt, max_tokens: int = 256, **kwargs) -> TokenStream:
+def stream_generate(model, tokenizer, prompt: Prompt, max_tokens: int = DEFAULT_MAX_TOKENS, **kwargs) -> TokenStream:
     """mlx-lm's ``stream_generate`` through the compiled loop; closing the stream cancels it."""
     loop, kwargs = _split(kwargs)
     return _generator_for(model, tokenizer, **loop).stream_generate(prompt, max_tokens=max_tokens, **kwargs)

@@ -19,14 +19,14 @@ import numpy as np
 
 from .caches import DEFAULT_CAPACITIES
 from .runtime.distributed import Lockstep, init_group, load_sharded, shard_model
-from .runtime.engine import DEFAULT_PREFILL_CHUNKS, Engine
-from .runtime.drafters import make_drafter
-from .runtime.speculator import Speculator
+from .runtime.engine import Engine, RetireHook
 from .runtime.options import (
-    check_buckets, check_draft_tokens, check_max_tokens, check_prefill_chunks, check_stop_strings, check_token_ids,
+    DEFAULT_BUCKETS, DEFAULT_DRAFT_TOKENS, DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNKS, DEFAULT_SPEC_POLICY,
+    GeneratorOptions, OptionError, check_generator_options, check_max_tokens, check_stop_strings, check_system,
+    check_token_ids, is_draft_path,
 )
+from .runtime.prefix_cache import PrefixCache
 from .runtime.sampling import SamplingParams
-from .runtime.step import DEFAULT_BUCKETS
 from .stream import Completion, GenerationEvent, TokenStream
 from .router import EventRouter
 from .text import TextStream
@@ -55,6 +55,11 @@ class Generator:
             model is sharded in place (unless it already is); every rank must
             then get the same requests in the same order, and only
             :attr:`is_primary` (rank 0) should print.
+        on_retire, prefix_cache: as on :class:`~mlx_tracer.runtime.engine.Engine`
+            (a prefix cache serves string and token prompts alike).
+
+    Options are checked once, before anything runs
+    (:func:`~mlx_tracer.runtime.options.check_generator_options`).
     """
 
     def __init__(
@@ -67,30 +72,36 @@ class Generator:
         chat: Optional[bool] = None,
         system: Optional[str] = None,
         speculative=None,
-        draft_tokens: int = 4,
-        spec_policy: str = "auto",
+        draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+        spec_policy: str = DEFAULT_SPEC_POLICY,
         distributed: Union[bool, "mx.distributed.Group"] = False,
+        on_retire: Optional[RetireHook] = None,
+        prefix_cache: Optional[PrefixCache] = None,
     ):
-        check_options(buckets, prefill_chunks, chat, system, speculative, draft_tokens, spec_policy)
-        if _is_draft_path(speculative):
-            from .api import load
+        options = check_generator_options(buckets, prefill_chunks, chat, system, speculative, draft_tokens, spec_policy)
+        if is_draft_path(speculative):
+            from .loading import load_model
 
-            speculative = load(speculative, weights="as-is")[0]
+            speculative = load_model(speculative, weights="as-is")[0]
+        self._build(model, tokenizer, options, speculative, capacities, distributed, on_retire, prefix_cache)
+
+    def _build(self, model, tokenizer, options: GeneratorOptions, speculative, capacities=DEFAULT_CAPACITIES,
+               distributed=False, on_retire=None, prefix_cache=None):
         self.model = model
         self.tokenizer = tokenizer
         self.lockstep: Optional[Lockstep] = None
-        engine_args = (model, buckets, prefill_chunks, capacities)
-        engine_kwargs = dict(speculative=speculative, draft_tokens=draft_tokens, spec_policy=spec_policy)
+        engine_kwargs = dict(speculative=speculative, capacities=capacities, on_retire=on_retire, prefix_cache=prefix_cache)
         if distributed is False:
-            self.engine = Engine(*engine_args, **engine_kwargs)
+            self.engine = Engine.from_options(model, options.engine, **engine_kwargs)
         else:
             group = init_group() if distributed is True else distributed
             shard_model(model, group)
             self.lockstep = lock = Lockstep(group)
             rng = np.random.default_rng(lock.shared_seed())
-            self.engine = lock.collective("probing the sharded model", Engine, *engine_args, rng=rng, **engine_kwargs)
-        self.chat = getattr(tokenizer, "has_chat_template", False) if chat is None else chat
-        self.system = system
+            self.engine = lock.collective("probing the sharded model", Engine.from_options, model, options.engine,
+                                          rng=rng, **engine_kwargs)
+        self.chat = getattr(tokenizer, "has_chat_template", False) if options.chat is None else options.chat
+        self.system = options.system
         # engine.step looked up at each call, with no closure over self: the model's
         # memory goes when the Generator does, not at the next cyclic collection
         step = partial(methodcaller("step"), self.engine) if self.lockstep is None else partial(self.lockstep.step, self.engine)
@@ -98,29 +109,35 @@ class Generator:
 
     @classmethod
     def load(cls, path: Optional[Union[str, Path]] = None, progress: bool = True, weights: str = "auto",
-             distributed: bool = False, **kwargs) -> "Generator":
-        """Load a model (see :func:`load`; ``weights="auto"`` by default) into a
-        Generator. The options are checked before the model loads.
+             distributed: bool = False, speculative=None, capacities: Sequence[int] = DEFAULT_CAPACITIES,
+             on_retire: Optional[RetireHook] = None, prefix_cache: Optional[PrefixCache] = None,
+             log=lambda s: None, **options) -> "Generator":
+        """Load a model (see :func:`~mlx_tracer.api.load`; ``weights="auto"`` by
+        default) into a Generator. The options are checked before the model loads.
         ``distributed=True``: one rank of a sharded model started by
         ``mlx.launch`` (a model ``shard()`` cannot split fails with a
         ``ValueError`` before any work)."""
-        log = kwargs.pop("log", lambda s: None)
-        check_options(kwargs.get("buckets", DEFAULT_BUCKETS), kwargs.get("prefill_chunks", DEFAULT_PREFILL_CHUNKS),
-                      kwargs.get("chat"), kwargs.get("system"), kwargs.get("speculative"), kwargs.get("draft_tokens", 4),
-                      kwargs.get("spec_policy", "auto"))
+        from .loading import load_model
+
+        checked = check_generator_options(speculative=speculative, **options)
+        log(f"loading {path or 'the default model (SmolLM2-135M-Instruct)'} ...")
+        kwargs = dict(capacities=capacities, on_retire=on_retire, prefix_cache=prefix_cache)
         if distributed:
-            if _is_draft_path(kwargs.get("speculative")):
-                raise ValueError("a draft model is not supported with distributed=True yet: use speculative='prompt-lookup'")
-            from .api import load
+            if is_draft_path(speculative):
+                raise OptionError("speculative", "a draft model is not supported with distributed=True yet: "
+                                                 "use speculative='prompt-lookup'")
+            model, tokenizer, group = load_sharded(load_model, path, progress=progress, weights=weights, log=log)
+            return cls._from_options(model, tokenizer, checked, speculative, distributed=group, **kwargs)
+        model, tokenizer = load_model(path, progress=progress, weights=weights, log=log)
+        if is_draft_path(speculative):  # the draft model in the target's weight format
+            speculative = load_model(speculative, progress=progress, weights=model.mlx_tracer_weights, log=log)[0]
+        return cls._from_options(model, tokenizer, checked, speculative, **kwargs)
 
-            model, tokenizer, group = load_sharded(load, path, progress=progress, weights=weights, log=log)
-            return cls(model, tokenizer, distributed=group, **kwargs)
-        from .api import load
-
-        model, tokenizer = load(path, progress=progress, weights=weights, log=log)
-        if _is_draft_path(kwargs.get("speculative")):  # the draft model in the target's weight format
-            kwargs["speculative"] = load(kwargs["speculative"], progress=progress, weights=model.mlx_tracer_weights, log=log)[0]
-        return cls(model, tokenizer, **kwargs)
+    @classmethod
+    def _from_options(cls, model, tokenizer, options: GeneratorOptions, speculative, **kwargs) -> "Generator":
+        gen = cls.__new__(cls)
+        gen._build(model, tokenizer, options, speculative, **kwargs)
+        return gen
 
     @property
     def is_primary(self) -> bool:
@@ -146,7 +163,7 @@ class Generator:
         if not isinstance(prompt, str):
             return check_token_ids(prompt, self.engine.vocab_size)
         if not prompt.strip():
-            raise ValueError("empty prompt: give some text")
+            raise OptionError("prompt", "empty prompt: give some text")
         use_chat = self.chat if chat is None else chat
         if use_chat:
             messages = []
@@ -162,7 +179,7 @@ class Generator:
     def submit(
         self,
         prompt: Prompt,
-        max_tokens: int = 256,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
         temp: float = 0.0,
         top_p: float = 1.0,
         min_p: float = 0.0,
@@ -180,11 +197,9 @@ class Generator:
         ``cache``: serial mlx-lm caches holding the context before ``prompt``
         (see :meth:`Engine.add <mlx_tracer.runtime.engine.Engine.add>`)."""
         sampling = SamplingParams(temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed)
-        check_max_tokens(max_tokens)
         stop = check_stop_strings(stop)
-        if system is not None and not isinstance(system, str):
-            raise TypeError(f"system must be a string, got {type(system).__name__}")
-        tokens = self.encode(prompt, chat, system)
+        # token prompts and max_tokens are checked by engine.add, before it changes anything
+        tokens = self.encode(prompt, chat, check_system(system)) if isinstance(prompt, str) else prompt
         stops = self.tokenizer.eos_token_ids if stop_tokens is None else stop_tokens
         uid = self.engine.add(tokens, max_tokens, sampling, stops, cache=cache)
         self.router.track(uid, len(tokens), TextStream(self.tokenizer, stop), streamed=_streamed)
@@ -229,7 +244,8 @@ class Generator:
     def generate(self, prompt: Prompt, **kwargs) -> str:
         return self._run([self.submit(prompt, _streamed=True, **kwargs)])[0].text
 
-    def batch_generate(self, prompts: Sequence[Prompt], max_tokens: Union[int, Sequence[int]] = 256, **kwargs) -> List[Completion]:
+    def batch_generate(self, prompts: Sequence[Prompt], max_tokens: Union[int, Sequence[int]] = DEFAULT_MAX_TOKENS,
+                       **kwargs) -> List[Completion]:
         budgets = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
         if len(budgets) != len(prompts):
             raise ValueError(f"max_tokens has {len(budgets)} entries for {len(prompts)} prompts")
@@ -265,46 +281,28 @@ class Generator:
 
     @property
     def traces(self):
-        return self.engine.compiled.traces
+        return self.engine.snapshot().traces
 
     @property
     def stats(self):
         return self.engine.stats
 
+    def cached_tokens(self, uid: int) -> int:
+        """Prompt tokens of a queued or running request served from the prefix cache."""
+        return self.engine.cached_tokens(uid)
+
     def summary(self) -> str:
-        s = self.stats
-        widths = sorted({k.width for k in self.traces if k.kind == "decode"})
+        snap = self.engine.snapshot()
+        s, traces = snap.stats, snap.traces
+        widths = sorted({k.width for k in traces if k.kind == "decode"})
         return (
             f"prompt: {s.prefill_tokens} tokens, {s.prefill_tps:.1f} tok/s | "
             f"decode: {s.decode_tokens} tokens, {s.decode_tps:.1f} tok/s, {s.host_ms_per_step:.2f} host ms/step | "
             + (f"speculative: {s.acceptance:.0%} of {s.drafted} drafts accepted, "
                f"{s.tokens_per_verify:.2f} tokens per verify step | " if s.verify_steps else "")
-            + f"traces: {sum(self.traces.values())} (decode buckets {widths}) | "
+            + f"traces: {snap.traces_made} (decode buckets {widths}) | "
             f"peak memory {mx.get_peak_memory() / 1e9:.3f} GB"
         )
 
 
-def _is_draft_path(speculative) -> bool:
-    return isinstance(speculative, Path) or isinstance(speculative, str) and speculative != "prompt-lookup"
-
-
-def check_options(buckets=DEFAULT_BUCKETS, prefill_chunks=DEFAULT_PREFILL_CHUNKS, chat=None, system=None,
-                  speculative=None, draft_tokens=4, spec_policy="auto"):
-    """Check a Generator's options without a model (raises ValueError/TypeError)."""
-    check_buckets(buckets)
-    if spec_policy not in Speculator.POLICIES:
-        raise ValueError(f"spec_policy must be one of {Speculator.POLICIES}, got {spec_policy!r}")
-    chunks = check_prefill_chunks(prefill_chunks)
-    if _is_draft_path(speculative):
-        if not Path(speculative).expanduser().exists():
-            raise ValueError(
-                f"speculative={str(speculative)!r}: give 'prompt-lookup' or the path of a draft model "
-                "(a .gguf file or an mlx-lm model folder sharing the target's tokenizer); that path does not exist"
-            )
-        check_draft_tokens(draft_tokens, chunks)
-    elif make_drafter(speculative) is not None:
-        check_draft_tokens(draft_tokens, chunks)
-    if chat is not None and not isinstance(chat, bool):
-        raise TypeError(f"chat must be True, False or None, got {chat!r}")
-    if system is not None and not isinstance(system, str):
-        raise TypeError(f"system must be a string, got {type(system).__name__}")
+check_options = check_generator_options  # the name the CLI and older callers use

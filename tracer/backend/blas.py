@@ -186,6 +186,11 @@ def activate() -> bool:
     return True
 
 
+def loaded() -> bool:
+    """Whether the shim (and the fast BLAS behind it) is loaded in this process."""
+    return _state.get("lib") is not None
+
+
 def splits() -> bool:
     """Whether the loaded shim splits fp32 GEMMs itself (else OpenBLAS threads, or no shim)."""
     return _state.get("lib") is not None and bool(_state["lib"].mlx_tracer_blas_splits())

@@ -39,9 +39,10 @@ and 192; beside two busy processes 2 threads collapse to 1.1 and 9.3, 1
 thread keeps 7.6 and 76, this policy 6.5 and 67.
 
 Threads change only between steps with nothing in flight, never under a
-running GEMM: the engine asks at admission (:func:`for_prefill`, then
-:func:`for_decode`) and, while decoding under the idle-cores policy, drains
-its pipeline every ``RECHECK_STEPS`` steps to ask again. ``MLX_TRACER_BLAS_THREADS=N`` pins N
+running GEMM: under the idle-cores policy (:func:`follows_load`) the engine
+asks (:func:`apply`) at admission and drains its pipeline every
+``RECHECK_STEPS`` decode steps to ask again; elsewhere the count never changes
+and it does not ask. ``MLX_TRACER_BLAS_THREADS=N`` pins N
 threads for every phase.
 """
 
@@ -106,21 +107,17 @@ def default() -> int:
 
 
 def follows_load() -> bool:
-    """Whether the thread count follows the machine's load (so decode drains
-    every ``RECHECK_STEPS`` steps to ask again): not where it is pinned or
-    where the shim splits GEMMs (then it is every core)."""
-    return pinned() is None and not blas.splits()
+    """Whether the thread count follows the machine's load, so that asking
+    again can change it: only where OpenBLAS threads itself (the shim is
+    loaded but does not split GEMMs) and no count is pinned. Elsewhere the
+    count is fixed from the start (pinned, or every core where the shim
+    splits), and without the shim there is nothing to set."""
+    return pinned() is None and blas.loaded() and not blas.splits()
 
 
-def for_prefill() -> int:
-    """Set (and return) the thread count of a prefill phase."""
-    n = pinned() or default()
-    blas.set_threads(n)
-    return n
-
-
-def for_decode() -> int:
-    """Set (and return) the thread count of decode steps."""
+def apply() -> int:
+    """Set (and return) the thread count for the next steps (call it with
+    nothing in flight: at admission, and every ``RECHECK_STEPS`` decode steps)."""
     n = pinned() or default()
     blas.set_threads(n)
     return n

@@ -114,12 +114,12 @@ def steady_state(steps: int = 2000, window: int = 256, hidden: int = 64, probe: 
         engine.step()
         times.append(time.perf_counter() - t0)
         if i == probe:
-            traces = sum(engine.compiled.traces.values())
+            traces = engine.snapshot().traces_made
     early = 1 / statistics.median(times[probe // 2 : probe + probe // 2])
     late = 1 / statistics.median(times[steps - probe // 2 : steps + probe // 2])
     return {
         "model": f"llama 4x{hidden} fp32, all layers sliding (window {window})",
         "step_early": probe, "tps_early": early, "step_late": steps, "tps_late": late,
         "late_over_early": late / early,
-        "traces_at_early": traces, "traces_at_end": sum(engine.compiled.traces.values()),
+        "traces_at_early": traces, "traces_at_end": engine.snapshot().traces_made,
     }

@@ -116,11 +116,11 @@ def host_ms(model, compiled, contexts: list, steps: int = 40) -> tuple:
 def tracer_decode(engine: Engine, contexts: list, first: List[int], tokens: int) -> EngineStats:
     """Decode ``tokens`` tokens per context with the compiled loop; the
     engine's stats of the decode alone (admission excluded)."""
-    engine.stats = EngineStats()
+    engine.reset_stats()
     for c, t in zip(contexts, first):
         engine.add([t], max_tokens=tokens, cache=c)
     engine.admit()  # join the contexts now: admission is not decode time
-    engine.stats = EngineStats()
+    engine.reset_stats()
     for _ in engine.run():
         pass
     return engine.stats

@@ -13,6 +13,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..runtime.options import (
+    DEFAULT_BUCKETS, DEFAULT_DRAFT_TOKENS, DEFAULT_MAX_TOKENS, DEFAULT_SPEC_POLICY, PROMPT_LOOKUP, SPEC_POLICIES,
+)
 from . import commands, serve, tools
 from . import options as opt
 
@@ -38,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text with the compiled decode loop")
     g.add_argument("prompts", nargs="+", help="one or more prompts (several run as one batch)")
     model_args(g)
-    g.add_argument("--max-tokens", type=opt.positive_int, default=256)
+    g.add_argument("--max-tokens", type=opt.positive_int, default=DEFAULT_MAX_TOKENS)
     g.add_argument("--temp", type=opt.temperature, default=0.0, help="sampling temperature (0: greedy)")
     g.add_argument("--top-p", type=opt.top_p, default=1.0)
     g.add_argument("--top-k", type=opt.non_negative_int, default=0)
@@ -48,13 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", default=DEFAULT_SYSTEM, help="system message of chat prompts")
     g.add_argument("--no-warmup", dest="warmup", action="store_false", help="do not trace before generating")
     spec = g.add_mutually_exclusive_group()
-    spec.add_argument("--spec", choices=("prompt-lookup",), help="speculative decoding: drafts judged by one compiled verify step")
+    spec.add_argument("--spec", choices=(PROMPT_LOOKUP,), help="speculative decoding: drafts judged by one compiled verify step")
     spec.add_argument("--draft-model", help="speculative decoding with this draft model (GGUF / mlx-lm folder, same tokenizer)")
-    g.add_argument("--draft-tokens", type=opt.positive_int, default=4, help="most drafts per row and verify step (k)")
+    g.add_argument("--draft-tokens", type=opt.positive_int, default=DEFAULT_DRAFT_TOKENS, help="most drafts per row and verify step (k)")
     g.add_argument("--distributed", action="store_true",
                    help="one rank of a model sharded over the processes mlx.launch started, e.g. "
                         "mlx.launch --backend ring -n 2 -- mlx-tracer generate --distributed ...; rank 0 prints")
-    g.add_argument("--spec-policy", choices=("auto", "always"), default="auto",
+    g.add_argument("--spec-policy", choices=SPEC_POLICIES, default=DEFAULT_SPEC_POLICY,
                    help="auto: a verify step when it is expected to pay; always: whenever a row has drafts")
     g.set_defaults(func=commands.generate)
 
@@ -73,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated: smollm2, llama-h64, llama-h256, qwen3-h256 (random 4-layer llama / qwen3 "
                         "models of that width)")
     b.add_argument("--model", help="the GGUF / mlx-lm directory used for 'smollm2' (default: the fetched SmolLM2)")
-    b.add_argument("--buckets", type=opt.positive_ints, default=(1, 2, 4, 8))
+    b.add_argument("--buckets", type=opt.positive_ints, default=DEFAULT_BUCKETS)
     b.add_argument("--contexts", type=opt.non_negative_ints, default=(128, 1024))
     b.add_argument("--tokens", type=opt.positive_int, default=32, help="decode tokens per run")
     b.add_argument("--runs", type=opt.positive_int, default=3, help="timed runs per system (median)")

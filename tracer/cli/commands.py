@@ -18,23 +18,24 @@ def _primary(args) -> bool:
     return not getattr(args, "distributed", False) or os.environ.get("MLX_RANK", "0") == "0"
 
 
-def load_generator(args):
-    """A Generator for the model options of ``args``, timed, with progress on stderr."""
+def load_generator(args, **extra):
+    """A Generator for the model options of ``args`` (and ``extra`` Generator
+    options, such as a prefix cache), timed, with progress on stderr."""
     from ..api import Generator
-    from ..generator import check_options
+    from ..runtime.options import DEFAULT_SPEC_POLICY
 
     log = globals()["log"] if _primary(args) else (lambda msg: None)
     kwargs = {"buckets": args.buckets} if getattr(args, "buckets", None) else {}
     speculative = getattr(args, "draft_model", None) or getattr(args, "spec", None)
     if speculative:
-        kwargs.update(speculative=speculative, draft_tokens=args.draft_tokens, spec_policy=getattr(args, "spec_policy", "auto"))
-    check_options(**kwargs)  # before the slow load
+        kwargs.update(speculative=speculative, draft_tokens=args.draft_tokens,
+                      spec_policy=getattr(args, "spec_policy", DEFAULT_SPEC_POLICY))
     if getattr(args, "distributed", False):
         kwargs["distributed"] = True
-    t0 = time.perf_counter()
-    log(f"loading {args.model or 'the default model (SmolLM2-135M-Instruct)'} ...")
+    t0 = time.perf_counter()  # Generator.load checks the options, then logs "loading ..."
     gen = Generator.load(
-        args.model, weights=args.weights, chat=getattr(args, "chat", None), system=getattr(args, "system", None), log=log, **kwargs
+        args.model, weights=args.weights, chat=getattr(args, "chat", None), system=getattr(args, "system", None), log=log,
+        **kwargs, **extra,
     )
     shards = f", sharded over {gen.world_size} ranks" if gen.world_size > 1 else ""
     log(f"loaded in {time.perf_counter() - t0:.1f} s (weights: {gen.weights}{shards})")

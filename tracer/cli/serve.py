@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 
+from ..runtime.options import DEFAULT_DRAFT_TOKENS, PROMPT_LOOKUP
 from . import options as opt
 from .commands import load_generator, log
 
@@ -42,9 +43,9 @@ def add_parser(sub, model_args):
     s.add_argument("--prefix-cache-mb", type=opt.non_negative_int, default=512,
                    help="MiB of keys and values kept for requests sharing a prompt prefix (default 512; 0: off)")
     spec = s.add_mutually_exclusive_group()
-    spec.add_argument("--spec", choices=("prompt-lookup",), help="speculative decoding: drafts judged by one compiled verify step")
+    spec.add_argument("--spec", choices=(PROMPT_LOOKUP,), help="speculative decoding: drafts judged by one compiled verify step")
     spec.add_argument("--draft-model", help="speculative decoding with this draft model (GGUF / mlx-lm folder, same tokenizer)")
-    s.add_argument("--draft-tokens", type=opt.positive_int, default=4, help="most drafts per row and verify step (k)")
+    s.add_argument("--draft-tokens", type=opt.positive_int, default=DEFAULT_DRAFT_TOKENS, help="most drafts per row and verify step (k)")
     s.add_argument("--timeout", type=seconds, default=600.0, help="seconds a request may take before it is cancelled (default 600; answered 504)")
     s.add_argument("--no-warmup", dest="warmup", action="store_false", help="do not trace the buckets before serving")
     s.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="uvicorn's log level (info: access log too)")
@@ -56,13 +57,15 @@ def serve(args) -> int:
         from ..serve.app import create_app
         from ..serve.server import address, bind, model_id, run
         from ..serve.worker import EngineWorker
+        from ..runtime.prefix_cache import PrefixCache
     except ImportError as e:
         log(f"mlx-tracer: error: the server needs the serve extra: pip install 'mlx-tracer[serve]' ({e})")
         return 1
     sock = bind(args.host, args.port)  # before the slow load: a busy port fails now
     try:
-        gen = load_generator(args)
-        worker = EngineWorker(gen, model_id(args.model), max_queue=args.max_queue, prefix_cache_bytes=args.prefix_cache_mb << 20)
+        prefix_cache = PrefixCache(args.prefix_cache_mb << 20) if args.prefix_cache_mb else None
+        gen = load_generator(args, prefix_cache=prefix_cache)
+        worker = EngineWorker(gen, model_id(args.model), max_queue=args.max_queue)
         if args.warmup:
             log(f"tracing buckets {list(gen.engine.buckets)} ...")
         worker.start(warmup=gen.engine.buckets if args.warmup else None)

@@ -17,9 +17,12 @@ speculative-sampling rule is one-hot (see :mod:`.speculative`).
 
 from __future__ import annotations
 
+from functools import partial
 from typing import List, Optional, Sequence
 
 import numpy as np
+
+from .options import DEFAULT_BUCKETS, PROMPT_LOOKUP, speculative_kind
 
 
 class PromptLookup:
@@ -71,7 +74,8 @@ class DraftModel:
 
     name = "draft-model"
 
-    def __init__(self, model, vocab_size: int, windows=(8, 32)):
+    def __init__(self, model, vocab_size: int, windows=(8, 32), buckets: Sequence[int] = DEFAULT_BUCKETS):
+        from .prefill import prefill_windows
         from .step import CompiledModel
 
         self.compiled = model if isinstance(model, CompiledModel) else CompiledModel(model)
@@ -81,17 +85,11 @@ class DraftModel:
                 "a draft model must share the target's tokenizer"
             )
         self.windows = tuple(sorted(windows))
+        self.buckets = tuple(buckets)  # the target's: the draft batch takes the target batch's bucket
+        self._cut = partial(prefill_windows, chunks=self.windows)
         self.caches = None
         self.uids: List[int] = []
         self.fed: dict = {}  # uid -> context tokens the draft caches hold
-
-    def _cut(self, n: int) -> List[int]:
-        out = []
-        for c in reversed(self.windows):
-            while n >= c:
-                out.append(c)
-                n -= c
-        return out + ([self.windows[0]] if n else [])
 
     def _follow(self, rows, width: int):
         """Make the draft caches hold the target batch's rows, in its order."""
@@ -125,11 +123,12 @@ class DraftModel:
         import mlx.core as mx
 
         from .prefill import feed
+        from .step import bucket_for
 
         k = max(ks, default=0)
         if k <= 0 or not rows:
             return [[] for _ in rows]
-        width = 1 << (len(rows) - 1).bit_length()
+        width = bucket_for(len(rows), self.buckets)
         self._follow(rows, width)
         feed(self.compiled, self.caches, [r.context[self.fed[r.uid] : -1] for r in rows], self._cut)
         inputs = np.zeros((self.caches[0].width, 1), dtype=np.int32)
@@ -146,26 +145,15 @@ class DraftModel:
         return [drafts[i, : ks[i]].tolist() for i in range(len(rows))]
 
 
-def make_drafter(spec, vocab_size: Optional[int] = None):
-    """A drafter from the user's ``speculative`` option: ``"prompt-lookup"``,
-    an mlx-lm model (a draft model; ``vocab_size`` is the target's), or an
-    object with ``propose(context, k)`` / ``propose_batch(rows, ks)``."""
-    if spec is None or spec is False:
-        return None
-    if isinstance(spec, str):
-        if spec == "prompt-lookup":
-            return PromptLookup()
-        raise ValueError(
-            f"unknown speculative drafter {spec!r}: use 'prompt-lookup' or pass a draft model (an mlx-lm model "
-            "sharing the target's tokenizer)"
-        )
-    if hasattr(spec, "propose") or hasattr(spec, "propose_batch"):
-        return spec
-    if hasattr(spec, "layers") and callable(spec):
-        if vocab_size is None:  # checked again once the target's vocabulary is known
-            return spec
-        return DraftModel(spec, vocab_size)
-    raise TypeError(
-        f"speculative must be 'prompt-lookup', a draft model (mlx-lm model), None or an object with "
-        f"propose(context, k); got {type(spec).__name__}"
-    )
+def make_drafter(spec, vocab_size: Optional[int] = None, buckets: Sequence[int] = DEFAULT_BUCKETS):
+    """A drafter from the user's ``speculative`` option (checked by
+    :func:`~mlx_tracer.runtime.options.speculative_kind`): ``"prompt-lookup"``,
+    an mlx-lm model (a draft model; ``vocab_size`` is the target's, ``buckets``
+    its batch widths), or an object with ``propose(context, k)`` /
+    ``propose_batch(rows, ks)``."""
+    kind = speculative_kind(spec)
+    if kind == PROMPT_LOOKUP:
+        return PromptLookup()
+    if kind == "model" and vocab_size is not None:
+        return DraftModel(spec, vocab_size, buckets=buckets)
+    return spec if kind else None

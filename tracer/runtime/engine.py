@@ -19,6 +19,7 @@ retraces while requests come and go.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Callable, Iterable, List, Optional, Sequence
 
 import mlx.core as mx
@@ -28,15 +29,19 @@ from ..backend import threads
 from ..caches import DEFAULT_CAPACITIES
 from .batch import RunningBatch
 from .drafters import make_drafter
-from .options import check_buckets, check_draft_tokens, check_prefill_chunks
+from .options import (
+    DEFAULT_BUCKETS, DEFAULT_DRAFT_TOKENS, DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNKS, DEFAULT_SPEC_POLICY, EngineOptions,
+    check_buckets, check_engine_options, check_token_ids,
+)
 from .prefill import prefill
-from .requests import EngineStats, Request, TokenEvent
+from .prefix_cache import PrefixCache, PrefixReuse
+from .requests import EngineSnapshot, EngineStats, Request, TokenEvent
 from .sampling import GREEDY, SamplingParams
 from .scheduler import Scheduler
 from .speculator import Speculator
-from .step import DEFAULT_BUCKETS, CompiledModel, bucket_for
+from .step import CompiledModel, bucket_for
 
-DEFAULT_PREFILL_CHUNKS = (8, 32, 128, 256)  # 256: as fast as 512 here, and Ctrl-C lands within ~1.4 s
+RetireHook = Callable[[Request, list, List[int]], None]
 
 
 class Engine:
@@ -68,8 +73,15 @@ class Engine:
             per layer, as ``add(cache=...)`` takes them) and ``tokens`` the ids
             whose keys and values they hold after the ``request.context_len``
             positions of the caches the request started from (0 without
-            ``add(cache=...)``). A prefix cache is built on it.
+            ``add(cache=...)``).
         rng: draws the seeds of unseeded requests (see :class:`Scheduler`).
+        prefix_cache: a :class:`PrefixCache` the engine looks every new
+            prompt up in (``add`` without ``cache=``: a hit continues from its
+            caches) and stores every retiring row in.
+
+    Options are checked by :func:`~mlx_tracer.runtime.options.check_engine_options`
+    (:class:`~mlx_tracer.runtime.options.OptionError` names the bad one);
+    :meth:`from_options` takes options checked already.
     """
 
     def __init__(
@@ -80,23 +92,37 @@ class Engine:
         capacities: Sequence[int] = DEFAULT_CAPACITIES,
         batched_prefill: Optional[bool] = None,
         speculative=None,
-        draft_tokens: int = 4,
-        spec_policy: str = "auto",
-        on_retire: Optional[Callable[[Request, list, List[int]], None]] = None,
+        draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+        spec_policy: str = DEFAULT_SPEC_POLICY,
+        on_retire: Optional[RetireHook] = None,
         rng: Optional[np.random.Generator] = None,
+        prefix_cache: Optional[PrefixCache] = None,
     ):
-        buckets = check_buckets(buckets)  # before the probe forward: bad input fails fast
-        drafter = make_drafter(speculative)
-        k = check_draft_tokens(draft_tokens, check_prefill_chunks(prefill_chunks)) if drafter else 0
+        # checked before the probe forward: bad input fails fast
+        options = check_engine_options(buckets, prefill_chunks, speculative, draft_tokens, spec_policy)
+        self._build(model, options, speculative, capacities, batched_prefill, on_retire, rng, prefix_cache)
+
+    @classmethod
+    def from_options(cls, model, options: EngineOptions, speculative=None, capacities: Sequence[int] = DEFAULT_CAPACITIES,
+                     batched_prefill: Optional[bool] = None, on_retire: Optional[RetireHook] = None,
+                     rng: Optional[np.random.Generator] = None, prefix_cache: Optional[PrefixCache] = None) -> "Engine":
+        """An engine on options checked already (a Generator checks them before its model loads)."""
+        engine = cls.__new__(cls)
+        engine._build(model, options, speculative, capacities, batched_prefill, on_retire, rng, prefix_cache)
+        return engine
+
+    def _build(self, model, options: EngineOptions, speculative, capacities, batched_prefill, on_retire, rng, prefix_cache):
         self.compiled = model if isinstance(model, CompiledModel) else CompiledModel(model, capacities)
-        drafter = make_drafter(speculative, self.compiled.vocab_size)
+        drafter = make_drafter(speculative, self.compiled.vocab_size, options.buckets) if options.draft_tokens else None
         batched = mx.default_device() == mx.gpu if batched_prefill is None else batched_prefill
-        self.scheduler = Scheduler(buckets, prefill_chunks, self.compiled.vocab_size, self.compiled.max_positions, batched,
-                                   self.compiled.context_length, rng=rng, lookahead=k)
-        self.speculator = Speculator(drafter, k, spec_policy) if drafter else None
+        self.scheduler = Scheduler(options.buckets, options.prefill_chunks, self.compiled.vocab_size,
+                                   self.compiled.max_positions, batched, self.compiled.context_length, rng=rng,
+                                   lookahead=options.draft_tokens)
+        self.speculator = Speculator(drafter, options.draft_tokens, options.spec_policy) if drafter else None
         self.on_retire = on_retire
-        self.stats = EngineStats()
-        self.batch = RunningBatch(self.compiled, buckets, self.stats)
+        self.prefixes = PrefixReuse(prefix_cache) if prefix_cache is not None else None
+        self._stats = EngineStats()
+        self.batch = RunningBatch(self.compiled, options.buckets, self._stats)
 
     # ------------------------------------------------------------- requests
     @property
@@ -117,14 +143,32 @@ class Engine:
         return self.compiled.max_positions
 
     @property
+    def max_context(self) -> Optional[int]:
+        """Positions a request can reach (prompt + generation; None: no limit):
+        the model's context length or the largest capacity, the smaller."""
+        limits = [n for n in (self.compiled.context_length, self.max_positions) if n]
+        return min(limits) if limits else None
+
+    @property
     def stats(self) -> EngineStats:
         return self._stats
 
-    @stats.setter
-    def stats(self, value: EngineStats):  # a fresh EngineStats() starts a new measurement
-        self._stats = value
-        if hasattr(self, "batch"):
-            self.batch.stats = value
+    def reset_stats(self) -> EngineStats:
+        """Start a new measurement: fresh counters from now on (returns them)."""
+        self._stats = self.batch.stats = EngineStats()
+        return self._stats
+
+    @property
+    def prefix_cache(self) -> Optional[PrefixCache]:
+        return self.prefixes.cache if self.prefixes is not None else None
+
+    def snapshot(self) -> EngineSnapshot:
+        """A copy of what the engine looks like now (traces, batch, queue, stats, prefix cache)."""
+        return EngineSnapshot(
+            traces=dict(self.compiled.traces), bucket=self.batch.width, live_rows=len(self.batch.rows),
+            queued=len(self.scheduler.queue), stats=replace(self._stats),
+            prefix_cache=self.prefix_cache.snapshot() if self.prefixes is not None else None,
+        )
 
     @property
     def rows(self) -> List[Request]:
@@ -143,7 +187,7 @@ class Engine:
     def add(
         self,
         prompt: Sequence[int],
-        max_tokens: int = 256,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
         sampling: SamplingParams = GREEDY,
         stop_ids: Iterable[int] = (),
         cache: Optional[Sequence] = None,
@@ -153,9 +197,27 @@ class Engine:
         ``cache``: optional serial mlx-lm caches (one per layer, as from
         ``make_prompt_cache`` after a forward) holding context that precedes
         ``prompt``; the request continues from them instead of prefilling it.
+        Without them, an engine with a prefix cache continues from the
+        longest cached prefix of ``prompt`` (see :meth:`cached_tokens`).
         """
-        context = self.compiled.layout.check_serial(cache) if cache else 0
-        return self.scheduler.add(prompt, max_tokens, sampling, stop_ids, cache, context).uid
+        if cache or self.prefixes is None:
+            context = self.compiled.layout.check_serial(cache) if cache else 0
+            return self.scheduler.add(prompt, max_tokens, sampling, stop_ids, cache, context).uid
+        prompt = check_token_ids(prompt, self.vocab_size)  # before the lookup
+        hit = self.prefixes.lookup(prompt)
+        try:
+            req = self.scheduler.enqueue(prompt[hit.tokens:] if hit else prompt, max_tokens, sampling, stop_ids,
+                                         hit.caches if hit else None, self.compiled.layout.check_serial(hit.caches) if hit else 0)
+        except ValueError:  # an OptionError, or caches check_serial refuses
+            if hit is None:
+                raise
+            hit, req = None, self.scheduler.enqueue(prompt, max_tokens, sampling, stop_ids)  # never depend on the cache
+        self.prefixes.started(req.uid, prompt, hit)
+        return req.uid
+
+    def cached_tokens(self, uid: int) -> int:
+        """Prompt tokens of a queued or running request served from the prefix cache."""
+        return self.prefixes.cached(uid) if self.prefixes is not None else 0
 
     def cancel(self, uid: int) -> Request:
         """End a queued or running request: at the next step its row is freed
@@ -175,13 +237,15 @@ class Engine:
         device) is already computing. The pipeline drains before newcomers
         are admitted; rows that finish at step t are filtered out of step t+1.
         """
-        events = self.scheduler.drop_cancelled() + self._retire()
+        events = self._drop_cancelled() + self._retire()
         if self.speculator is not None:
             return events + self._speculative_step()
-        recheck = threads.follows_load() and self.stats.steps % threads.RECHECK_STEPS == threads.RECHECK_STEPS - 1
+        # where the BLAS thread count follows the load, drain every RECHECK_STEPS steps to ask again
+        follows = threads.follows_load()
+        recheck = follows and self.stats.steps % threads.RECHECK_STEPS == threads.RECHECK_STEPS - 1
         if not self.batch.pipeline:
-            if self.stats.steps and self.stats.steps % threads.RECHECK_STEPS == 0:  # (admit() asks too)
-                threads.for_decode()  # drained: a safe point to follow the machine's load
+            if follows and self.stats.steps and self.stats.steps % threads.RECHECK_STEPS == 0:  # (admit() asks too)
+                threads.apply()  # drained: a safe point to change BLAS threads
             self.admit()
             if not self.batch.rows:
                 return events
@@ -224,17 +288,22 @@ class Engine:
         groups = self.scheduler.admission(len(self.batch.rows))
         if not groups:
             return
-        threads.for_prefill()  # nothing is in flight: a safe point to change BLAS threads
-        try:
-            prefilled = [prefill(self.compiled, g, bucket_for(len(g), self.buckets), self.scheduler.prefill_windows, self.stats)
-                         for g in groups]
-            new = [r for g in groups for r in g]  # row order = join order
-            self.batch.join(new, prefilled)
-        finally:
-            threads.for_decode()
+        if threads.follows_load():
+            threads.apply()  # nothing is in flight: a safe point to change BLAS threads
+        prefilled = [prefill(self.compiled, g, bucket_for(len(g), self.buckets), self.scheduler.prefill_windows, self.stats)
+                     for g in groups]
+        new = [r for g in groups for r in g]  # row order = join order
+        self.batch.join(new, prefilled)
         self.scheduler.admitted(new)
         for r in new:
             r.cache = None  # the caller's serial caches were only read; drop our reference
+
+    def _drop_cancelled(self) -> List[TokenEvent]:
+        events = self.scheduler.drop_cancelled()
+        if self.prefixes is not None:
+            for ev in events:
+                self.prefixes.forget(ev.uid)
+        return events
 
     def _retire(self) -> List[TokenEvent]:
         events = [r.cancelled() for r in self.batch.rows if r.cancel_requested and not r.finished]
@@ -242,12 +311,21 @@ class Engine:
         if len(keep) < len(self.batch.rows):
             for i, r in enumerate(self.batch.rows):
                 if r.finished:
-                    self.scheduler.finish(r)
-                    if self.on_retire is not None:
-                        held = int(self.batch.caches[0].rows.offsets[i]) - r.context_len
-                        self.on_retire(r, [c.extract(i) for c in self.batch.caches], r.context[:held])
+                    self._retired(i, r)
             self.batch.keep(keep)
         return events
+
+    def _retired(self, i: int, r: Request):
+        """Row ``i`` (request ``r``) leaves: hand its caches to the hook and the
+        prefix cache (each its own copies: the hook may write them)."""
+        self.scheduler.finish(r)
+        if self.speculator is not None:
+            self.speculator.forget(r.uid)
+        held = int(self.batch.caches[0].rows.offsets[i]) - r.context_len
+        if self.on_retire is not None:
+            self.on_retire(r, [c.extract(i) for c in self.batch.caches], r.context[:held])
+        if self.prefixes is not None:
+            self.prefixes.retired(r.uid, r.context_len, [c.extract(i) for c in self.batch.caches], r.context[:held])
 
     # -------------------------------------------------------------- warmup
     def warmup(self, buckets: Optional[Sequence[int]] = None, prefill: bool = True) -> dict:

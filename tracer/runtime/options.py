@@ -1,37 +1,87 @@
-"""Checks of user options that need no model, so they run before a model loads.
+"""The one owner of options: every default, and every check of engine and request options.
 
-Each returns the normalised value or raises ``ValueError``/``TypeError`` with
-a message that says what is allowed.
+The checks need no model, so they run before a model loads. Each returns the
+normalised value or raises :class:`OptionError` (a ``ValueError``), which
+names the parameter (``.param``), says what is allowed (``.reason``, also its
+message) and, where a client needs one, carries a machine-readable ``.code``.
+A value of the wrong type raises :class:`OptionTypeError`, which is a
+``TypeError`` as well. Callers check each option once, where it enters (the
+Generator, the Engine, the CLI, the server), and hand the checked values on.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
+from dataclasses import dataclass
+from pathlib import Path
 from typing import List, Optional, Sequence, Tuple, Union
 
+DEFAULT_BUCKETS = (1, 2, 4, 8)  # batch widths: one trace each, so a few powers of two
+# Prefill windows: one trace per length. Longer windows gain little per token
+# once a window's GEMMs are large, while an interrupt waits for a whole window.
+DEFAULT_PREFILL_CHUNKS = (8, 32, 128, 256)
+DEFAULT_MAX_TOKENS = 256  # when a request names none (OpenAI's "until the context is full" would reserve huge caches)
+PROMPT_LOOKUP = "prompt-lookup"  # the drafter that needs no second model
+DEFAULT_DRAFT_TOKENS = 4
+SPEC_POLICIES = ("auto", "always")
+DEFAULT_SPEC_POLICY = "auto"
 SEED_LIMIT = 2**63
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+class OptionError(ValueError):
+    """A bad option: ``param`` names it, ``reason`` says what is allowed (the message)."""
+
+    def __init__(self, param: str, reason: str, code: Optional[str] = None):
+        super().__init__(reason)
+        self.param, self.reason, self.code = param, reason, code
+
+
+class OptionTypeError(OptionError, TypeError):
+    """An option of the wrong type (catchable as ``TypeError`` too)."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Checked engine options (see :func:`check_engine_options`)."""
+
+    buckets: Tuple[int, ...] = DEFAULT_BUCKETS
+    prefill_chunks: Tuple[int, ...] = DEFAULT_PREFILL_CHUNKS
+    draft_tokens: int = 0  # drafts per row and verify step; 0: not speculative
+    spec_policy: str = DEFAULT_SPEC_POLICY
+
+
+@dataclass(frozen=True)
+class GeneratorOptions:
+    """Checked Generator options (see :func:`check_generator_options`)."""
+
+    engine: EngineOptions
+    chat: Optional[bool] = None
+    system: Optional[str] = None
 
 
 def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+# ------------------------------------------------------------ engine options
 def check_widths(values, name: str, minimum: int = 1) -> Tuple[int, ...]:
     """Positive integers, deduplicated and sorted (bucket widths, chunk lengths)."""
     if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, set, frozenset)):
-        raise TypeError(f"{name} must be a sequence of integers, e.g. (1, 2, 4, 8); got {values!r}")
+        raise OptionTypeError(name, f"{name} must be a sequence of integers, e.g. (1, 2, 4, 8); got {values!r}")
     out = set()
     for v in values:
         if not _is_int(v) or v < minimum:
-            raise ValueError(f"{name} must be integers >= {minimum}, got {v!r} in {tuple(values)!r}")
+            raise OptionError(name, f"{name} must be integers >= {minimum}, got {v!r} in {tuple(values)!r}")
         out.add(int(v))
     if not out:
-        raise ValueError(f"{name} must name at least one width, e.g. (1, 2, 4, 8)")
+        raise OptionError(name, f"{name} must name at least one width, e.g. (1, 2, 4, 8)")
     return tuple(sorted(out))
 
 
-def check_buckets(buckets) -> Tuple[int, ...]:
-    return check_widths(buckets, "buckets")
+def check_buckets(buckets, name: str = "buckets") -> Tuple[int, ...]:
+    return check_widths(buckets, name)
 
 
 def check_prefill_chunks(chunks) -> Tuple[int, ...]:
@@ -39,29 +89,105 @@ def check_prefill_chunks(chunks) -> Tuple[int, ...]:
     return check_widths(chunks, "prefill_chunks", minimum=2)
 
 
-def check_max_tokens(max_tokens) -> int:
+def check_draft_tokens(k, prefill_chunks: Tuple[int, ...]) -> int:
+    """Drafts per row and verify step: 1 .. (largest prefill window - 1)."""
+    if not _is_int(k):
+        raise OptionTypeError("draft_tokens", f"draft_tokens must be a positive integer, got {k!r}")
+    if not 1 <= k < max(prefill_chunks):
+        raise OptionError("draft_tokens",
+                          f"draft_tokens must be in [1, {max(prefill_chunks) - 1}] (a verify window of k + 1 tokens is no "
+                          f"longer than the largest prefill window {max(prefill_chunks)}), got {k}")
+    return int(k)
+
+
+def check_spec_policy(policy) -> str:
+    if policy not in SPEC_POLICIES:
+        raise OptionError("spec_policy", f"spec_policy must be one of {SPEC_POLICIES}, got {policy!r}")
+    return policy
+
+
+def is_draft_path(speculative) -> bool:
+    """Whether ``speculative`` names a draft model's file or folder (the Generator loads it)."""
+    return isinstance(speculative, Path) or isinstance(speculative, str) and speculative != PROMPT_LOOKUP
+
+
+def speculative_kind(spec, paths: bool = False) -> Optional[str]:
+    """What the ``speculative`` option names: None (off), ``"prompt-lookup"``,
+    ``"path"`` (a draft model to load; only where ``paths``), ``"model"`` (an
+    mlx-lm draft model) or ``"drafter"`` (an object with ``propose``)."""
+    if spec is None or spec is False:
+        return None
+    if paths and is_draft_path(spec):
+        if not Path(spec).expanduser().exists():
+            raise OptionError("speculative",
+                              f"speculative={str(spec)!r}: give 'prompt-lookup' or the path of a draft model (a .gguf file "
+                              "or an mlx-lm model folder sharing the target's tokenizer); that path does not exist")
+        return "path"
+    if isinstance(spec, str):
+        if spec == PROMPT_LOOKUP:
+            return spec
+        raise OptionError("speculative", f"unknown speculative drafter {spec!r}: use 'prompt-lookup' or pass a draft "
+                                         "model (an mlx-lm model sharing the target's tokenizer)")
+    if hasattr(spec, "propose") or hasattr(spec, "propose_batch"):
+        return "drafter"
+    if hasattr(spec, "layers") and callable(spec):
+        return "model"
+    raise OptionTypeError("speculative", f"speculative must be 'prompt-lookup', a draft model (mlx-lm model), None or an "
+                                         f"object with propose(context, k); got {type(spec).__name__}")
+
+
+def check_engine_options(buckets=DEFAULT_BUCKETS, prefill_chunks=DEFAULT_PREFILL_CHUNKS, speculative=None,
+                         draft_tokens=DEFAULT_DRAFT_TOKENS, spec_policy=DEFAULT_SPEC_POLICY,
+                         paths: bool = False) -> EngineOptions:
+    """Every engine option at once (``paths``: ``speculative`` may be a draft model's path)."""
+    buckets = check_buckets(buckets)
+    spec_policy = check_spec_policy(spec_policy)
+    chunks = check_prefill_chunks(prefill_chunks)
+    k = check_draft_tokens(draft_tokens, chunks) if speculative_kind(speculative, paths) else 0
+    return EngineOptions(buckets, chunks, k, spec_policy)
+
+
+def check_generator_options(buckets=DEFAULT_BUCKETS, prefill_chunks=DEFAULT_PREFILL_CHUNKS, chat=None, system=None,
+                            speculative=None, draft_tokens=DEFAULT_DRAFT_TOKENS,
+                            spec_policy=DEFAULT_SPEC_POLICY) -> GeneratorOptions:
+    """A Generator's options, without a model (``speculative`` may be a draft model's path)."""
+    engine = check_engine_options(buckets, prefill_chunks, speculative, draft_tokens, spec_policy, paths=True)
+    if chat is not None and not isinstance(chat, bool):
+        raise OptionTypeError("chat", f"chat must be True, False or None, got {chat!r}")
+    return GeneratorOptions(engine, chat, check_system(system))
+
+
+# ----------------------------------------------------------- request options
+def check_system(system) -> Optional[str]:
+    if system is not None and not isinstance(system, str):
+        raise OptionTypeError("system", f"system must be a string, got {type(system).__name__}")
+    return system
+
+
+def check_max_tokens(max_tokens, name: str = "max_tokens") -> int:
+    """``name``: what the caller calls it (the server's ``max_completion_tokens``)."""
     if not _is_int(max_tokens):
-        raise TypeError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        raise OptionTypeError(name, f"{name} must be a positive integer, got {max_tokens!r}")
     if max_tokens <= 0:
-        raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
+        raise OptionError(name, f"{name} must be > 0, got {max_tokens}")
     return int(max_tokens)
 
 
 def check_token_ids(tokens, vocab_size: Optional[int] = None, what: str = "prompt") -> List[int]:
     """A non-empty list of integer token ids (within the vocabulary when known)."""
     if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence) and not hasattr(tokens, "tolist"):
-        raise TypeError(f"{what} must be a string or a sequence of integer token ids, got {type(tokens).__name__}")
+        raise OptionTypeError(what, f"{what} must be a string or a sequence of integer token ids, got {type(tokens).__name__}")
     tokens = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
     bad = [t for t in tokens if not _is_int(t)]
     if bad:
-        raise TypeError(f"{what} token ids must be integers, got {bad[:3]!r}")
+        raise OptionTypeError(what, f"{what} token ids must be integers, got {bad[:3]!r}")
     if not tokens:
-        raise ValueError(f"empty {what}: give at least one token")
+        raise OptionError(what, f"empty {what}: give at least one token")
     tokens = [int(t) for t in tokens]
     if vocab_size is not None:
         out = [t for t in tokens if not 0 <= t < vocab_size]
         if out:
-            raise ValueError(f"token ids {out[:5]} are outside the vocabulary [0, {vocab_size})")
+            raise OptionError(what, f"token ids {out[:5]} are outside the vocabulary [0, {vocab_size})")
     return tokens
 
 
@@ -72,11 +198,11 @@ def check_stop_strings(stop: Union[None, str, Sequence[str]]) -> List[str]:
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, (Sequence, set, frozenset)):
-        raise TypeError(f"stop must be a string or a list of strings, got {type(stop).__name__}")
+        raise OptionTypeError("stop", f"stop must be a string or a list of strings, got {type(stop).__name__}")
     stop = list(stop)
     bad = [s for s in stop if not isinstance(s, str)]
     if bad:
-        raise TypeError(f"stop must be a string or a list of strings, got {bad[0]!r}")
+        raise OptionTypeError("stop", f"stop must be a string or a list of strings, got {bad[0]!r}")
     return [s for s in stop if s]
 
 
@@ -84,19 +210,47 @@ def check_seed(seed) -> Optional[int]:
     if seed is None:
         return None
     if not _is_int(seed):
-        raise TypeError(f"seed must be an integer in [0, 2**63) or None, got {seed!r}")
+        raise OptionTypeError("seed", f"seed must be an integer in [0, 2**63) or None, got {seed!r}")
     if not 0 <= seed < SEED_LIMIT:
-        raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+        raise OptionError("seed", f"seed must be in [0, 2**63), got {seed}")
     return int(seed)
 
 
-def check_draft_tokens(k, prefill_chunks: Tuple[int, ...]) -> int:
-    """Drafts per row and verify step: 1 .. (largest prefill window - 1)."""
-    if not _is_int(k):
-        raise TypeError(f"draft_tokens must be a positive integer, got {k!r}")
-    if not 1 <= k < max(prefill_chunks):
-        raise ValueError(
-            f"draft_tokens must be in [1, {max(prefill_chunks) - 1}] (a verify window of k + 1 tokens is no longer "
-            f"than the largest prefill window {max(prefill_chunks)}), got {k}"
-        )
-    return int(k)
+def check_sampling(temperature, top_p, min_p, top_k, seed) -> None:
+    """A sampler's settings (:class:`~mlx_tracer.runtime.sampling.SamplingParams` checks itself with this)."""
+    for name, v in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p)):
+        if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v):
+            raise OptionError(name, f"{name} must be a finite number, got {v!r}")
+    if not _is_int(top_k):
+        raise OptionTypeError("top_k", f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    if temperature < 0:
+        raise OptionError("temperature", f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise OptionError("top_p", f"top_p must be in (0, 1], got {top_p}")
+    if not 0 <= min_p < 1:
+        raise OptionError("min_p", f"min_p must be in [0, 1), got {min_p}")
+    if top_k < 0:
+        raise OptionError("top_k", f"top_k must be >= 0 (0 = off), got {top_k}")
+    check_seed(seed)
+
+
+def check_context_length(prompt_tokens: Optional[int], max_tokens: int, limit: Optional[int], context: int = 0,
+                         param: str = "prompt", max_param: str = "max_tokens", limit_name: str = "context length"):
+    """Whether ``context`` cached positions + a prompt of ``prompt_tokens`` +
+    ``max_tokens`` fit the model's ``limit`` of positions (None: no limit).
+    ``prompt_tokens=None`` (not tokenized yet): whether ``max_tokens`` leaves
+    room for any prompt. ``param``/``max_param``: what the caller calls the
+    prompt and the budget; ``limit_name``: what the limit is."""
+    if limit is None:
+        return
+    if prompt_tokens is None:
+        if max_tokens >= limit:
+            raise OptionError(max_param, f"{max_param} {max_tokens} leaves no room for a prompt: the model holds {limit} "
+                                         "positions (prompt + completion)", CONTEXT_LENGTH_EXCEEDED)
+        return
+    if context + prompt_tokens + max_tokens > limit:
+        room = limit - context - prompt_tokens
+        raise OptionError(param, f"prompt of {prompt_tokens} tokens + {max_param} {max_tokens} exceed the model's "
+                                 f"{limit_name} {limit}: "
+                                 + (f"lower {max_param} to at most {room}" if room > 0 else "shorten the prompt"),
+                          CONTEXT_LENGTH_EXCEEDED)

@@ -19,6 +19,19 @@ from .requests import EngineStats, Request
 from .step import CompiledModel
 
 
+def prefill_windows(n: int, chunks: Sequence[int]) -> List[int]:
+    """Window lengths covering ``n`` tokens: greedy largest of ``chunks``
+    (sorted), a short tail padded to the smallest."""
+    out = []
+    for c in reversed(chunks):
+        while n >= c:
+            out.append(c)
+            n -= c
+    if n:
+        out.append(chunks[0])
+    return out
+
+
 def prefill(compiled: CompiledModel, reqs: Sequence[Request], width: int,
             windows: Callable[[int], List[int]], stats: EngineStats) -> List[StaticKVCache]:
     """Caches (bucket ``width``) of ``reqs`` holding all but their last prompt

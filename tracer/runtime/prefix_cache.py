@@ -3,11 +3,12 @@ requests that start with the same tokens.
 
 Requests often share a prefix with an earlier one: the same system prompt, or
 a multi-turn chat that sends its whole history again each turn. The engine
-hands every row that leaves the batch to ``Engine(on_retire=...)`` as owned
-serial mlx-lm caches plus the token ids whose keys and values they hold;
-:meth:`PrefixCache.store` keeps them. :meth:`PrefixCache.lookup` finds the
-entry sharing the longest prefix with a new prompt and returns *copies* of its
-caches trimmed to that prefix, for ``Engine.add(prompt[n:], cache=...)``.
+given one (``Engine(prefix_cache=...)``) looks each new prompt up when it is
+added (:class:`PrefixReuse`) and stores every row that leaves the batch.
+:meth:`PrefixCache.store` keeps a row's owned serial mlx-lm caches with the
+token ids whose keys and values they hold; :meth:`PrefixCache.lookup` finds
+the entry sharing the longest prefix with a new prompt and returns *copies* of
+its caches trimmed to that prefix, which the request continues from.
 
 Invariants:
   - an entry's arrays are never written: a lookup returns new cache objects
@@ -24,7 +25,7 @@ A cache that cannot be trimmed (an mlx-lm ring that has wrapped) serves only
 prompts that extend its whole token sequence.
 
 Lookup compares the prompt with every entry (vectorised): the byte bound keeps
-the entries few (tens to hundreds), so a scan costs microseconds and needs no
+the entries few (tens to hundreds), so a scan is cheap next to one prefill window and needs no
 index to keep consistent.
 """
 
@@ -32,8 +33,8 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from dataclasses import dataclass, replace
+from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -65,6 +66,16 @@ class PrefixCacheStats:
     hit_tokens: int = 0  # prompt tokens served from the cache (not prefilled)
     stored: int = 0
     evictions: int = 0
+
+
+@dataclass(frozen=True)
+class PrefixCacheSnapshot:
+    """A prefix cache's counters and size at one moment (for metrics)."""
+
+    stats: PrefixCacheStats  # a copy
+    entries: int
+    nbytes: int
+    max_bytes: int
 
 
 class PrefixCache:
@@ -140,12 +151,51 @@ class PrefixCache:
             self.stats.evictions += 1
         return True
 
+    def snapshot(self) -> PrefixCacheSnapshot:
+        return PrefixCacheSnapshot(replace(self.stats), len(self.entries), self.nbytes, self.max_bytes)
+
     def clear(self):
         self.entries.clear()
         self.nbytes = 0
 
     def _drop(self, key: int):
         self.nbytes -= self.entries.pop(key).nbytes
+
+
+class PrefixReuse:
+    """A prefix cache serving one engine's requests: looked up when a request
+    is added, fed by its row when it retires. It remembers, per request, the
+    ids of the prefix its starting caches held, since the engine sees only
+    the rest of the prompt.
+    """
+
+    def __init__(self, cache: PrefixCache):
+        self.cache = cache
+        self.prefixes: Dict[int, List[int]] = {}  # uid -> ids its starting caches held, until it finishes
+
+    def lookup(self, prompt: List[int]) -> Optional[PrefixHit]:
+        return self.cache.lookup(prompt)
+
+    def started(self, uid: int, prompt: List[int], hit: Optional[PrefixHit]):
+        if hit is not None:
+            self.prefixes[uid] = prompt[: hit.tokens]
+
+    def cached(self, uid: int) -> int:
+        """Prompt tokens of request ``uid`` served from the cache (0 without a hit)."""
+        return len(self.prefixes.get(uid, ()))
+
+    def retired(self, uid: int, context_len: int, caches: list, tokens: Sequence[int]):
+        """Keep a leaving row's caches: they hold ``tokens`` after the
+        ``context_len`` positions of the prefix the row started from."""
+        prefix = self.prefixes.pop(uid, [])
+        held = max((int(c.offset) for c in caches), default=0)
+        ids = prefix[:context_len] + list(tokens)
+        if held and len(ids) == held:
+            self.cache.store(ids, caches)
+
+    def forget(self, uid: int):
+        """A request that finished without a row (cancelled while queued)."""
+        self.prefixes.pop(uid, None)
 
 
 def _shared(a: np.ndarray, b: np.ndarray) -> int:

@@ -1,9 +1,9 @@
-"""The typed state the runtime's parts share: requests, token events, stats."""
+"""The typed state the runtime's parts share: requests, token events, stats, snapshots."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -28,8 +28,6 @@ class Request:
     logprobs: List[float] = field(default_factory=list)
     finish_reason: Optional[str] = None  # one of FINISH_REASONS once finished
     cancel_requested: bool = False  # set by cancel(); applied at the next step
-    draft_len: int = 0  # speculative: drafts to ask for next (adapted to acceptance)
-    accept_rate: float = 0.5  # speculative: recent share of drafts accepted
 
     @property
     def context(self) -> List[int]:
@@ -109,3 +107,28 @@ class EngineStats:
     @property
     def host_ms_per_step(self) -> float:
         return 1e3 * self.host_s / self.steps if self.steps else 0.0
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """What an engine looks like between steps (:meth:`Engine.snapshot`): all
+    that the server, the CLI and the benchmark read, copied."""
+
+    traces: Dict[object, int]  # trace key -> traces made (the key has .kind and .width)
+    bucket: int  # width of the running batch (0: no row)
+    live_rows: int  # requests decoding now
+    queued: int  # requests waiting for a row
+    stats: EngineStats  # a copy
+    prefix_cache: Optional[object] = None  # a PrefixCacheSnapshot, when the engine has a prefix cache
+
+    @property
+    def traces_made(self) -> int:
+        return sum(self.traces.values())
+
+    def traces_by_kind(self) -> Dict[str, Tuple[int, int]]:
+        """kind -> (trace keys, traces made)."""
+        out: Dict[str, Tuple[int, int]] = {}
+        for key, n in self.traces.items():
+            keys, made = out.get(key.kind, (0, 0))
+            out[key.kind] = (keys + 1, made + n)
+        return out

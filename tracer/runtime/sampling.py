@@ -11,15 +11,13 @@ the batch with. Temperature 0 is greedy (argmax).
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
-from .options import check_seed
+from .options import check_sampling
 
 
 @dataclass(frozen=True)
@@ -34,21 +32,7 @@ class SamplingParams:
     seed: Optional[int] = None
 
     def __post_init__(self):
-        for name in ("temperature", "top_p", "min_p"):
-            v = getattr(self, name)
-            if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v):
-                raise ValueError(f"{name} must be a finite number, got {v!r}")
-        if not isinstance(self.top_k, numbers.Integral) or isinstance(self.top_k, bool):
-            raise TypeError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p < 1:
-            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        check_seed(self.seed)
+        check_sampling(self.temperature, self.top_p, self.min_p, self.top_k, self.seed)
 
     @property
     def greedy(self) -> bool:

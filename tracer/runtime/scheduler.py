@@ -15,7 +15,11 @@ from typing import Deque, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 
-from .options import check_buckets, check_max_tokens, check_prefill_chunks, check_token_ids
+from .options import (
+    CONTEXT_LENGTH_EXCEEDED, DEFAULT_MAX_TOKENS, OptionError, OptionTypeError, check_context_length, check_max_tokens,
+    check_token_ids,
+)
+from .prefill import prefill_windows
 from .requests import Request, TokenEvent
 from .sampling import GREEDY, SamplingParams, initial_key
 
@@ -24,8 +28,9 @@ class Scheduler:
     """Queue, admission, prefill windows and cancellation of one engine.
 
     Args:
-        buckets: batch-width buckets (validated: positive, deduplicated, sorted).
-        prefill_chunks: static prefill window lengths (>= 2).
+        buckets: batch-width buckets, checked (positive, deduplicated, sorted:
+            :func:`~mlx_tracer.runtime.options.check_engine_options`).
+        prefill_chunks: static prefill window lengths, checked (>= 2, sorted).
         vocab_size: token ids must lie in ``[0, vocab_size)``.
         max_positions: positions a row can hold (None: unbounded).
         context_length: the model's own context length (None: not stated).
@@ -39,8 +44,8 @@ class Scheduler:
     def __init__(self, buckets: Sequence[int], prefill_chunks: Sequence[int], vocab_size: int,
                  max_positions: Optional[int], batched_prefill: bool, context_length: Optional[int] = None,
                  rng: Optional[np.random.Generator] = None, lookahead: int = 0):
-        self.buckets = check_buckets(buckets)
-        self.prefill_chunks = check_prefill_chunks(prefill_chunks)
+        self.buckets = tuple(buckets)
+        self.prefill_chunks = tuple(prefill_chunks)
         self.vocab_size = vocab_size
         self.max_positions = max_positions
         self.context_length = context_length
@@ -52,29 +57,28 @@ class Scheduler:
         self._uids = itertools.count()
 
     # ------------------------------------------------------------- requests
-    def add(self, prompt: Sequence[int], max_tokens: int = 256, sampling: SamplingParams = GREEDY,
+    def add(self, prompt: Sequence[int], max_tokens: int = DEFAULT_MAX_TOKENS, sampling: SamplingParams = GREEDY,
             stop_ids: Iterable[int] = (), cache: Optional[Sequence] = None, context: int = 0) -> Request:
         """Validate and queue a request; ``context``: positions its starting
         caches already hold. Nothing changes when validation fails."""
-        prompt = check_token_ids(prompt, self.vocab_size)
+        return self.enqueue(check_token_ids(prompt, self.vocab_size), max_tokens, sampling, stop_ids, cache, context)
+
+    def enqueue(self, prompt: List[int], max_tokens: int, sampling: SamplingParams, stop_ids: Iterable[int],
+                cache: Optional[Sequence] = None, context: int = 0) -> Request:
+        """:meth:`add` for a prompt already checked (:func:`check_token_ids`)."""
         max_tokens = check_max_tokens(max_tokens)
         if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+            raise OptionTypeError("sampling", f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         stop_ids = frozenset(check_token_ids(list(stop_ids), what="stop_ids")) if stop_ids else frozenset()
-        if self.context_length is not None and context + len(prompt) + max_tokens > self.context_length:
-            room = self.context_length - context - len(prompt)
-            raise ValueError(
-                f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} exceed the model's context length "
-                f"{self.context_length}: " + (f"lower max_tokens to at most {room}" if room > 0 else "shorten the prompt")
-            )
+        check_context_length(len(prompt), max_tokens, self.context_length, context)
         if self.max_positions is not None:
             # + 1: the pipelined loop may compute one step past the last token
             need = context + self.padded_prefill(len(prompt) - 1) + 1 + max_tokens + 1 + self.lookahead
             if need > self.max_positions:
-                raise ValueError(
-                    f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} exceed the largest capacity bucket "
-                    f"{self.max_positions}: shorten the prompt, lower max_tokens or pass larger capacities"
-                )
+                raise OptionError(
+                    "prompt", f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} exceed the largest capacity "
+                              f"bucket {self.max_positions}: shorten the prompt, lower max_tokens or pass larger capacities",
+                    CONTEXT_LENGTH_EXCEEDED)
         req = Request(next(self._uids), prompt, max_tokens, sampling, stop_ids, initial_key(sampling.seed, self.rng),
                       list(cache) if cache else None)
         req.context_len = context
@@ -129,14 +133,7 @@ class Scheduler:
     def prefill_windows(self, n: int) -> List[int]:
         """Window lengths covering ``n`` prompt tokens: greedy largest chunks,
         a short tail padded to the smallest chunk."""
-        out = []
-        for c in reversed(self.prefill_chunks):
-            while n >= c:
-                out.append(c)
-                n -= c
-        if n:
-            out.append(self.prefill_chunks[0])
-        return out
+        return prefill_windows(n, self.prefill_chunks)
 
     def padded_prefill(self, n: int) -> int:
         return sum(self.prefill_windows(n))

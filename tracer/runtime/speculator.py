@@ -19,13 +19,23 @@ the window is always ``k + 1`` long and short drafts are padded.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
+from .options import SPEC_POLICIES
 from .requests import Request
 
 PRIOR = 0.5  # per-draft acceptance assumed for a new row
 GUESSED_VERIFY_COST = 1.5  # verify step time / decode step time before it is measured
 RECOVERY = 0.05  # share of the way back to PRIOR per plain step
+
+
+@dataclass
+class DraftState:
+    """One row's drafting state, adapted to its acceptance."""
+
+    draft_len: int  # drafts to ask for next
+    accept_rate: float = PRIOR  # recent share of drafts accepted
 
 
 class Speculator:
@@ -39,21 +49,28 @@ class Speculator:
             ``"always"`` (whenever some row has a draft: to measure or test).
     """
 
-    POLICIES = ("auto", "always")
+    POLICIES = SPEC_POLICIES
 
     def __init__(self, drafter, k: int, policy: str = "auto"):
-        if policy not in self.POLICIES:
-            raise ValueError(f"speculative policy must be one of {self.POLICIES}, got {policy!r}")
-        self.drafter, self.k, self.policy = drafter, k, policy
+        self.drafter, self.k, self.policy = drafter, k, policy  # checked by options.check_engine_options
         self.step_s: Dict[tuple, float] = {}  # (kind, width) -> smoothed seconds per step
+        self.rows: Dict[int, DraftState] = {}  # request uid -> its state, while it runs
+
+    def row(self, uid: int) -> DraftState:
+        """The drafting state of request ``uid`` (a new row starts at ``k`` drafts and the prior)."""
+        state = self.rows.get(uid)
+        if state is None:
+            state = self.rows[uid] = DraftState(self.k)
+        return state
+
+    def forget(self, uid: int):
+        """A row that left the batch."""
+        self.rows.pop(uid, None)
 
     def drafts(self, rows: Sequence[Request], width: int) -> Optional[List[List[int]]]:
         """Each row's drafts for the next verify step, or None for a plain step."""
-        ks = []
-        for r in rows:
-            if r.draft_len == 0:
-                r.draft_len, r.accept_rate = self.k, PRIOR
-            ks.append(max(0, min(r.draft_len, self.k, r.budget - 1)))  # the budget's last token needs no draft
+        # the budget's last token needs no draft
+        ks = [max(0, min(self.row(r.uid).draft_len, self.k, r.budget - 1)) for r in rows]
         if not any(ks) or not self._worth_trying(rows, ks, width):
             return None
         if hasattr(self.drafter, "propose_batch"):
@@ -67,7 +84,7 @@ class Speculator:
     def _worth_trying(self, rows, ns, width) -> bool:
         if self.policy == "always":
             return True
-        expected = sum(1 + r.accept_rate * n for r, n in zip(rows, ns))
+        expected = sum(1 + self.row(r.uid).accept_rate * n for r, n in zip(rows, ns))
         decode = self.step_s.get(("decode", width))
         verify = self.step_s.get(("verify", width))
         if decode is None:  # measure a plain step first
@@ -82,15 +99,17 @@ class Speculator:
 
     def plain_step(self, rows: Sequence[Request]):
         for r in rows:
-            if r.draft_len:
-                r.accept_rate += RECOVERY * (PRIOR - r.accept_rate)
+            state = self.rows.get(r.uid)
+            if state is not None:
+                state.accept_rate += RECOVERY * (PRIOR - state.accept_rate)
 
     def update(self, row: Request, drafted: int, accepted: int):
         """Adapt a row's draft length and acceptance to one verify step."""
         if drafted == 0:
             return
-        row.accept_rate = 0.7 * row.accept_rate + 0.3 * (accepted / drafted)
+        state = self.row(row.uid)
+        state.accept_rate = 0.7 * state.accept_rate + 0.3 * (accepted / drafted)
         if accepted == drafted:
-            row.draft_len = min(self.k, row.draft_len + 1)
+            state.draft_len = min(self.k, state.draft_len + 1)
         elif accepted < drafted // 2:
-            row.draft_len = max(1, row.draft_len - 1)
+            state.draft_len = max(1, state.draft_len - 1)

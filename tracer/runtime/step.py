@@ -45,10 +45,9 @@ from ..adapters.traced import FamilyMasks
 from ..caches import DEFAULT_CAPACITIES
 from ..caches.batch import StaticKVCache
 from ..caches.masks import MaskGeometry
+from .options import DEFAULT_BUCKETS  # noqa: F401  (re-exported: the step module named it first)
 from .sampling import sample
 from .speculative import accept
-
-DEFAULT_BUCKETS = (1, 2, 4, 8)
 
 
 @dataclass(frozen=True)

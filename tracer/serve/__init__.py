@@ -7,9 +7,11 @@ One engine thread owns the model and every MLX call
 engine thread and streams each request's events back from its own queue.
 
     from mlx_tracer import Generator
+    from mlx_tracer.runtime.prefix_cache import PrefixCache
     from mlx_tracer.serve import BackgroundServer, EngineWorker, create_app
 
-    worker = EngineWorker(Generator.load(), "SmolLM2-135M-Instruct", prefix_cache_bytes=256 << 20).start()
+    gen = Generator.load(prefix_cache=PrefixCache(256 << 20))  # the engine looks prompts up and stores rows
+    worker = EngineWorker(gen, "SmolLM2-135M-Instruct").start()
     with BackgroundServer(create_app(worker)) as server:
         ...  # an OpenAI client with base_url=server.url + "/v1"
     worker.stop()

@@ -25,7 +25,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from .errors import APIError, bad_request, timed_out
+from ..runtime.options import OptionError, check_context_length
+from .errors import APIError, invalid_option, timed_out
 from .jobs import Admitted, Delta, Finished, Job, Rejected
 from .protocol import GenerationSpec, parse_chat, parse_completion, parse_json_error
 from .responses import DONE, ResponseWriter, Usage, sse
@@ -134,11 +135,10 @@ def create_app(worker: EngineWorker, timeout: Optional[float] = 600.0) -> Starle
         return await generate(request, parse_completion(await _json(request), worker.model_id), received)
 
     async def generate(request: Request, spec: GenerationSpec, received: float):
-        limit = worker.context_limit
-        if limit is not None and spec.max_tokens >= limit:
-            name = spec.max_tokens_param
-            raise bad_request(f"{name} {spec.max_tokens} leaves no room for a prompt: the model holds {limit} positions "
-                              "(prompt + completion)", name, "context_length_exceeded")
+        try:  # before tokenizing: a budget that leaves no room for any prompt
+            check_context_length(None, spec.max_tokens, worker.context_limit, max_param=spec.max_tokens_param)
+        except OptionError as e:
+            raise invalid_option(e) from None
         job = worker.submit(spec, asyncio.get_running_loop(), received)
         deadline = None if timeout is None else received + timeout
         session = Session(worker, job, ClientWatch(request), deadline, timeout)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..runtime.options import OptionError
+
 
 @dataclass
 class APIError(Exception):
@@ -28,6 +30,12 @@ class APIError(Exception):
 
 def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
     return APIError(400, message, "invalid_request_error", param, code)
+
+
+def invalid_option(e: OptionError, param: Optional[str] = None) -> APIError:
+    """A 400 for an option the runtime's checks refused: their message as it is,
+    the parameter they name (or ``param``, the client's name for it) and their code."""
+    return APIError(400, str(e), "invalid_request_error", param or e.param, e.code)
 
 
 def unsupported(param: str, message: str) -> APIError:

@@ -152,14 +152,13 @@ def chat(args) -> int:
 
 def engine(args) -> int:
     from ..generator import Generator
-    from ..runtime.requests import EngineStats
 
     gen = Generator.load(args.model, progress=False, weights=args.weights, buckets=(1, 2, 4, 8, 16) if args.rows > 8 else (1, 2, 4, 8))
     gen.warmup(buckets=gen.engine.buckets[:1], prefill=True)
     gen.warmup(prefill=False)
     for i in range(args.rows):
         gen.submit(QUESTIONS[i % len(QUESTIONS)], max_tokens=args.max_tokens, stop_tokens=[], system="")
-    gen.engine.stats = EngineStats()  # measure this batch only
+    gen.engine.reset_stats()  # measure this batch only
     t0 = time.perf_counter()
     list(gen.events())
     wall = time.perf_counter() - t0

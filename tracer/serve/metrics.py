@@ -1,7 +1,7 @@
 """Server metrics in Prometheus' text exposition format (version 0.0.4).
 
 Two writers, one lock: the HTTP front end counts answered requests by path
-and status; the engine thread publishes an :class:`EngineSnapshot` after
+and status; the engine thread publishes an :class:`ServerSnapshot` after
 every step (it owns the engine, so nothing else reads the engine's own
 objects) and observes time to first token. ``GET /metrics`` renders both.
 """
@@ -34,7 +34,7 @@ class Histogram:
 
 
 @dataclass
-class EngineSnapshot:
+class ServerSnapshot:
     """What the engine thread publishes after each step."""
 
     queue_depth: int = 0  # accepted requests not yet in a row
@@ -65,7 +65,7 @@ class ServerMetrics:
         self.http: Counter = Counter()  # (path, status code) -> responses
         self.finished: Counter = Counter()  # finish reason -> requests
         self.ttft = Histogram(TTFT_BUCKETS)
-        self.engine = EngineSnapshot()
+        self.engine = ServerSnapshot()
 
     def count_response(self, path: str, status: int):
         with self.lock:
@@ -79,7 +79,7 @@ class ServerMetrics:
         with self.lock:
             self.ttft.observe(seconds)
 
-    def publish(self, snapshot: EngineSnapshot):
+    def publish(self, snapshot: ServerSnapshot):
         with self.lock:
             self.engine = snapshot
 

@@ -16,11 +16,10 @@ import numbers
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
-from ..runtime.options import check_max_tokens, check_stop_strings
+from ..runtime.options import DEFAULT_MAX_TOKENS, OptionError, check_max_tokens, check_stop_strings
 from ..runtime.sampling import SamplingParams
-from .errors import APIError, bad_request, model_not_found, unsupported
+from .errors import APIError, bad_request, invalid_option, model_not_found, unsupported
 
-DEFAULT_MAX_TOKENS = 256  # when a request names none (OpenAI's "until the context is full" would reserve huge caches)
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 
 Messages = List[dict]  # [{"role": "system" | "user" | "assistant", "content": str}]
@@ -105,23 +104,15 @@ def _spec(endpoint, body, served, prompt, limit, logprobs, limit_name) -> Genera
     _refuse_sampling_extras(body)
     if _int(body, "n", 1) != 1:
         raise unsupported("n", "n > 1 is not supported: send one request per completion")
-    max_tokens = DEFAULT_MAX_TOKENS if limit is None else limit
-    try:
-        check_max_tokens(max_tokens)
-    except (TypeError, ValueError) as e:
-        raise bad_request(str(e).replace("max_tokens", limit_name), limit_name) from None
-    try:
+    try:  # the runtime's own checks, under the names this request gave
+        max_tokens = check_max_tokens(DEFAULT_MAX_TOKENS if limit is None else limit, limit_name)
         sampling = SamplingParams(
             temperature=_number(body, "temperature", DEFAULT_TEMPERATURE), top_p=_number(body, "top_p", 1.0),
             min_p=_number(body, "min_p", 0.0), top_k=_int(body, "top_k", 0), seed=_int(body, "seed", None),
         )
-    except (TypeError, ValueError) as e:
-        raise bad_request(str(e), str(e).split()[0]) from None
-    stop = body.get("stop")
-    try:
-        stop = check_stop_strings(stop)
-    except TypeError as e:
-        raise bad_request(str(e), "stop") from None
+        stop = check_stop_strings(body.get("stop"))
+    except OptionError as e:
+        raise invalid_option(e) from None
     stream = bool(_get(body, "stream", bool) or False)
     options = _get(body, "stream_options", dict)
     if options is not None and not stream:

@@ -1,7 +1,7 @@
 """The engine thread: the one thread that touches the model.
 
 :class:`EngineWorker` owns a :class:`~mlx_tracer.generator.Generator` (its
-engine, caches, tokenizer and every MLX call) and the prefix cache. The HTTP
+engine, caches, prefix cache, tokenizer and every MLX call). The HTTP
 front end talks to it through two thread-safe calls, :meth:`submit` and
 :meth:`cancel`, which append to an inbox; the thread applies the inbox
 between steps (new requests join the running batch at the next step,
@@ -22,11 +22,10 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from ..generator import Generator
-from ..runtime.options import check_buckets
-from ..runtime.prefix_cache import PrefixCache
-from .errors import APIError, bad_request, internal, queue_full, unavailable
+from ..runtime.options import OptionError, check_buckets, check_context_length
+from .errors import APIError, bad_request, internal, invalid_option, queue_full, unavailable
 from .jobs import Admitted, Delta, Finished, Job, Rejected
-from .metrics import EngineSnapshot, ServerMetrics
+from .metrics import ServerMetrics, ServerSnapshot
 from .protocol import GenerationSpec
 
 
@@ -34,34 +33,32 @@ class EngineWorker:
     """Runs a Generator on its own thread for the HTTP front end.
 
     Args:
-        generator: the model, tokenizer and compiled loop (used by this thread only, once started).
+        generator: the model, tokenizer and compiled loop (used by this thread only,
+            once started); built with ``prefix_cache=PrefixCache(n)`` for a prefix cache.
         model_id: the name clients use for the model.
         max_queue: the most accepted requests waiting for a row; one more is answered 503.
-        prefix_cache_bytes: byte bound of the prefix cache (0: no prefix cache).
         metrics: where to publish (a new :class:`ServerMetrics` by default).
+        prefix_cache_bytes: moved to the Generator (``Generator.load(prefix_cache=PrefixCache(n))``).
     """
 
     def __init__(self, generator: Generator, model_id: str, max_queue: int = 64, prefix_cache_bytes: int = 0,
                  metrics: Optional[ServerMetrics] = None):
         if max_queue < 1:
             raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        if prefix_cache_bytes:
+            raise TypeError("EngineWorker(prefix_cache_bytes=n) moved to the Generator: build it with "
+                            "prefix_cache=PrefixCache(n) (mlx_tracer.runtime.prefix_cache), e.g. Generator.load(prefix_cache=...)")
         self.gen = generator
         self.model_id = model_id
         self.max_queue = max_queue
         self.metrics = metrics or ServerMetrics()
-        self.prefix_cache = PrefixCache(prefix_cache_bytes) if prefix_cache_bytes > 0 else None
-        if self.prefix_cache is not None:
-            generator.engine.on_retire = self._retired
-        engine = generator.engine
-        limits = [n for n in (engine.compiled.context_length, engine.max_positions) if n]
-        self.context_limit: Optional[int] = min(limits) if limits else None  # positions a request can reach
+        self.context_limit: Optional[int] = generator.engine.max_context  # positions a request can reach
         self.error: Optional[BaseException] = None  # what stopped the thread, if it failed
         self._inbox: Deque[Tuple[str, Job]] = deque()
         self._wake = threading.Condition()
         self._waiting = 0  # accepted, not yet in a row (under _wake)
         self._stopping = False
         self._jobs: Dict[int, Job] = {}  # engine uid -> job, until finished
-        self._prefixes: Dict[int, List[int]] = {}  # uid -> ids of the prefix its caches came with, until it retires
         self._outgoing: List[Tuple[Job, object]] = []
         self._warmup: Tuple[int, ...] = ()
         self.warmup_ms: Dict[object, float] = {}  # trace -> ms, of the warmup
@@ -160,43 +157,28 @@ class EngineWorker:
 
     def _admit(self, job: Job):
         spec = job.spec
+        prompt = "messages" if spec.endpoint == "chat" else "prompt"  # what this request calls its prompt
         try:
             ids = self._encode(spec)
-            total = len(ids) + spec.max_tokens
-            if self.context_limit is not None and total > self.context_limit:
-                room = self.context_limit - len(ids)
-                raise bad_request(
-                    f"prompt of {len(ids)} tokens + max_tokens {spec.max_tokens} exceed the model's limit of "
-                    f"{self.context_limit} positions: " + (f"lower max_tokens to at most {room}" if room > 0 else "shorten the prompt"),
-                    "messages" if spec.endpoint == "chat" else "prompt", "context_length_exceeded")
-            hit = self.prefix_cache.lookup(ids) if self.prefix_cache is not None else None
-            try:
-                uid = self._submit(spec, ids, hit)
-            except (ValueError, TypeError):
-                if hit is None:
-                    raise
-                hit, uid = None, self._submit(spec, ids, None)  # the answer never depends on the prefix cache
+            check_context_length(len(ids), spec.max_tokens, self.context_limit, param=prompt,
+                                 max_param=spec.max_tokens_param, limit_name="position limit")
+            s = spec.sampling
+            uid = self.gen.submit(ids, max_tokens=spec.max_tokens, temp=s.temperature, top_p=s.top_p, min_p=s.min_p,
+                                  top_k=s.top_k, seed=s.seed, stop=spec.stop, stop_tokens=[] if spec.ignore_eos else None,
+                                  chat=False)
         except APIError as e:
             return self._reject(job, e)
+        except OptionError as e:
+            return self._reject(job, invalid_option(e, prompt if e.param == "prompt" else None))
         except (ValueError, TypeError) as e:
-            return self._reject(job, bad_request(str(e), "messages" if spec.endpoint == "chat" else "prompt"))
+            return self._reject(job, bad_request(str(e), prompt))
         except Exception as e:  # a bug: answer this request, keep serving the others
             traceback.print_exc(file=sys.stderr)
             return self._reject(job, internal(f"could not start the request: {type(e).__name__}: {e}"))
-        job.uid, job.prompt, job.cached = uid, ids, hit.tokens if hit else 0
+        job.uid, job.prompt, job.cached = uid, ids, self.gen.cached_tokens(uid)
         job.stop_ids = frozenset() if spec.ignore_eos else frozenset(self.gen.tokenizer.eos_token_ids)
         self._jobs[uid] = job
-        if hit:
-            self._prefixes[uid] = ids[: hit.tokens]
         self._send(job, Admitted(len(ids), job.cached))
-
-    def _submit(self, spec: GenerationSpec, ids: List[int], hit) -> int:
-        s = spec.sampling
-        return self.gen.submit(
-            ids[hit.tokens:] if hit else ids, max_tokens=spec.max_tokens, temp=s.temperature, top_p=s.top_p,
-            min_p=s.min_p, top_k=s.top_k, seed=s.seed, stop=spec.stop, stop_tokens=[] if spec.ignore_eos else None,
-            chat=False, cache=hit.caches if hit else None,
-        )
 
     def _encode(self, spec: GenerationSpec) -> List[int]:
         tok = self.gen.tokenizer
@@ -245,21 +227,9 @@ class EngineWorker:
         completion = self.gen.result(ev.uid)
         del self._jobs[ev.uid]
         job.done = True
-        if not (ev.finish_reason == "stop" and not stop_token):  # a stop string's row retires at the next step
-            self._prefixes.pop(ev.uid, None)
         self.metrics.count_finished(ev.finish_reason)
         error = unavailable("the server ended the request") if ev.finish_reason == "cancelled" else None
         self._send(job, Finished(ev.finish_reason, len(completion.tokens), error))
-
-    def _retired(self, request, caches, tokens):
-        """``Engine(on_retire=...)``: keep a leaving row's caches in the prefix cache.
-        (``tokens`` follow the ``request.context_len`` positions of the cached
-        prefix the row started from, whose ids this worker kept.)"""
-        prefix = self._prefixes.pop(request.uid, [])
-        held = max((int(c.offset) for c in caches), default=0)
-        ids = prefix[: request.context_len] + list(tokens)
-        if held and len(ids) == held:
-            self.prefix_cache.store(ids, caches)
 
     def _left_queue(self, job: Job):
         if not job.started:
@@ -286,22 +256,18 @@ class EngineWorker:
                 pass
 
     def _publish(self):
-        eng = self.gen.engine
-        traces: Dict[str, Tuple[int, int]] = {}
-        for key, n in eng.compiled.traces.items():
-            keys, made = traces.get(key.kind, (0, 0))
-            traces[key.kind] = (keys + 1, made + n)
-        s, pc = eng.stats, self.prefix_cache
-        snap = EngineSnapshot(
-            queue_depth=self._waiting, live_rows=len(eng.rows), bucket=eng.batch.width if eng.rows else 0,
-            steps=s.steps, decode_tokens=s.decode_tokens, decode_s=s.decode_s, prefill_tokens=s.prefill_tokens,
-            prefill_s=s.prefill_s, traces=traces, healthy=self.error is None and not self._stopping,
+        e = self.gen.engine.snapshot()
+        s, pc = e.stats, e.prefix_cache
+        snap = ServerSnapshot(
+            queue_depth=self._waiting, live_rows=e.live_rows, bucket=e.bucket, steps=s.steps,
+            decode_tokens=s.decode_tokens, decode_s=s.decode_s, prefill_tokens=s.prefill_tokens, prefill_s=s.prefill_s,
+            traces=e.traces_by_kind(), healthy=self.error is None and not self._stopping,
         )
         if pc is not None:
             snap.prefix_enabled = True
             snap.prefix_lookups, snap.prefix_hits = pc.stats.lookups, pc.stats.hits
             snap.prefix_hit_tokens, snap.prefix_evictions = pc.stats.hit_tokens, pc.stats.evictions
-            snap.prefix_entries, snap.prefix_bytes, snap.prefix_max_bytes = len(pc), pc.nbytes, pc.max_bytes
+            snap.prefix_entries, snap.prefix_bytes, snap.prefix_max_bytes = pc.entries, pc.nbytes, pc.max_bytes
         self.metrics.publish(snap)
 
     def _shutdown(self):
