@@ -79,7 +79,7 @@ def test_bad_input_gives_clear_errors(tmp_path):
         (["--top-k", "-1"], "argument --top-k: must be >= 0"),
         (["--spec", "medusa"], "argument --spec: invalid choice"),
         (["--spec", "prompt-lookup", "--draft-tokens", "0"], "argument --draft-tokens: must be > 0"),
-        (["--spec", "prompt-lookup", "--draft-tokens", "600"], "draft_tokens must be in [1, 255]"),
+        (["--spec", "prompt-lookup", "--draft-tokens", "600"], "draft_tokens must be in [1, 64]"),
         (["--draft-model", "/nonexistent/draft.gguf"], "that path does not exist"),
         (["--spec", "prompt-lookup", "--draft-model", "x.gguf"], "not allowed with argument"),
     ],

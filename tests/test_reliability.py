@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from mlx_tracer import Generator
 from mlx_tracer.api import _generator_for
 from mlx_tracer.runtime.engine import Engine
+from mlx_tracer.runtime.options import MAX_TOKENS
 
 from .helpers import IdTokenizer, solo_tokens
 from .tiny_models import VOCAB, tiny_model
@@ -239,7 +240,7 @@ def busy(llama):
 @settings(max_examples=60, deadline=None)
 @given(
     prompt=_prompt,
-    max_tokens=_option,
+    max_tokens=st.one_of(_option, st.sampled_from([MAX_TOKENS, MAX_TOKENS + 1, 2**40, 2**70])),  # past the bound: refused
     temp=_option,
     top_p=_option,
     top_k=_option,
@@ -251,8 +252,9 @@ def test_any_api_input_returns_or_fails_clearly_and_never_touches_a_neighbour(bu
     gen, neighbour, solo, seen = busy
     opts = dict(max_tokens=max_tokens, temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, stop=stop)
     opts = {k: v for k, v in opts.items() if v is not None}
-    if isinstance(opts.get("max_tokens"), int) and not isinstance(opts["max_tokens"], bool):
-        opts["max_tokens"] = min(opts["max_tokens"], 3)
+    budget = opts.get("max_tokens")
+    if isinstance(budget, int) and not isinstance(budget, bool) and budget <= MAX_TOKENS:
+        opts["max_tokens"] = min(budget, 3)
     queued, live = len(gen.engine.queue), set(gen.router.live)
     try:
         uid = gen.submit(prompt, **opts)

@@ -22,8 +22,8 @@ from .runtime.distributed import Lockstep, init_group, load_sharded, shard_model
 from .runtime.engine import Engine, RetireHook
 from .runtime.options import (
     DEFAULT_BUCKETS, DEFAULT_DRAFT_TOKENS, DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNKS, DEFAULT_SPEC_POLICY,
-    GeneratorOptions, OptionError, check_generator_options, check_max_tokens, check_stop_strings, check_system,
-    check_token_ids, is_draft_path,
+    GeneratorOptions, OptionError, check_capacities, check_generator_options, check_max_tokens, check_stop_strings,
+    check_system, check_token_ids, is_draft_path,
 )
 from .runtime.prefix_cache import PrefixCache
 from .runtime.sampling import SamplingParams
@@ -79,6 +79,7 @@ class Generator:
         prefix_cache: Optional[PrefixCache] = None,
     ):
         options = check_generator_options(buckets, prefill_chunks, chat, system, speculative, draft_tokens, spec_policy)
+        capacities = check_capacities(capacities)
         if is_draft_path(speculative):
             from .loading import load_model
 
@@ -120,6 +121,7 @@ class Generator:
         from .loading import load_model
 
         checked = check_generator_options(speculative=speculative, **options)
+        capacities = check_capacities(capacities)
         log(f"loading {path or 'the default model (SmolLM2-135M-Instruct)'} ...")
         kwargs = dict(capacities=capacities, on_retire=on_retire, prefix_cache=prefix_cache)
         if distributed:
@@ -175,6 +177,16 @@ class Generator:
         bos = getattr(self.tokenizer, "bos_token", None)
         return list(self.tokenizer.encode(prompt, add_special_tokens=bos is None or not prompt.startswith(bos)))
 
+    def check_prompt(self, prompt: Prompt, max_tokens: int = DEFAULT_MAX_TOKENS, chat: Optional[bool] = None,
+                     system: Optional[str] = None) -> List[int]:
+        """The token ids of ``prompt`` (as :meth:`encode`), after checking that
+        they and ``max_tokens`` fit a row (the model's context length, the
+        largest capacity): a prompt that cannot run is refused here, before
+        any trace. Raises ``OptionError`` as :meth:`submit` would."""
+        ids = self.encode(prompt, chat, check_system(system))
+        self.engine.check_room(len(ids), max_tokens)
+        return ids
+
     # ------------------------------------------------------------- requests
     def submit(
         self,
@@ -207,8 +219,9 @@ class Generator:
 
     def cancel(self, uid: int):
         """End a queued or running request: its row is freed at the next step
-        and it finishes with ``finish_reason="cancelled"``."""
-        self.engine.cancel(uid)
+        and it finishes with ``finish_reason="cancelled"`` (:meth:`result`
+        gives its completion at once)."""
+        self.router.cancel(uid)
 
     def events(self) -> Iterator[GenerationEvent]:
         """Run the loop until every submitted request is done, yielding each
@@ -233,7 +246,7 @@ class Generator:
         return events
 
     def result(self, uid: int) -> Completion:
-        """The completion of a finished request (and forget it)."""
+        """The completion of a finished or cancelled request (and forget it)."""
         return self.router.result(uid)
 
     # ------------------------------------------------------------ mlx-lm style

@@ -31,6 +31,7 @@ class _Live:
     pending: Deque[GenerationEvent] = field(default_factory=deque)  # delivered, not yet consumed
     completion: Optional[Completion] = None
     discard: bool = False  # nobody will read it (a closed stream): forget it once finished
+    cancelled: bool = False  # cancel() was called: it finishes as "cancelled" at the next step
     tokens: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
 
@@ -92,13 +93,23 @@ class EventRouter:
     def finished(self, uid: int) -> bool:
         return self.live[uid].completion is not None
 
+    def cancel(self, uid: int):
+        """End ``uid`` at the next step (``KeyError`` when it is unknown or finished)."""
+        self.engine.cancel(uid)
+        if uid in self.live:
+            self.live[uid].cancelled = True
+
     def result(self, uid: int) -> Completion:
-        """The completion of a finished request (and forget it)."""
+        """The completion of a finished request (and forget it). A cancelled
+        one finishes at the next step: that step runs here (the events it
+        gives other requests are delivered as usual)."""
         live = self.live.get(uid)
         if live is None:
             raise KeyError(f"no request {uid} (unknown, or its result was already taken)")
+        while live.completion is None and live.cancelled and self.engine.has_work():
+            self.pump()
         if live.completion is None:
-            raise ValueError(f"request {uid} has not finished: run events() (or cancel it) first")
+            raise ValueError(f"request {uid} has not finished: run events() until its last event, or cancel it first")
         del self.live[uid]
         return live.completion
 

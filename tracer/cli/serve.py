@@ -38,14 +38,15 @@ def add_parser(sub, model_args):
     model_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=port, default=8080, help="port to listen on (default 8080; 0: any free port)")
-    s.add_argument("--max-queue", type=opt.positive_int, default=64,
+    s.add_argument("--max-queue", type=opt.queue_size, default=64,
                    help="most requests waiting for a row (default 64); more are answered 503 with Retry-After")
-    s.add_argument("--prefix-cache-mb", type=opt.non_negative_int, default=512,
+    s.add_argument("--prefix-cache-mb", type=opt.cache_mib, default=512,
                    help="MiB of keys and values kept for requests sharing a prompt prefix (default 512; 0: off)")
     spec = s.add_mutually_exclusive_group()
     spec.add_argument("--spec", choices=(PROMPT_LOOKUP,), help="speculative decoding: drafts judged by one compiled verify step")
     spec.add_argument("--draft-model", help="speculative decoding with this draft model (GGUF / mlx-lm folder, same tokenizer)")
-    s.add_argument("--draft-tokens", type=opt.positive_int, default=DEFAULT_DRAFT_TOKENS, help="most drafts per row and verify step (k)")
+    s.add_argument("--draft-tokens", type=opt.draft_tokens,
+                   help=f"most drafts per row and verify step (k; default {DEFAULT_DRAFT_TOKENS}; needs --spec or --draft-model)")
     s.add_argument("--timeout", type=seconds, default=600.0, help="seconds a request may take before it is cancelled (default 600; answered 504)")
     s.add_argument("--no-warmup", dest="warmup", action="store_false", help="do not trace the buckets before serving")
     s.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="uvicorn's log level (info: access log too)")

@@ -2,7 +2,9 @@
 
 ``mx.load`` reads GGUF natively: Q4_0/Q4_1/Q8_0 tensors come back as MLX
 affine-quantized triples (``weight`` packed in uint32, ``scales``, ``biases``;
-group size 32), other tensors as plain arrays. This module
+group size 32), other tensors as plain arrays. It opens the file for writing,
+so a file that cannot be written is read by :mod:`.gguf_readonly` instead,
+which builds the same arrays. This module
 
 * maps llama.cpp tensor names onto mlx-lm's llama module tree, quantizing each
   layer with the bits / group size read off its triple, so the model runs on
@@ -23,6 +25,9 @@ from typing import Dict, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+
+from .gguf_readonly import load as readonly_load
+from .gguf_readonly import opens_for_writing, scan
 
 __all__ = [
     "read_gguf", "meta_value", "build_model", "convert_weights", "mlx_name",
@@ -71,14 +76,27 @@ def read_gguf(path: Union[str, Path]) -> Tuple[Dict[str, mx.array], dict]:
             f"Pass a .gguf model file, or an mlx-lm model folder to mlx-lm's loader."
         )
     try:
-        weights, meta = mx.load(str(p), return_metadata=True)
+        if opens_for_writing(p):
+            return mx.load(str(p), return_metadata=True)
+        return readonly_load(p)  # MLX's reader would open it for writing (gguf_readonly)
     except Exception as e:  # MLX raises RuntimeError/ValueError on bad data
+        cause = _damage(p) or str(e)
         raise ValueError(
-            f"{p} could not be read as GGUF ({e}); it is probably truncated or "
+            f"{p} could not be read as GGUF ({cause}); it is probably truncated or "
             f"corrupt (or uses a tensor type MLX cannot load). For the default "
             f"model, delete it and fetch it again (`mlx-tracer fetch`)."
         ) from e
-    return weights, meta
+
+
+def _damage(p: Path):
+    """What is wrong with a file MLX could not read, when the layout shows it (else None)."""
+    import numpy as np
+
+    try:
+        scan(np.memmap(p, dtype=np.uint8, mode="r"))
+    except Exception as e:
+        return str(e)
+    return None
 
 
 def meta_value(meta: dict, key: str, default=None):

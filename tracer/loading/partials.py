@@ -15,6 +15,12 @@ fetch (:func:`sweep`) removes what no live process holds:
 * a BLAS-shim build folder or a ``formats.json`` temporary file older than
   :data:`STALE_S`.
 
+Every fetch sweeps, whether the model is there or not (a killed ``fetch
+--force`` leaves its leftovers beside a good file). The ages are a margin
+for the moments a writer has made a file but not locked it yet (a fetch
+folder's ``.lock`` is locked before it gets its name, so it has none); a
+minute is ample for that, and ten minutes for kinds no lock protects.
+
 Without ``fcntl`` (not POSIX) only the ages count.
 """
 
@@ -46,10 +52,14 @@ def hold(fd: int) -> None:
 
 @contextlib.contextmanager
 def holding(path: Path):
-    """Create ``path`` and hold its lock for the ``with`` block."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    """Create ``path`` and hold its lock for the ``with`` block. The file is
+    locked under another name and then renamed (the lock stays with it), so
+    no sweep ever sees ``path`` unlocked while its writer lives."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         hold(fd)
+        os.replace(tmp, path)
         yield
     finally:
         os.close(fd)

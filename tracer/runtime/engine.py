@@ -31,7 +31,7 @@ from .batch import RunningBatch
 from .drafters import make_drafter
 from .options import (
     DEFAULT_BUCKETS, DEFAULT_DRAFT_TOKENS, DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNKS, DEFAULT_SPEC_POLICY, EngineOptions,
-    check_buckets, check_engine_options, check_token_ids,
+    check_buckets, check_capacities, check_engine_options, check_max_tokens, check_token_ids,
 )
 from .prefill import prefill
 from .prefix_cache import PrefixCache, PrefixReuse
@@ -112,7 +112,7 @@ class Engine:
         return engine
 
     def _build(self, model, options: EngineOptions, speculative, capacities, batched_prefill, on_retire, rng, prefix_cache):
-        self.compiled = model if isinstance(model, CompiledModel) else CompiledModel(model, capacities)
+        self.compiled = model if isinstance(model, CompiledModel) else CompiledModel(model, check_capacities(capacities))
         drafter = make_drafter(speculative, self.compiled.vocab_size, options.buckets) if options.draft_tokens else None
         batched = mx.default_device() == mx.gpu if batched_prefill is None else batched_prefill
         self.scheduler = Scheduler(options.buckets, options.prefill_chunks, self.compiled.vocab_size,
@@ -214,6 +214,12 @@ class Engine:
             hit, req = None, self.scheduler.enqueue(prompt, max_tokens, sampling, stop_ids)  # never depend on the cache
         self.prefixes.started(req.uid, prompt, hit)
         return req.uid
+
+    def check_room(self, prompt_tokens: int, max_tokens: int) -> None:
+        """Raise the ``OptionError`` :meth:`add` would raise for a prompt of
+        ``prompt_tokens`` tokens and ``max_tokens`` that cannot fit a row
+        (the model's context length, the largest capacity); queues nothing."""
+        self.scheduler.check_room(prompt_tokens, check_max_tokens(max_tokens))
 
     def cached_tokens(self, uid: int) -> int:
         """Prompt tokens of a queued or running request served from the prefix cache."""

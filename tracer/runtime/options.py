@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple, Union
@@ -28,6 +29,16 @@ SPEC_POLICIES = ("auto", "always")
 DEFAULT_SPEC_POLICY = "auto"
 SEED_LIMIT = 2**63
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+# Upper bounds of the size options, checked before anything loads: past them a
+# value fails here, not as an OverflowError or an allocation that kills the
+# process. Each is far above what is useful, and says why it is where it is.
+MAX_BUCKET = 1024  # rows of a batch: every bucket is a trace, and caches for that many rows while it runs
+MAX_PREFILL_CHUNK = 8192  # tokens of a prefill window: a trace each, its scores window x capacity per head
+MAX_CAPACITY = 2**20  # positions of a full-attention cache bucket: beyond any context length in reach
+MAX_DRAFT_TOKENS = 64  # drafts per row and verify step: acceptance falls off long before
+MAX_TOKENS = 2**20  # completion tokens of a request (the model's context length bounds it further)
+MAX_QUEUE = 100_000  # requests waiting for a row (each holds its prompt in memory)
 
 
 class OptionError(ValueError):
@@ -66,14 +77,17 @@ def _is_int(x) -> bool:
 
 
 # ------------------------------------------------------------ engine options
-def check_widths(values, name: str, minimum: int = 1) -> Tuple[int, ...]:
-    """Positive integers, deduplicated and sorted (bucket widths, chunk lengths)."""
+def check_widths(values, name: str, minimum: int = 1, maximum: Optional[int] = None, why: str = "") -> Tuple[int, ...]:
+    """Integers in [minimum, maximum], deduplicated and sorted (bucket widths,
+    chunk lengths, capacities); ``why``: the reason for the maximum."""
     if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, set, frozenset)):
         raise OptionTypeError(name, f"{name} must be a sequence of integers, e.g. (1, 2, 4, 8); got {values!r}")
     out = set()
     for v in values:
         if not _is_int(v) or v < minimum:
             raise OptionError(name, f"{name} must be integers >= {minimum}, got {v!r} in {tuple(values)!r}")
+        if maximum is not None and v > maximum:
+            raise OptionError(name, f"{name} must be integers <= {maximum} ({why}), got {v}: pass smaller ones")
         out.add(int(v))
     if not out:
         raise OptionError(name, f"{name} must name at least one width, e.g. (1, 2, 4, 8)")
@@ -81,22 +95,29 @@ def check_widths(values, name: str, minimum: int = 1) -> Tuple[int, ...]:
 
 
 def check_buckets(buckets, name: str = "buckets") -> Tuple[int, ...]:
-    return check_widths(buckets, name)
+    return check_widths(buckets, name, 1, MAX_BUCKET, "every bucket is a trace, and caches for that many rows")
 
 
 def check_prefill_chunks(chunks) -> Tuple[int, ...]:
     # 1-token steps are decode steps: a prefill window holds at least 2
-    return check_widths(chunks, "prefill_chunks", minimum=2)
+    return check_widths(chunks, "prefill_chunks", 2, MAX_PREFILL_CHUNK,
+                        "every window is a trace, and its attention scores grow with its length")
+
+
+def check_capacities(capacities) -> Tuple[int, ...]:
+    """Capacity buckets of full-attention caches (positions)."""
+    return check_widths(capacities, "capacities", 1, MAX_CAPACITY, "no model in reach holds more positions")
 
 
 def check_draft_tokens(k, prefill_chunks: Tuple[int, ...]) -> int:
-    """Drafts per row and verify step: 1 .. (largest prefill window - 1)."""
+    """Drafts per row and verify step: 1 .. min(largest prefill window - 1, MAX_DRAFT_TOKENS)."""
     if not _is_int(k):
         raise OptionTypeError("draft_tokens", f"draft_tokens must be a positive integer, got {k!r}")
-    if not 1 <= k < max(prefill_chunks):
-        raise OptionError("draft_tokens",
-                          f"draft_tokens must be in [1, {max(prefill_chunks) - 1}] (a verify window of k + 1 tokens is no "
-                          f"longer than the largest prefill window {max(prefill_chunks)}), got {k}")
+    top = min(max(prefill_chunks) - 1, MAX_DRAFT_TOKENS)
+    if not 1 <= k <= top:
+        why = (f"at most {MAX_DRAFT_TOKENS}: drafts that long are almost never all accepted" if top == MAX_DRAFT_TOKENS
+               else f"a verify window of k + 1 tokens is no longer than the largest prefill window {max(prefill_chunks)}")
+        raise OptionError("draft_tokens", f"draft_tokens must be in [1, {top}] ({why}), got {k}")
     return int(k)
 
 
@@ -170,6 +191,9 @@ def check_max_tokens(max_tokens, name: str = "max_tokens") -> int:
         raise OptionTypeError(name, f"{name} must be a positive integer, got {max_tokens!r}")
     if max_tokens <= 0:
         raise OptionError(name, f"{name} must be > 0, got {max_tokens}")
+    if max_tokens > MAX_TOKENS:
+        raise OptionError(name, f"{name} must be <= {MAX_TOKENS} (2**20; the model's context length bounds it "
+                                f"further), got {max_tokens}", CONTEXT_LENGTH_EXCEEDED)  # no model holds that many
     return int(max_tokens)
 
 
@@ -214,6 +238,37 @@ def check_seed(seed) -> Optional[int]:
     if not 0 <= seed < SEED_LIMIT:
         raise OptionError("seed", f"seed must be in [0, 2**63), got {seed}")
     return int(seed)
+
+
+# ------------------------------------------------------------ server sizes
+def machine_memory() -> Optional[int]:
+    """Bytes of physical memory (None where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_queue_size(n, name: str = "max_queue") -> int:
+    """Requests that may wait for a row: 1 .. MAX_QUEUE."""
+    if not _is_int(n):
+        raise OptionTypeError(name, f"{name} must be a positive integer, got {n!r}")
+    if not 1 <= n <= MAX_QUEUE:
+        raise OptionError(name, f"{name} must be in [1, {MAX_QUEUE}] (each waiting request holds its prompt), got {n}")
+    return int(n)
+
+
+def check_cache_bytes(n, name: str = "max_bytes") -> int:
+    """Bytes a cache may keep: 0 .. the machine's memory."""
+    if not _is_int(n):
+        raise OptionTypeError(name, f"{name} must be an integer number of bytes, got {n!r}")
+    if n < 0:
+        raise OptionError(name, f"{name} must be >= 0 bytes (0: off), got {n}")
+    ram = machine_memory()
+    if ram is not None and n > ram:
+        raise OptionError(name, f"{name} must be at most {ram} bytes ({ram >> 20} MiB, this machine's memory), "
+                                f"got {n} ({n >> 20} MiB): pass a size that fits in memory")
+    return int(n)
 
 
 def check_sampling(temperature, top_p, min_p, top_k, seed) -> None:

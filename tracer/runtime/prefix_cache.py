@@ -40,6 +40,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
+from .options import check_cache_bytes
+
 
 @dataclass
 class PrefixEntry:
@@ -87,8 +89,7 @@ class PrefixCache:
     """
 
     def __init__(self, max_bytes: int, min_tokens: int = 1):
-        if max_bytes < 0:
-            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        max_bytes = check_cache_bytes(max_bytes)
         if min_tokens < 1:
             raise ValueError(f"min_tokens must be >= 1, got {min_tokens}")
         self.max_bytes = int(max_bytes)

@@ -70,21 +70,27 @@ class Scheduler:
         if not isinstance(sampling, SamplingParams):
             raise OptionTypeError("sampling", f"sampling must be a SamplingParams, got {type(sampling).__name__}")
         stop_ids = frozenset(check_token_ids(list(stop_ids), what="stop_ids")) if stop_ids else frozenset()
-        check_context_length(len(prompt), max_tokens, self.context_length, context)
-        if self.max_positions is not None:
-            # + 1: the pipelined loop may compute one step past the last token
-            need = context + self.padded_prefill(len(prompt) - 1) + 1 + max_tokens + 1 + self.lookahead
-            if need > self.max_positions:
-                raise OptionError(
-                    "prompt", f"prompt of {len(prompt)} tokens + max_tokens {max_tokens} exceed the largest capacity "
-                              f"bucket {self.max_positions}: shorten the prompt, lower max_tokens or pass larger capacities",
-                    CONTEXT_LENGTH_EXCEEDED)
+        self.check_room(len(prompt), max_tokens, context)
         req = Request(next(self._uids), prompt, max_tokens, sampling, stop_ids, initial_key(sampling.seed, self.rng),
                       list(cache) if cache else None)
         req.context_len = context
         self.queue.append(req)
         self.requests[req.uid] = req
         return req
+
+    def check_room(self, prompt_tokens: int, max_tokens: int, context: int = 0) -> None:
+        """Whether a prompt of ``prompt_tokens`` after ``context`` cached
+        positions and ``max_tokens`` fit a row: the model's context length and
+        the largest capacity bucket (raises ``OptionError``)."""
+        check_context_length(prompt_tokens, max_tokens, self.context_length, context)
+        if self.max_positions is not None:
+            # + 1: the pipelined loop may compute one step past the last token
+            need = context + self.padded_prefill(prompt_tokens - 1) + 1 + max_tokens + 1 + self.lookahead
+            if need > self.max_positions:
+                raise OptionError(
+                    "prompt", f"prompt of {prompt_tokens} tokens + max_tokens {max_tokens} exceed the largest capacity "
+                              f"bucket {self.max_positions}: shorten the prompt, lower max_tokens or pass larger capacities",
+                    CONTEXT_LENGTH_EXCEEDED)
 
     def has_work(self) -> bool:
         return bool(self.requests)

@@ -22,7 +22,7 @@ from typing import Deque, Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from ..generator import Generator
-from ..runtime.options import OptionError, check_buckets, check_context_length
+from ..runtime.options import OptionError, check_buckets, check_context_length, check_queue_size
 from .errors import APIError, bad_request, internal, invalid_option, queue_full, unavailable
 from .jobs import Admitted, Delta, Finished, Job, Rejected
 from .metrics import ServerMetrics, ServerSnapshot
@@ -43,8 +43,7 @@ class EngineWorker:
 
     def __init__(self, generator: Generator, model_id: str, max_queue: int = 64, prefix_cache_bytes: int = 0,
                  metrics: Optional[ServerMetrics] = None):
-        if max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+        max_queue = check_queue_size(max_queue)
         if prefix_cache_bytes:
             raise TypeError("EngineWorker(prefix_cache_bytes=n) moved to the Generator: build it with "
                             "prefix_cache=PrefixCache(n) (mlx_tracer.runtime.prefix_cache), e.g. Generator.load(prefix_cache=...)")

@@ -1,0 +1,221 @@
+"""Read a GGUF file that may not be written: what ``mx.load`` returns, from a read-only map.
+
+MLX's GGUF reader (gguflib, under ``mx.load``) opens the file
+``O_RDWR|O_APPEND`` and maps it writable, so a model file the user may read
+but not write (a read-only mount, a shared models folder) fails with
+"gguf_init failed", which says nothing of the cause. :func:`load` parses the
+same layout over a numpy memmap opened read-only (header, metadata, tensor
+infos, alignment: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md)
+and builds what ``mx.load(path, return_metadata=True)`` builds, bit for bit,
+for the tensor types llama GGUF files use here:
+
+* F32, F16: copied as they are;
+* Q4_0, Q4_1, Q8_0: MLX's affine triples (``mlx/io/gguf_quants.cpp``): the
+  packed ``<name>`` (uint32), ``<prefix>.scales`` and ``<prefix>.biases``
+  (float16), group size 32. Q4_0's bias is ``-8 * scale``, Q8_0's ``-128 *
+  scale`` (its int8 weights become ``x ^ 0x80``), Q4_1 stores its bias
+  (the block's min) after the scale.
+
+A file holding any other tensor type is loaded by ``mx.load`` from a
+temporary copy instead, said once on stderr. Metadata follows MLX too:
+scalars as 0-d arrays of their type, strings as ``str``, arrays as 1-d
+arrays or lists of ``str``; float64 values become float32, as MLX's code
+means them to (MLX 0.32 itself crashes on them).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+HEADER = 24  # magic, version (u32), tensor count (u64), metadata count (u64)
+STRING, ARRAY = 8, 9
+# metadata value type -> numpy type of its bytes
+_VALUES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
+BOOL, FLOAT64 = 7, 12
+F32, F16, Q4_0, Q4_1, Q8_0 = 0, 1, 2, 3, 8
+_FLOATS = {F32: "<f4", F16: "<f2"}
+_BLOCKS = {Q4_0: (18, 4), Q4_1: (20, 4), Q8_0: (34, 8)}  # bytes per block of 32 weights, bits
+GROUP = 32
+TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
+              11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 30: "BF16"}
+
+_said = set()  # the temporary-copy notice, once per process
+
+
+class UnsupportedTypes(ValueError):
+    """The file holds tensor types this reader does not build (``types``: their names)."""
+
+    def __init__(self, types):
+        super().__init__(f"tensor types {', '.join(types)} are not read here")
+        self.types = types
+
+
+def opens_for_writing(path: Path) -> bool:
+    """Whether MLX's reader can open ``path`` the way it does (read-write)."""
+    if not os.access(path, os.W_OK):
+        return False
+    try:
+        os.close(os.open(path, os.O_RDWR | os.O_APPEND))
+    except OSError as e:
+        return e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM)  # others: let MLX report them
+    return True
+
+
+class _Cursor:
+    """Reads little-endian values off the mapped file, never past its end."""
+
+    def __init__(self, buf: np.ndarray):
+        self.buf, self.off = buf, 0
+
+    def take(self, n: int) -> np.ndarray:
+        if n < 0 or self.off + n > self.buf.size:
+            raise ValueError(f"the file ends at byte {self.buf.size}, inside a field at byte {self.off}: it is truncated")
+        out = self.buf[self.off:self.off + n]
+        self.off += n
+        return out
+
+    def uint(self, size: int) -> int:
+        return int.from_bytes(self.take(size).tobytes(), "little")
+
+    def string(self) -> str:
+        return self.take(self.uint(8)).tobytes().decode("utf-8")
+
+    def values(self, vtype: int, n: int) -> np.ndarray:
+        if vtype not in _VALUES:
+            raise ValueError(f"unknown metadata value type {vtype} at byte {self.off}")
+        dt = np.dtype(_VALUES[vtype])
+        out = self.take(n * dt.itemsize).view(dt)
+        if vtype == BOOL:
+            return out != 0
+        return out.astype(np.float32) if vtype == FLOAT64 else out
+
+
+def _metadata(cur: _Cursor, count: int) -> Tuple[dict, int]:
+    meta, alignment = {}, 32
+    for _ in range(count):
+        key, vtype = cur.string(), cur.uint(4)
+        if vtype == STRING:
+            value = cur.string()
+        elif vtype == ARRAY:
+            etype, n = cur.uint(4), cur.uint(8)
+            if etype == ARRAY:
+                raise ValueError(f"metadata {key}: nested arrays are not supported")
+            value = [cur.string() for _ in range(n)] if etype == STRING else mx.array(cur.values(etype, n))
+        else:
+            scalar = cur.values(vtype, 1)
+            value = mx.array(scalar.reshape(()))
+            if key == "general.alignment" and vtype == 4:
+                alignment = int(scalar[0])
+        meta.setdefault(key, value)  # as MLX: the first of a repeated key stays
+    return meta, alignment
+
+
+def scan(buf: np.ndarray) -> Tuple[dict, List[tuple]]:
+    """``(metadata, [(name, shape, type, start, size)])`` of a mapped file,
+    every tensor's bytes checked to lie inside it. Raises ``ValueError``
+    naming what is wrong."""
+    if buf.size < HEADER or buf[:4].tobytes() != b"GGUF":
+        raise ValueError("it does not start with a GGUF header")
+    cur = _Cursor(buf)
+    cur.take(4)
+    version, n_tensors, n_kv = cur.uint(4), cur.uint(8), cur.uint(8)
+    if version not in (2, 3):
+        raise ValueError(f"GGUF version {version} is not supported (2 and 3 are)")
+    meta, alignment = _metadata(cur, n_kv)
+    infos = []
+    for _ in range(n_tensors):
+        name, ndim = cur.string(), cur.uint(4)
+        dims = [cur.uint(8) for _ in range(ndim)]
+        infos.append((name, tuple(reversed(dims)), cur.uint(4), cur.uint(8)))
+    data = cur.off + (-cur.off) % alignment
+    tensors = []
+    for name, shape, ttype, offset in infos:
+        count = int(np.prod(shape, dtype=np.uint64))
+        if ttype in _BLOCKS:
+            if shape[-1] % GROUP:
+                raise ValueError(f"tensor {name}: last dimension {shape[-1]} is not a multiple of {GROUP}")
+            size = count // GROUP * _BLOCKS[ttype][0]
+        else:
+            size = count * np.dtype(_FLOATS.get(ttype, "u1")).itemsize  # other types: checked by the caller
+        start = data + offset
+        if ttype in _FLOATS or ttype in _BLOCKS:
+            if start + size > buf.size:
+                raise ValueError(f"tensor {name} ends at byte {start + size}, past the end of the file "
+                                 f"({buf.size} bytes): it is truncated")
+        tensors.append((name, shape, ttype, start, size))
+    return meta, tensors
+
+
+def _quantized(raw: np.ndarray, shape: tuple, ttype: int):
+    """MLX's (weight, scales, biases) of one Q4_0/Q4_1/Q8_0 tensor."""
+    block, bits = _BLOCKS[ttype]
+    blocks = raw.reshape(-1, block)  # (n blocks, bytes per block)
+    groups = shape[:-1] + (shape[-1] // GROUP,)
+    scales = np.ascontiguousarray(blocks[:, :2]).view("<f2").reshape(groups)
+    if ttype == Q4_1:
+        biases = np.ascontiguousarray(blocks[:, 2:4]).view("<f2").reshape(groups)
+    else:
+        biases = scales * np.float16(-8 if ttype == Q4_0 else -128)
+    if bits == 4:
+        qs = blocks[:, block - 16:]  # 16 bytes of nibbles after the scale (Q4_0) or scale and min (Q4_1)
+        w = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # (n, 32): weights 0-15 low nibbles, 16-31 high
+        packed = w[:, 0::2] | (w[:, 1::2] << 4)  # (n, 16): two weights a byte, the first in the low nibble
+    else:
+        packed = blocks[:, 2:34] ^ 0x80  # int8 -> uint8 (+128)
+    weight = np.ascontiguousarray(packed, dtype=np.uint8).view("<u4").reshape(shape[:-1] + (shape[-1] * bits // 32,))
+    return mx.array(weight), mx.array(scales), mx.array(biases)
+
+
+def read(path: Path) -> Tuple[Dict[str, mx.array], dict]:
+    """``(weights, metadata)`` as ``mx.load`` gives them, the file opened
+    read-only. Raises :class:`UnsupportedTypes` for tensor types not covered,
+    ``ValueError`` for a damaged file."""
+    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    meta, tensors = scan(buf)
+    other = sorted({TYPE_NAMES.get(t, str(t)) for _, _, t, _, _ in tensors if t not in _FLOATS and t not in _BLOCKS})
+    if other:
+        raise UnsupportedTypes(other)
+    weights = {}
+
+    def put(name, value):
+        if name in weights:
+            raise ValueError(f"tensor {name} appears twice")
+        weights[name] = value
+
+    for name, shape, ttype, start, size in tensors:
+        raw = buf[start:start + size]
+        if ttype in _FLOATS:
+            put(name, mx.array(raw.view(_FLOATS[ttype]).reshape(shape)))
+        else:
+            weight, scales, biases = _quantized(raw, shape, ttype)
+            put(name, weight)
+            prefix = name[: -len(".weight")]  # as MLX: the name less 7 characters
+            put(f"{prefix}.scales", scales)
+            put(f"{prefix}.biases", biases)
+    return weights, meta
+
+
+def load(path: Path) -> Tuple[Dict[str, mx.array], dict]:
+    """:func:`read`, or, for a file with other tensor types, ``mx.load`` of a
+    temporary copy (said once on stderr)."""
+    try:
+        return read(path)
+    except UnsupportedTypes as e:
+        if path not in _said:
+            _said.add(path)
+            print(f"[mlx-tracer] {path} cannot be opened for writing, which MLX's GGUF reader needs, and holds "
+                  f"{', '.join(e.types)} tensors that mlx-tracer's read-only reader does not cover: loading a "
+                  "temporary copy", file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory(prefix="mlx-tracer-gguf-") as tmp:
+        copy = Path(tmp) / path.name
+        shutil.copyfile(path, copy)
+        return mx.load(str(copy), return_metadata=True)
