@@ -681,6 +681,8 @@ std::pair<uint64_t, uint64_t> cache_writes() {
 
 }  // namespace
 
+void register_qmm(nb::module_& m);  // qmm.cpp
+
 NB_MODULE(_mlx_tracer_kernels, m) {
   m.def("layer_in", &layer_in, nb::arg("inputs"), nb::arg("eps"), nb::arg("nq"), nb::arg("nk"), nb::arg("D"),
         nb::arg("qk_eps") = 0.0f);
@@ -688,4 +690,5 @@ NB_MODULE(_mlx_tracer_kernels, m) {
   m.def("layer_mid", &layer_mid, nb::arg("inputs"), nb::arg("eps"));
   m.def("inputs", &inputs_of, nb::arg("kernel"));
   m.def("cache_writes", &cache_writes);
+  register_qmm(m);
 }

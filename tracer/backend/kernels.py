@@ -23,6 +23,14 @@ makes for the same operands. They are float32 and CPU only; the lean forward
 plans them for decode steps where every projection is a float32 matrix
 (:mod:`mlx_tracer.adapters.lean.native`) and runs MLX's ops elsewhere.
 
+The same module holds ``qmm`` (``qmm.cpp``): ``x @ mx.dequantize(w, scales,
+biases, group_size, bits).T`` for MLX's affine 4- and 8-bit weights, read
+packed, float32 out. Its contract is *exact*, not bit for bit: each weight is
+MLX's float32 dequantization (``scale * q + bias``, float16/bfloat16 scales
+widened to float32 first; ``mx.dequantize`` itself computes in the scales'
+type), products summed in float32, equal to the float32 matmul up to the
+order of summation (``tests/test_qmm.py``). Not yet used by the forward.
+
 Each kernel's inputs are described once, in ``kernels.cpp`` (one list per
 kernel that gives the slots, their names and which are optional): the
 binding takes them as a dict by those names, and ``inputs(kernel)`` lists
@@ -35,7 +43,7 @@ CPU backend needs for its own kernel JIT (``$CXX`` or ``g++``), against the
 headers and ``libmlx`` inside the installed ``mlx`` wheel and nanobind's
 sources (the ``nanobind`` package, a Linux dependency), about 10 s, and kept
 in the cache folder (:mod:`mlx_tracer.home`) as ``kernels-<key><suffix>``
-with its sha256 next to it; the key covers the source, the flags and the
+with its sha256 next to it; the key covers the sources, the flags and the
 versions of mlx, nanobind and Python. The module is built in nanobind's
 ``mlx`` domain, as MLX's own bindings are, so its functions take
 ``mx.array``; a build whose functions refuse them (a nanobind that does not
@@ -64,7 +72,8 @@ from typing import Optional
 from ..home import cache_dir, check_kept, keep_built, writable_cache_dir
 
 ENV = "MLX_TRACER_KERNELS"
-SOURCE = Path(__file__).with_name("kernels.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("kernels.cpp", "qmm.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("qmm_isa.h", "qmm_pool.h")]  # included by qmm.cpp
 MODULE = "_mlx_tracer_kernels"
 # As MLX 0.32 builds its CPU kernels (`g++ -std=c++17 -O3`, no -march: no
 # contraction into fused multiply-adds), in C++20 for MLX's headers.
@@ -96,7 +105,7 @@ def _paths():
 def module_file() -> Path:
     v = _versions()
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    key = "|".join([SOURCE.read_text(), " ".join(FLAGS), str(v), suffix, sys.version])
+    key = "|".join([*(p.read_text() for p in SOURCES + HEADERS), " ".join(FLAGS), str(v), suffix, sys.version])
     return cache_dir() / f"kernels-{hashlib.sha1(key.encode()).hexdigest()[:12]}{suffix}"
 
 
@@ -107,7 +116,7 @@ def _compile(out: Path) -> None:
         raise OSError("no C++ compiler (g++) to build the kernels; MLX's CPU compile needs one too")
     py_include = sysconfig.get_paths()["include"]
     cmd = [cxx, *FLAGS, f"-I{nb_dir / 'include'}", f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}",
-           f"-I{mlx_dir / 'include'}", f"-I{py_include}", str(SOURCE), str(nb_dir / "src" / "nb_combined.cpp"),
+           f"-I{mlx_dir / 'include'}", f"-I{py_include}", *map(str, SOURCES), str(nb_dir / "src" / "nb_combined.cpp"),
            f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}", "-o", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:

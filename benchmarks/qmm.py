@@ -1,0 +1,84 @@
+"""Milliseconds per call of the native quantized matmul (``qmm``, the exact
+contract) against ``mx.quantized_matmul`` and the float32 ``x @ W.T`` that
+the fast BLAS serves, at SmolLM2-135M's projection shapes.
+
+    python benchmarks/qmm.py [--m 1 8 40 256] [--reps 15] [--bits 4] [--group 32]
+
+Weights are random, quantized with ``mx.quantize`` (scales and biases cast
+to float16, as GGUF's and mlx-lm's are); each cell is the median of
+``--reps`` evaluated calls after warmup. Each call reads its weights from
+memory, as a decode step does (a step reads every matrix of the model once,
+far more than the caches hold): the calls rotate over enough copies of the
+weights to exceed ``--stream-mb`` of float32 (``--stream-mb 0``: one copy,
+read from the caches where it fits). The machine's load average is
+printed with the table: on a shared machine the figures are rough.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import time
+
+import mlx_tracer  # noqa: F401  (the fast BLAS, before mlx)
+import mlx.core as mx
+from mlx_tracer.backend import kernels
+
+# (name, N, K): x [M, K] @ W.T with W [N, K]
+SHAPES = (("qkv", 960, 576), ("o", 576, 576), ("gate/up", 3072, 576), ("down", 576, 1536), ("head", 49152, 576))
+
+
+def timed(fn, copies: int, reps: int, warmup: int) -> float:
+    """Median ms of an evaluated call fn(i), i rotating over the copies."""
+    for i in range(warmup):
+        mx.eval(fn(i % copies))
+    times = []
+    for i in range(reps):
+        t = time.perf_counter()
+        mx.eval(fn(i % copies))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--m", type=int, nargs="+", default=[1, 8, 40, 256], help="rows of x")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--bits", type=int, default=4, choices=(4, 8))
+    ap.add_argument("--group", type=int, default=32, choices=(32, 64, 128))
+    ap.add_argument("--stream-mb", type=float, default=128, help="float32 weights to rotate over (0: one copy)")
+    ap.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES], help="which of " + ", ".join(s[0] for s in SHAPES))
+    args = ap.parse_args()
+    K = kernels.load()
+    if K is None:
+        raise SystemExit(f"the native kernels are off: {kernels.status()}")
+    print(f"qmm: {K.qmm_isa()}, {K.qmm_threads()} threads; {args.bits}-bit, group {args.group}, float16 scales; "
+          f"weights streamed over {args.stream_mb:g} MB; load average {os.getloadavg()[0]:.2f} before")
+    print(f"{'shape':>8} {'N':>6} {'K':>5} {'M':>4} | {'qmm':>8} {'quantized_matmul':>16} {'fp32 x@W.T':>10} | qmm speed-up vs fp32")
+    for name, N, Kd in SHAPES:
+        if name not in args.shapes:
+            continue
+        copies = max(1, math.ceil(args.stream_mb * 2**20 / (4 * N * Kd)))
+        Ws, qs = [], []
+        for i in range(copies):
+            W = mx.random.normal((N, Kd), key=mx.random.key(i)) * 0.05
+            w, s, b = mx.quantize(W, args.group, args.bits)
+            Ws.append(W)
+            qs.append((w, s.astype(mx.float16), b.astype(mx.float16)))
+            mx.eval(Ws[-1], qs[-1])
+        for M in args.m:
+            x = mx.random.normal((M, Kd), key=mx.random.key(copies))
+            mx.eval(x)
+            run = dict(copies=copies, reps=args.reps, warmup=args.warmup)
+            q = timed(lambda i: K.qmm(x, *qs[i], args.group, args.bits), **run)
+            qm = timed(lambda i: mx.quantized_matmul(x, *qs[i], True, args.group, args.bits), **run)
+            f = timed(lambda i: x @ Ws[i].T, **run)
+            print(f"{name:>8} {N:>6} {Kd:>5} {M:>4} | {q:8.3f} {qm:16.3f} {f:10.3f} | {f / q:5.2f}x")
+    print(f"load average {os.getloadavg()[0]:.2f} after")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""The native quantized matmul (``qmm`` in mlx_tracer.backend.kernels): on
+every ISA path it equals x @ dequantize(w).T in float32 up to the order of
+summation, dequantizes each weight to the bits MLX's float32 dequantize
+computes, reads strided views, gives the same bits with 1 and 2 threads and
+inside mx.compile, and refuses bad inputs with a clear error."""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_tracer.backend import kernels
+
+K = kernels.load()
+PATHS = ("portable", "avx2", "avx512")
+# (M, N, K, group): decode rows, verify windows and prefill on both sides of the
+# few-row threshold; N no multiple of a tile, K multiples of the group.
+CASES = ((1, 576, 576, 32), (2, 1000, 64, 64), (3, 51, 2048, 128), (5, 576, 1536, 64), (8, 1000, 576, 32),
+         (17, 51, 1024, 128), (64, 576, 256, 32), (257, 1000, 2048, 64))
+# |qmm - exact| <= BOUND * sum_k |x_k w_k| for each output (float32 sums of up
+# to 2048 products: the worst case of a blocked float32 sum is ~K/16 * 2^-24).
+BOUND = 1e-5
+
+pytestmark = pytest.mark.skipif(K is None, reason=f"native kernels unavailable: {kernels.status()}")
+
+
+@pytest.fixture
+def isa(request):
+    """Forces an ISA path for one test (skipped where the CPU lacks it)."""
+    before = K.qmm_isa()
+    got = K.qmm_set_isa(request.param)
+    if got != request.param:
+        K.qmm_set_isa(before)
+        pytest.skip(f"this CPU has no {request.param}")
+    yield got
+    K.qmm_set_isa(before)
+
+
+@pytest.fixture
+def threads():
+    before = K.qmm_threads()
+    yield K.qmm_set_threads
+    K.qmm_set_threads(before)
+
+
+def quantized(N, Kd, group, bits, dtype, seed=0):
+    W = mx.random.normal((N, Kd), key=mx.random.key(seed))
+    w, s, b = mx.quantize(W, group, bits)
+    s, b = s.astype(dtype), b.astype(dtype)
+    mx.eval(w, s, b)
+    return w, s, b
+
+
+def dequantized(w, s, b, group, bits):
+    """The contract's weights: MLX's float32 dequantize of float32 scales and biases."""
+    return mx.dequantize(w, s.astype(mx.float32), b.astype(mx.float32), group, bits, dtype=mx.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def case(i: int, bits: int, dtype_name: str):
+    """CASES[i]'s inputs, the exact result x @ W.T in float64 and sum_k |x_k w_k|
+    (W: the contract's weights), shared by the ISA paths."""
+    M, N, Kd, group = CASES[i]
+    w, s, b = quantized(N, Kd, group, bits, getattr(mx, dtype_name), seed=i)
+    x = mx.random.normal((M, Kd), key=mx.random.key(100 + i))
+    X, W = np.array(x, np.float64), np.array(dequantized(w, s, b, group, bits), np.float64)
+    return (x, w, s, b), X @ W.T, np.abs(X) @ np.abs(W).T
+
+
+@pytest.mark.parametrize("isa", PATHS, indirect=True)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_qmm_equals_the_float32_dequantized_matmul(isa, bits, dtype):
+    for i, (M, N, Kd, group) in enumerate(CASES):
+        args, exact, magnitude = case(i, bits, dtype)
+        y = K.qmm(*args, group, bits)
+        assert y.shape == (M, N) and y.dtype == mx.float32
+        err = float((np.abs(np.array(y, np.float64) - exact) / magnitude).max())
+        assert err <= BOUND, f"{isa} M={M} N={N} K={Kd} group={group} bits={bits}: {err:.2e}"
+
+
+@pytest.mark.parametrize("isa", PATHS, indirect=True)
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 64), (4, 128)])
+def test_each_weight_is_mlx_float32_dequantize_bit_for_bit(isa, bits, group):
+    """Rows of the identity pick single weights out: no sum, so the outputs are
+    the dequantized weights themselves (few-row and panel paths)."""
+    Kd = 256
+    w, s, b = quantized(40, Kd, group, bits, mx.float16)
+    want = np.array(dequantized(w, s, b, group, bits)).T  # [K, N]
+    eye = mx.eye(Kd)
+    for r0, rows in ((0, 1), (5, 8), (64, 3), (0, Kd)):
+        got = np.array(K.qmm(eye[r0:r0 + rows], w, s, b, group, bits))
+        assert np.array_equal(got, want[r0:r0 + rows]), (isa, r0, rows)
+
+
+def test_float16_scales_are_widened_not_computed_in_float16():
+    """mx.dequantize with float16 scales computes in float16; qmm in float32."""
+    w, s, b = quantized(64, 256, 32, 4, mx.float16)
+    in_f16 = np.array(mx.dequantize(w, s, b, 32, 4, dtype=mx.float32))
+    in_f32 = np.array(dequantized(w, s, b, 32, 4))
+    got = np.array(K.qmm(mx.eye(256), w, s, b, 32, 4)).T
+    assert np.array_equal(got, in_f32) and not np.array_equal(got, in_f16)
+
+
+@pytest.mark.parametrize("M", [3, 40])
+def test_strided_views_read_as_their_dense_copies(M):
+    Kd, group, bits = 128, 32, 4
+    w, s, b = quantized(70, Kd, group, bits, mx.float16)
+    big = mx.random.normal((M + 2, 3 * Kd), key=mx.random.key(7))
+    dense = mx.contiguous(big[1:M + 1, 5:5 + Kd])
+    want = np.array(K.qmm(dense, w, s, b, group, bits))
+    views = {
+        "row stride": big[1:M + 1, 5:5 + Kd],
+        "column stride": big[1:M + 1, : 2 * Kd : 2],
+        "transposed": mx.contiguous(big[1:M + 1, 5:5 + Kd].T).T,
+    }
+    for name, x in views.items():
+        ref = np.array(K.qmm(mx.contiguous(x), w, s, b, group, bits))
+        assert np.array_equal(np.array(K.qmm(x, w, s, b, group, bits)), ref), name
+    assert np.array_equal(np.array(K.qmm(views["row stride"], w, s, b, group, bits)), want)
+    wide = lambda a: mx.repeat(a, 2, axis=1)[:, ::2]  # noqa: E731  (same values, column stride 2)
+    got = K.qmm(dense, wide(w), wide(s), wide(b), group, bits)
+    assert np.array_equal(np.array(got), want)
+
+
+@pytest.mark.parametrize("M,N,Kd", [(1, 3000, 576), (8, 1000, 1536), (40, 700, 576)])
+def test_one_and_two_threads_give_the_same_bits(threads, M, N, Kd):
+    w, s, b = quantized(N, Kd, 32, 4, mx.float16)
+    x = mx.random.normal((M, Kd), key=mx.random.key(3))
+    outs = []
+    for n in (1, 2, 1, 2):
+        threads(n)
+        outs.append(np.array(K.qmm(x, w, s, b, 32, 4)))
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+
+
+def test_compiled_equals_eager():
+    w, s, b = quantized(300, 256, 64, 8, mx.bfloat16)
+    f = lambda x: K.qmm(x, w, s, b, 64, 8) * 2.0 + 1.0  # noqa: E731
+    cf = mx.compile(f)
+    for M in (1, 8, 17):
+        x = mx.random.normal((M, 256), key=mx.random.key(M))
+        assert np.array_equal(np.array(cf(x)), np.array(f(x))), M
+
+
+def test_bad_inputs_are_refused_with_what_was_wrong():
+    w, s, b = quantized(64, 128, 32, 4, mx.float16)
+    x = mx.zeros((2, 128))
+    bad = [
+        (lambda: K.qmm(x.astype(mx.float16), w, s, b, 32, 4), "x must be float32"),
+        (lambda: K.qmm(x, w.astype(mx.int32), s, b, 32, 4), "w must be uint32"),
+        (lambda: K.qmm(mx.zeros((2, 96)), w, s, b, 32, 4), r"w must be uint32 \[N, K \* bits / 32\] = \[N, 12\]"),
+        (lambda: K.qmm(x, w, s[:, :2], b, 32, 4), "scales and biases must be"),
+        (lambda: K.qmm(x, w, s, b.astype(mx.float32), 32, 4), "biases must have the scales' dtype"),
+        (lambda: K.qmm(x, w, s.astype(mx.int32), b.astype(mx.int32), 32, 4), "scales must be float16"),
+        (lambda: K.qmm(x, w, s, b, 32, 3), "bits must be 4 or 8, got 3"),
+        (lambda: K.qmm(x, w, s, b, 16, 4), "group_size must be 32, 64 or 128, got 16"),
+        (lambda: K.qmm(mx.zeros((2, 100)), w, s, b, 32, 4), "K = 100 is not a multiple of group_size 32"),
+        (lambda: K.qmm(mx.zeros((128,)), w, s, b, 32, 4), r"x must be float32 \[M, K\]"),
+    ]
+    for call, message in bad:
+        with pytest.raises(ValueError, match=message):
+            call()
+    with pytest.raises(ValueError, match="no ISA path 'sse9'"):
+        K.qmm_set_isa("sse9")
+
+
+def run_with(env: dict) -> subprocess.CompletedProcess:
+    code = ("import mlx_tracer; from mlx_tracer.backend import kernels; K = kernels.load(); "
+            "print(K.qmm_isa(), K.qmm_threads())")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+
+
+def test_the_environment_forces_a_path_and_the_thread_count():
+    best = run_with({"MLX_TRACER_QMM_ISA": ""})
+    assert best.returncode == 0, best.stderr
+    best_isa = best.stdout.split()[0]
+    assert best_isa in PATHS and best.stdout.split()[1] == str(len(os.sched_getaffinity(0)))
+    for name in PATHS[: PATHS.index(best_isa) + 1]:
+        out = run_with({"MLX_TRACER_QMM_ISA": name, "MLX_TRACER_QMM_THREADS": "3"})
+        assert out.stdout.split() == [name, "3"], out.stderr
+    unknown = run_with({"MLX_TRACER_QMM_ISA": "sse9"})
+    assert unknown.stdout.split()[0] == best_isa
+    assert "MLX_TRACER_QMM_ISA=sse9 is not one of portable" in unknown.stderr and f"using {best_isa}" in unknown.stderr

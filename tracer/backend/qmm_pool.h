@@ -1,0 +1,122 @@
+// qmm's thread pool: the chunks of one job at a time, pulled from one
+// counter by the caller and sleeping workers (as the BLAS shim splits its
+// GEMMs, blas_shim.c). Included by qmm.cpp inside its anonymous namespace.
+
+constexpr long kSpinNs = 20000;  // how long an idle thread spins before it sleeps
+
+inline void cpu_relax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
+}
+
+long now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+// Waits until a != seen (a bounded spin, then a futex sleep); returns the new value.
+uint32_t wait_change(std::atomic<uint32_t>& a, uint32_t seen) {
+  const long until = now_ns() + kSpinNs;
+  for (int i = 1;; ++i) {
+    const uint32_t v = a.load(std::memory_order_acquire);
+    if (v != seen) return v;
+    cpu_relax();
+    if ((i & 63) == 0 && now_ns() > until) break;
+  }
+  uint32_t v;
+  while ((v = a.load(std::memory_order_acquire)) == seen) a.wait(seen);
+  return v;
+}
+
+int default_threads() {
+  if (const char* env = std::getenv("MLX_TRACER_QMM_THREADS"); env && std::atoi(env) > 0) return std::atoi(env);
+  cpu_set_t set;
+  return sched_getaffinity(0, sizeof set, &set) == 0 ? std::max(1, CPU_COUNT(&set)) : 1;
+}
+
+// Runs the chunks of one job at a time on the caller and up to threads - 1
+// workers, each chunk taken from one counter (the job word: generation << 32
+// | chunk count << 16 | next chunk). A caller that finds the pool busy, or a
+// one-thread pool, runs the same chunks itself, one after another.
+class Pool {
+ public:
+  using Fn = void (*)(const void* ctx, int chunk);
+  static constexpr int kMaxChunks = 0xffff;
+
+  Pool() : threads_(default_threads()) {
+    pthread_atfork(nullptr, nullptr, [] { the().after_fork(); });
+  }
+  static Pool& the() {
+    static Pool* pool = new Pool;  // never destroyed: detached workers use it until exit
+    return *pool;
+  }
+  int threads() const { return threads_.load(); }
+  void set_threads(int n) { threads_.store(std::max(1, n)); }
+
+  void run(int count, Fn fn, const void* ctx) {
+    const int helpers = count < 2 || threads() < 2 || !lock_.try_lock() ? 0 : start(threads() - 1);
+    if (helpers == 0) {
+      for (int i = 0; i < count; ++i) fn(ctx, i);
+      return;
+    }
+    fn_ = fn, ctx_ = ctx;
+    gen_ = gen_ + 1 == 0 ? 1 : gen_ + 1;  // 0 is every worker's first "seen"
+    done_.store(0);
+    word_.store(uint64_t(gen_) << 32 | uint64_t(count) << 16, std::memory_order_release);
+    wake_.store(gen_, std::memory_order_release);
+    wake_.notify_all();
+    take(gen_);
+    for (uint32_t d = done_.load(); d != uint32_t(count);) d = wait_change(done_, d);
+    lock_.unlock();
+  }
+
+ private:
+  // Workers running, started up to n (under lock_); 0 where none could start.
+  int start(int n) {
+    while (started_ < n) {
+      try {
+        std::thread([this] { work(); }).detach();
+      } catch (const std::system_error&) {
+        break;
+      }
+      ++started_;
+    }
+    if (started_ == 0) lock_.unlock();
+    return started_;
+  }
+  void work() {
+    for (uint32_t seen = 0;;) {
+      seen = wait_change(wake_, seen);
+      take(seen);
+    }
+  }
+  // Takes and runs chunks of generation gen until none is left.
+  void take(uint32_t gen) {
+    uint64_t v = word_.load(std::memory_order_acquire);
+    for (;;) {
+      const int count = int(v >> 16 & 0xffff), next = int(v & 0xffff);
+      if (uint32_t(v >> 32) != gen || next >= count) return;
+      if (!word_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) continue;
+      fn_(ctx_, next);  // the job cannot finish (nor fn_ change) before this chunk is done
+      if (done_.fetch_add(1, std::memory_order_acq_rel) + 1 == uint32_t(count)) done_.notify_one();
+      v = word_.load(std::memory_order_acquire);
+    }
+  }
+  void after_fork() {  // the child has the pool's memory but none of its threads
+    new (&lock_) std::mutex;
+    started_ = 0;
+    gen_ = 0;
+    word_.store(0), wake_.store(0), done_.store(0);
+  }
+
+  std::mutex lock_;
+  std::atomic<int> threads_;
+  int started_ = 0;
+  uint32_t gen_ = 0;
+  Fn fn_ = nullptr;
+  const void* ctx_ = nullptr;
+  alignas(64) std::atomic<uint64_t> word_{0};
+  alignas(64) std::atomic<uint32_t> done_{0};
+  alignas(64) std::atomic<uint32_t> wake_{0};
+};
