@@ -56,17 +56,15 @@ class LeanForward:
         self.binding, self.active = None, why_not(self.model) is None
         self._set_watch([])
         if self.active:
-            self.binding = bind(self.model)
+            self.binding = bind(self.model, getattr(self.native, "qmm", None))
             self._set_watch(self.binding.watch)
             self._plan()
         return self.active
 
     def use_kernels(self, native) -> None:
-        """Hand in (or, with None, take away) the native kernels module; re-plans."""
+        """Hand in (or, with None, take away) the native kernels module; rebinds and re-plans."""
         self.native = native
-        self.generation += 1
-        if self.active:
-            self._plan()
+        self.refresh(force=True)
 
     def _plan(self):
         b = self.binding

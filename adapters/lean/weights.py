@@ -12,6 +12,12 @@ new binding and new traces.
 q/k/v and gate/up are concatenated along the output axis into one buffer
 each; the model's own ``q_proj`` / ``k_proj`` / ... then hold *views* of it,
 so memory does not grow and the model's own forward computes what it did.
+
+Quantized groups run on the native quantized matmul (``qmm``, handed in by
+the runtime) where the residual stream is float32 and the quantization is
+one it takes (affine, 4 or 8 bits, groups of 32/64/128): the file's blocks
+are read as they are, never expanded to float32. Elsewhere they run on
+``mx.quantized_matmul``, as mlx-lm does.
 """
 
 from __future__ import annotations
@@ -24,6 +30,10 @@ import mlx.nn as nn
 
 from .qualify import ARRAYS, table_rope
 
+QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+QMM_BITS, QMM_GROUPS = (4, 8), (32, 64, 128)
+QMM_SCALES = (mx.float16, mx.bfloat16, mx.float32)
+
 
 class LinearGroup:
     """Linears that read the same input (q/k/v, gate/up), computed as one.
@@ -31,14 +41,24 @@ class LinearGroup:
     Its arrays ``p`` are constants of the lean trace: a dense weight as its
     transposed view ``wt`` (the matmul reads the same memory the same way as
     ``x @ weight.T``, with no transpose node), quantized ones as they are.
+    ``qmm``: the native quantized matmul, used where it takes the group's
+    quantization (:attr:`kernel`), else ``mx.quantized_matmul``.
     """
 
-    def __init__(self, mods):
+    def __init__(self, mods, qmm=None):
         self.mods = list(mods)
         m0 = self.mods[0]
-        self.quant = (m0.group_size, m0.bits, m0.mode) if type(m0) is nn.QuantizedLinear else None
+        self.quant = (m0.group_size, m0.bits, m0.mode) if type(m0) in QUANTIZED else None
         self.keys = [k for k in ARRAYS if k in m0]
         self.p = self._build()
+        self.kernel = qmm if qmm is not None and self._qmm_takes() else None
+
+    def _qmm_takes(self) -> bool:
+        if self.quant is None or "biases" not in self.p:
+            return False
+        group_size, bits, mode = self.quant
+        return (mode == "affine" and bits in QMM_BITS and group_size in QMM_GROUPS
+                and self.p["scales"].dtype in QMM_SCALES and self.p["biases"].dtype == self.p["scales"].dtype)
 
     def _build(self) -> Dict[str, mx.array]:
         if len(self.mods) > 1:
@@ -77,6 +97,10 @@ class LinearGroup:
         if self.quant is None:
             return mx.addmm(p["bias"], x, p["wt"]) if "bias" in p else x @ p["wt"]
         group_size, bits, mode = self.quant
+        if self.kernel is not None:  # 2-D in and out (the head gets [B, L, hidden])
+            y = self.kernel(x.reshape(-1, x.shape[-1]), p["weight"], p["scales"], p["biases"], group_size=group_size,
+                            bits=bits).reshape(*x.shape[:-1], -1)
+            return y + p["bias"] if "bias" in p else y
         y = mx.quantized_matmul(x, p["weight"], scales=p["scales"], biases=p.get("biases"), transpose=True,
                                 group_size=group_size, bits=bits, mode=mode)
         return y + p["bias"] if "bias" in p else y
@@ -124,8 +148,7 @@ class Binding:
     @property
     def activation_dtype(self):
         """The residual stream's dtype (what the embedding returns)."""
-        e = self.embed
-        return e.scales.dtype if isinstance(e, nn.QuantizedEmbedding) else e.weight.dtype
+        return _embedding_dtype(self.embed)
 
     def buffers(self) -> Dict[str, Dict[str, mx.array]]:
         """The groups' arrays by name (``qkv0``, ..., ``head``)."""
@@ -141,10 +164,18 @@ class Binding:
         return self.head_module.as_linear(h) if self.tied else self.head_module(h)
 
 
-def bind(model) -> Binding:
-    """The binding of a qualifying model (:func:`~.qualify.why_not` is None)."""
+def _embedding_dtype(e):
+    return e.scales.dtype if isinstance(e, nn.QuantizedEmbedding) else e.weight.dtype
+
+
+def bind(model, qmm=None) -> Binding:
+    """The binding of a qualifying model (:func:`~.qualify.why_not` is None).
+    ``qmm``: the native quantized matmul (float32 activations only)."""
     inner = model.model
     tied = bool(model.args.tie_word_embeddings)
+    norms = [inner.norm] + [n for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    if _embedding_dtype(inner.embed_tokens) != mx.float32 or any(n.weight.dtype != mx.float32 for n in norms):
+        qmm = None  # it takes float32 x: the residual stream must stay float32
     watch = [(model, "model", inner), (inner, "layers", inner.layers)]
     specs = []
     for i, layer in enumerate(inner.layers):
@@ -153,7 +184,7 @@ def bind(model) -> Binding:
         groups = {}
         for name, parent, keys in (("qkv", attn, ("q_proj", "k_proj", "v_proj")), ("o", attn, ("o_proj",)),
                                    ("gu", mlp, ("gate_proj", "up_proj")), ("down", mlp, ("down_proj",))):
-            group = groups[name] = LinearGroup([parent[k] for k in keys])
+            group = groups[name] = LinearGroup([parent[k] for k in keys], qmm)
             watch += [(parent, k, m) for k, m in zip(keys, group.mods)] + group.watch()
         nq, nk = attn.n_heads, attn.n_kv_heads
         qk = (attn.q_norm, attn.k_norm) if "q_norm" in attn else None
@@ -163,7 +194,8 @@ def bind(model) -> Binding:
         watch += [(layer, "input_layernorm", layer.input_layernorm), (layer, "post_attention_layernorm", layer.post_attention_layernorm)]
         watch += [(attn, k, attn[k]) for k in ("q_norm", "k_norm") if k in attn]
     head_module = inner.embed_tokens if tied else model.lm_head
-    head = LinearGroup([head_module]) if type(head_module) in (nn.Linear, nn.Embedding) else None
+    head_types = (nn.Linear, nn.Embedding) + (QUANTIZED if qmm is not None else ())
+    head = LinearGroup([head_module], qmm) if type(head_module) in head_types else None
     watch += [(inner, "embed_tokens", inner.embed_tokens), (inner, "norm", inner.norm)]
     if not tied:
         watch.append((model, "lm_head", model.lm_head))

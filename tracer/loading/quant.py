@@ -63,3 +63,18 @@ def dequantize_model(model: nn.Module, dtype=mx.float32, select=None) -> nn.Modu
     model.update_modules(leaves)
     mx.eval(model.parameters())
     return model
+
+
+def float32_activations(model: nn.Module) -> nn.Module:
+    """The ``quantized`` format, in place: quantized linears keep their packed
+    weights, scales and biases as loaded (the file's blocks); everything else
+    becomes float32, the quantized embedding's scales and biases included, so
+    that the residual stream is float32 (what the native quantized matmul
+    takes). Returns ``model``."""
+    for _, m in model.named_modules():
+        keep = ("weight", "scales", "biases") if isinstance(m, nn.QuantizedLinear) else ("weight",) if isinstance(m, nn.QuantizedEmbedding) else ()
+        for k, v in list(m.items()):
+            if isinstance(v, mx.array) and k not in keep and mx.issubdtype(v.dtype, mx.floating) and v.dtype != mx.float32:
+                m[k] = v.astype(mx.float32)
+    mx.eval(model.parameters())
+    return model

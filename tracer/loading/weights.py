@@ -1,6 +1,9 @@
 """Weight formats chosen for the backend, at load time.
 
 Formats: ``as-is`` (as loaded: a GGUF's 4/8-bit blocks stay quantized),
+``quantized`` (the quantized linears' blocks as loaded, everything else
+float32, so the activations are float32: with the native kernels the lean
+forward's matmuls read the blocks themselves, :mod:`mlx_tracer.backend.kernels`),
 ``float32`` (every quantized layer dequantized, scales and biases cast to
 fp32 first), ``float32-blocks`` (transformer blocks dequantized, the
 quantized embedding/head kept). ``auto``:
@@ -41,9 +44,9 @@ import mlx.core as mx
 
 from . import format_cache
 from .format_cache import FormatChoice, Setup, Timings
-from .quant import dequantize_model, float32_bytes, is_quantized
+from .quant import dequantize_model, float32_activations, float32_bytes, is_quantized
 
-FORMATS = ("auto", "as-is", "float32", "float32-blocks")
+FORMATS = ("auto", "as-is", "quantized", "float32", "float32-blocks")
 MARGIN = 1.1  # a larger format must be this much faster than as-is (ms per token)
 BATCHES = (1, 4)  # batch widths timed per format
 
@@ -57,7 +60,9 @@ def check_format(fmt: str) -> str:
 def apply_format(model, fmt: str):
     """Convert ``model`` in place to ``fmt`` (not ``auto``); returns it."""
     check_format(fmt)
-    if fmt == "float32":
+    if fmt == "quantized":
+        float32_activations(model)
+    elif fmt == "float32":
         dequantize_model(model, mx.float32)
     elif fmt == "float32-blocks":
         dequantize_model(model, mx.float32, select=lambda path: ".layers." in f".{path}")

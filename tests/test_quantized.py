@@ -1,0 +1,140 @@
+"""The ``quantized`` weight format: the quantized linears keep the file's
+blocks, the residual stream is float32, and the lean forward's matmuls run on
+the native quantized matmul (``qmm``, the *exact* contract: each weight
+dequantized in float32, float32 sums). The oracle is mlx-lm's own eager
+decode of the same model (``mx.quantized_matmul``): greedy tokens equal, in
+buckets and with continuous batching, on tiny models and on SmolLM2's file."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlx_tracer.backend import kernels
+from mlx_tracer.loading.quant import float32_activations
+from mlx_tracer.loading.weights import apply_format
+from mlx_tracer.runtime.engine import Engine
+from mlx_tracer.runtime.step import CompiledModel
+
+from .helpers import FRANCE, model_present
+from .tiny_models import tiny_model
+
+K = kernels.load()
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 10], [3] * 12]
+
+
+def quantized_tiny(family: str, group_size: int, bits: int, scales=mx.float16):
+    """A tiny model quantized as a GGUF file loads: blocks with ``scales``-typed
+    scales and biases (float16, as GGUF stores them), then the quantized format."""
+    model = tiny_model(family)
+    nn.quantize(model, group_size=group_size, bits=bits)
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            m.scales, m.biases = m.scales.astype(scales), m.biases.astype(scales)
+    return float32_activations(model)
+
+
+def eager_greedy(model, prompt, steps):
+    cache = make_prompt_cache(model)
+    logits = model(mx.array([prompt]), cache=cache)[:, -1, :]
+    out = []
+    for _ in range(steps):
+        tok = mx.argmax(logits, axis=-1)
+        out.append(tok.item())
+        logits = model(tok[:, None], cache=cache)[:, -1, :]
+    return out, logits
+
+
+def engine_tokens(engine, prompts, max_tokens):
+    uids = [engine.add(p, max_tokens=max_tokens) for p in prompts]
+    out = {u: [] for u in uids}
+    for ev in engine.run():
+        if ev.token is not None:
+            out[ev.uid].append(ev.token)
+    return [out[u] for u in uids]
+
+
+def test_the_format_keeps_the_blocks_and_makes_the_rest_float32():
+    model = quantized_tiny("llama", 32, 4)
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.q_proj, nn.QuantizedLinear) and attn.q_proj.scales.dtype == mx.float16
+    assert model.model.layers[0].input_layernorm.weight.dtype == mx.float32
+    assert model.model.embed_tokens(mx.array([[1, 2]])).dtype == mx.float32
+
+
+@pytest.mark.parametrize("family,group_size,bits", [("llama", 32, 4), ("llama", 64, 8), ("qwen3", 32, 4),
+                                                    ("llama_mixed", 64, 4)])
+def test_greedy_tokens_equal_mlx_lm_eager_on_the_quantized_model(family, group_size, bits):
+    model = quantized_tiny(family, group_size, bits)
+    cm = CompiledModel(model, fuse=True)
+    spec = cm.lean.binding.layers[0]
+    assert all(g.kernel is not None for g in spec.groups().values()), "the lean groups must run on qmm"
+    assert cm.lean.binding.head is not None and cm.lean.binding.head.kernel is not None
+    engine = Engine(cm, buckets=(1, 2, 4))
+    got = engine_tokens(engine, PROMPTS, 10)
+    for prompt, toks in zip(PROMPTS, got):
+        ref, _ = eager_greedy(model, prompt, 10)
+        assert toks == ref, (family, prompt)
+    with cm.no_new_traces():  # the same shapes again: replayed
+        assert engine_tokens(engine, PROMPTS, 10) == got
+
+
+def test_logits_stay_within_the_contract_of_mlx_lm():
+    """The logits of a compiled decode equal mlx-lm's up to the summation order
+    and MLX's float16 rounding of dequantized weights (mx.quantized_matmul
+    dequantizes fp16 scales in fp16; qmm in float32)."""
+    model = quantized_tiny("llama", 32, 4)
+    _, ref = eager_greedy(model, PROMPTS[0], 6)
+    cm = CompiledModel(model, fuse=True)
+    caches = cm.new_caches(1, rows=1)
+    r = cm.step(caches, mx.array([PROMPTS[0]]), return_logits=True)
+    logits = r.logits
+    for _ in range(6):
+        logits = cm.step(caches, mx.argmax(logits, axis=-1)[:, None].astype(mx.int32), return_logits=True).logits
+    scale = float(mx.abs(ref).max())
+    assert np.allclose(np.array(logits), np.array(ref), atol=2e-3 * scale), float(mx.abs(logits - ref).max())
+
+
+def test_without_kernels_the_format_runs_mlx_ops_with_the_same_tokens():
+    model = quantized_tiny("llama", 32, 4)
+    lean = CompiledModel(model, fuse=True)
+    ops = CompiledModel(model, fuse=True)
+    ops.lean.use_kernels(None)
+    assert ops.lean.binding.layers[0].qkv.kernel is None
+    a = engine_tokens(Engine(lean, buckets=(1, 2, 4)), PROMPTS, 8)
+    b = engine_tokens(Engine(ops, buckets=(1, 2, 4)), PROMPTS, 8)
+    assert a == b
+
+
+def test_float16_activations_do_not_use_qmm():
+    model = tiny_model("llama")
+    nn.quantize(model, group_size=32, bits=4)
+    model.set_dtype(mx.float16)
+    cm = CompiledModel(model, fuse=True)
+    assert cm.lean.binding.layers[0].qkv.kernel is None  # qmm takes float32 x only
+
+
+@pytest.mark.model
+def test_smollm2_in_the_quantized_format_answers_as_mlx_lm_does():
+    if not model_present():
+        pytest.skip("SmolLM2 GGUF not present: run `mlx-tracer fetch` (or ./dev setup)")
+    from mlx_lm import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    from mlx_tracer import Generator
+    from mlx_tracer.loading.store import resolve_model
+
+    gen = Generator.load(resolve_model(), weights="quantized")
+    assert gen.engine.compiled.lean.binding.layers[0].qkv.kernel is not None
+    prompt = gen.encode(FRANCE)
+    ref = [r.token for r in stream_generate(gen.model, gen.tokenizer, prompt, max_tokens=24, sampler=make_sampler(0.0))
+           if r.finish_reason != "stop"]
+    uid = gen.submit(FRANCE, max_tokens=24)
+    for _ in gen.events():
+        pass
+    out = gen.result(uid)
+    assert out.tokens == ref
+    assert out.text.strip() == "The capital of France is Paris."
