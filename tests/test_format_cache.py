@@ -49,6 +49,7 @@ def fake_timings(monkeypatch, ms):
         return ms[fmt] * B
 
     monkeypatch.setattr(weights, "decode_step_ms", step_ms)
+    monkeypatch.setattr(weights, "quantized_kernels", lambda: False)  # two candidates (see the quantized tests below)
     return calls
 
 
@@ -166,3 +167,24 @@ def test_info_shows_the_entries_that_apply_here_and_counts_the_rest(home, source
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "auto not measured yet for this MLX/BLAS/core count" in out and "3 more in" in out
+
+
+def test_the_rule_prefers_the_faster_of_the_block_formats_and_float32_only_by_a_margin():
+    t = lambda ms: {1: ms, 4: 4 * ms}  # noqa: E731  (ms per step at batch 1 and 4)
+    assert weights.pick_format({"as-is": t(10), "quantized": t(4), "float32": t(5)}) == "quantized"
+    assert weights.pick_format({"as-is": t(10), "quantized": t(5.4), "float32": t(5)}) == "quantized"  # not 10 % faster
+    assert weights.pick_format({"as-is": t(10), "quantized": t(8), "float32": t(5)}) == "float32"
+    assert weights.pick_format({"as-is": t(5), "quantized": t(5), "float32": t(9)}) == "as-is"  # a tie keeps as-is
+    assert weights.pick_format({"as-is": t(10), "float32": t(5)}) == "float32"
+
+
+def test_a_stored_choice_that_did_not_time_the_quantized_format_is_measured_again(home, source, monkeypatch):
+    calls = fake_timings(monkeypatch, {"as-is": 10.0, "float32": 5.0})
+    monkeypatch.setattr(weights, "current_load", lambda: 0.0)
+    assert choose(source) == "float32" and len(calls) == 4
+    assert choose(source) == "float32" and len(calls) == 4  # stored: not timed again
+    monkeypatch.setattr(weights, "quantized_kernels", lambda: True)  # the kernels are built now
+    logs = []
+    choose(source, logs.append)
+    assert len(calls) == 10 and "did not time the quantized format" in " ".join(logs)
+    assert "quantized" in format_cache.list_choices()[0].timings

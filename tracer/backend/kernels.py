@@ -194,5 +194,6 @@ def status() -> str:
     """One line for ``mlx-tracer info``."""
     module = load()
     if module is not None:
-        return f"active: decode layers in 4 graph nodes each on the CPU ({Path(module.__file__).name})"
+        return (f"active: decode layers in 4 graph nodes each on the CPU; quantized matmul ({module.qmm_isa()}, "
+                f"{module.qmm_threads()} threads) for --weights quantized ({Path(module.__file__).name})")
     return f"not used: {_state['why']}"

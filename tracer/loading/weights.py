@@ -9,11 +9,13 @@ fp32 first), ``float32-blocks`` (transformer blocks dequantized, the
 quantized embedding/head kept). ``auto``:
 
 * on a GPU backend: ``as-is``;
-* on the CPU: ``as-is`` and ``float32`` (or ``float32-blocks`` when fp32
-  weights would take more than half of the available RAM) are each timed on
-  one decode step at batch 1 and 4, and the faster (geometric mean of ms per
-  token) wins if it beats ``as-is`` by more than 10% (it costs up to 4x the
-  memory): :func:`pick_format` is that rule. The decision is cached per
+* on the CPU: ``as-is``, ``quantized`` (where the native quantized matmul
+  is built) and ``float32`` (or ``float32-blocks`` when fp32 weights would
+  take more than half of the available RAM) are each timed on compiled decode
+  steps at batch 1 and 4 (the step the loop runs); the faster of the two that
+  keep the file's blocks wins (``as-is`` on a tie), and a float32 format wins
+  only if it beats that by more than 10% (it costs up to 4-6x the memory):
+  :func:`pick_format` is that rule. The decision is cached per
   model file, MLX version, BLAS and core count in ``<cache dir>/formats.json``
   (:mod:`.format_cache`), so it is measured once, not guessed. With MLX's
   reference BLAS ``as-is`` wins (its fp32 GEMM is slow); with the fast BLAS
@@ -47,6 +49,7 @@ from .format_cache import FormatChoice, Setup, Timings
 from .quant import dequantize_model, float32_activations, float32_bytes, is_quantized
 
 FORMATS = ("auto", "as-is", "quantized", "float32", "float32-blocks")
+BLOCKS = ("as-is", "quantized")  # the formats that keep the file's quantized blocks (its memory)
 MARGIN = 1.1  # a larger format must be this much faster than as-is (ms per token)
 BATCHES = (1, 4)  # batch widths timed per format
 
@@ -80,25 +83,31 @@ def available_memory() -> Optional[int]:
     return None
 
 
-def decode_step_ms(model, B: int, context: int = 16, reps: int = 2) -> float:
-    """Median ms of one eager decode step at batch ``B`` over ``context`` tokens."""
-    import copy
+def decode_step_ms(model, B: int, context: int = 16, reps: int = 3) -> float:
+    """Median ms of one compiled decode step (what the loop runs: the lean
+    forward, the native kernels where they apply) at batch ``B`` over
+    ``context`` tokens, after a first step that traces it."""
+    from ..runtime.step import CompiledModel
 
-    from mlx_lm.models.cache import make_prompt_cache
-
-    from ..interop import batch_serial_caches
-
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.zeros((1, context), dtype=mx.int32), cache=cache))
-    batch = batch_serial_caches([copy.deepcopy(cache) for _ in range(B)]) if B > 1 else cache
+    compiled = CompiledModel(model)
+    caches = compiled.new_caches(B, rows=B)
+    compiled.step(caches, mx.zeros((B, context), dtype=mx.int32))
     y = mx.zeros((B, 1), dtype=mx.int32)
-    mx.eval(model(y, cache=batch))
     times = []
-    for _ in range(reps):
+    for i in range(reps + 1):
         t0 = time.perf_counter()
-        mx.eval(model(y, cache=batch))
-        times.append(time.perf_counter() - t0)
+        out = compiled.step(caches, y)
+        mx.eval(out.tokens)
+        if i:  # the first traced and built the step's kernels
+            times.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(times)
+
+
+def quantized_kernels() -> bool:
+    """Whether the native quantized matmul is built here (the ``quantized`` format's fast path)."""
+    from ..backend import kernels
+
+    return kernels.load() is not None and hasattr(kernels.load(), "qmm")
 
 
 def ms_per_token(timings_of_one_format: dict) -> float:
@@ -107,11 +116,14 @@ def ms_per_token(timings_of_one_format: dict) -> float:
 
 
 def pick_format(timings: Timings) -> str:
-    """The documented rule: the format with the fewest ms per token, if it
-    beats ``as-is`` by more than :data:`MARGIN`; else ``as-is``."""
+    """The documented rule: of the formats that keep the file's blocks, the
+    one with the fewest ms per token (``as-is`` on a tie); a float32 format
+    instead if it beats that by more than :data:`MARGIN`."""
     score = {f: ms_per_token(t) for f, t in timings.items()}
-    best = min(score, key=score.get)
-    return best if score[best] * MARGIN <= score["as-is"] else "as-is"
+    small = min((f for f in BLOCKS if f in score), key=lambda f: (score[f], f != "as-is"))
+    large = [f for f in score if f not in BLOCKS]
+    best = min(large, key=score.get) if large else small
+    return best if score[best] * MARGIN <= score[small] else small
 
 
 def current_load() -> Optional[float]:
@@ -138,16 +150,19 @@ def choose_format(model, source: Optional[Path], reload, log=lambda s: None) -> 
     setup = Setup.of(source) if source is not None else None
     known = format_cache.find(setup) if setup is not None else None
     load_before = current_load()
-    if known is not None and not should_remeasure(known, load_before):
-        fmt = known.format
-        return (apply_format(model, fmt) if fmt != "as-is" else model), fmt, known.timings
-    if known is not None:
-        log(f"measuring weight formats again: the stored choice was timed at load average {known.load_avg} "
-            f"on {known.setup.cores} cores, now {load_before:.2f}")
     avail = available_memory()
     fits = avail is None or float32_bytes(model) < avail // 2
     # fp32 everywhere when it fits; else blocks only (the head stays quantized)
-    candidates = ["as-is", "float32" if fits else "float32-blocks"]
+    candidates = ["as-is"] + (["quantized"] if quantized_kernels() else []) + ["float32" if fits else "float32-blocks"]
+    missing = known is not None and "quantized" in candidates and "quantized" not in known.timings
+    if known is not None and not missing and not should_remeasure(known, load_before):
+        fmt = known.format
+        return (apply_format(model, fmt) if fmt != "as-is" else model), fmt, known.timings
+    if missing:
+        log("measuring weight formats again: the stored choice did not time the quantized format")
+    elif known is not None:
+        log(f"measuring weight formats again: the stored choice was timed at load average {known.load_avg} "
+            f"on {known.setup.cores} cores, now {load_before:.2f}")
     timings: Timings = {}
     for fmt in candidates:
         m = model if fmt == "as-is" else apply_format(reload(), fmt)
