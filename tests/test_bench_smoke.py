@@ -113,3 +113,19 @@ def test_pytest_benchmark_suite_runs_in_smoke_mode():
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert "4 passed" in r.stdout
+
+
+def test_the_roofline_divides_by_the_cores_peak_not_one_gemms_rate():
+    """A ceiling is physical: FLOPs over the cores' peak from their ISA and
+    clock, which no kernel can beat (one GEMM's measured rate could be, and a
+    row read 123 %)."""
+    from types import SimpleNamespace
+
+    from mlx_tracer.bench.machine import Machine, peak_gflops, roofline_tps
+
+    peak = peak_gflops()
+    assert peak >= 8  # at least one core issuing 8 FLOPs a cycle at 1 GHz
+    layouts = [SimpleNamespace(window=None, kv_heads=1, k_dim=8, v_dim=8)]
+    costs = {"weight_bytes": 1e3, "params": 1e9, "kv_bytes_per_pos": 64}  # FLOP-bound: 2 GFLOP a token
+    slow, fast = Machine({1 << 20: 100.0}, 10.0, 10.0), Machine({1 << 20: 100.0}, 10.0, 1000.0)
+    assert roofline_tps(costs, layouts, fast, 8, 128) > 50 * roofline_tps(costs, layouts, slow, 8, 128)

@@ -1,8 +1,16 @@
-"""This machine's roofline: measured memory bandwidth and fp32 GEMM rate.
+"""This machine's roofline: measured memory bandwidth and the cores' peak FLOP rate.
 
 Per decode step, bytes (weights + live KV) over the bandwidth measured at
-that working-set size, and FLOPs over the measured GEMM rate: the slower
+that working-set size, and FLOPs over the cores' peak rate: the slower
 bound gives the best tokens/s the machine allows.
+
+The FLOP ceiling is physical, not one library's: cores x the most float32
+FLOPs one core's widest FMA units can issue per cycle (AVX-512: two 16-lane
+FMA units, 64; AVX2 with FMA: two 8-lane units, 32; else 16) x the clock the
+kernel reports (a VM reports its nominal clock; boost clocks above it are
+covered by counting two FMA units where some cores have one). A row can
+therefore never read above 100 %; dividing by one plain GEMM's measured rate
+did (123 % at bucket 8), since the step's kernels beat that GEMM.
 
 The bandwidth is the machine's, not one library's: per working-set size the
 fastest of a STREAM-like read with every core (numpy sums over one slice per
@@ -26,10 +34,29 @@ import mlx.nn as nn
 import numpy as np
 
 
+def peak_gflops() -> float:
+    """The cores' peak float32 GFLOP/s from their ISA and clock (module docstring)."""
+    flags, mhz = set(), 0.0
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+                elif key.strip() == "cpu MHz":
+                    mhz = max(mhz, float(value))
+    except (OSError, ValueError):
+        pass
+    per_cycle = 64 if "avx512f" in flags else 32 if {"avx2", "fma"} <= flags else 16
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cores * per_cycle * (mhz or 4000.0) / 1e3  # no clock known: 4 GHz, a generous one
+
+
 @dataclass
 class Machine:
     copy_gbps: Dict[int, float]  # memory bandwidth by working-set bytes (cache .. DRAM), see measure()
-    gemm_gflops: float  # fp32 GEMM rate (8 x 4096 x 4096)
+    gemm_gflops: float  # fp32 GEMM rate (8 x 4096 x 4096), measured: what one plain GEMM reaches
+    peak_gflops: float = 0.0  # the cores' peak float32 rate (peak_gflops()): the roofline's FLOP ceiling
 
     @staticmethod
     def _best_s(fn, reps):
@@ -60,7 +87,8 @@ class Machine:
             bw[mb << 20] = max(copy, read, cls._stream_read(x.nbytes)) / 1e9
         a, b = mx.random.normal((8, 4096)), mx.random.normal((4096, 4096))
         mx.eval(a, b, a @ b)
-        return cls(bw, 2 * 8 * 4096 * 4096 / cls._best_s(lambda: mx.eval(a @ b), 5) / 1e9)
+        gemm = 2 * 8 * 4096 * 4096 / cls._best_s(lambda: mx.eval(a @ b), 5) / 1e9
+        return cls(bw, gemm, max(gemm, peak_gflops()))
 
     @classmethod
     def _stream_read(cls, nbytes: int) -> float:
@@ -114,5 +142,6 @@ def roofline_tps(costs, layouts, machine: Machine, B: int, context: int, weight_
     bytes_step = weights + B * live * costs["kv_bytes_per_pos"]
     attn_flops = sum(4 * min(context, l.window or context) * l.kv_heads * l.k_dim for l in layouts)
     flops_step = B * (2 * costs["params"] + attn_flops)
-    t = max(bytes_step / (machine.bandwidth(bytes_step) * 1e9), flops_step / (machine.gemm_gflops * 1e9))
+    flops = max(machine.peak_gflops, machine.gemm_gflops)
+    t = max(bytes_step / (machine.bandwidth(bytes_step) * 1e9), flops_step / (flops * 1e9))
     return B / t

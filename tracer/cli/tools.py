@@ -34,7 +34,8 @@ def _bench_tables(args, conditions) -> dict:
     log("measuring this machine (memory bandwidth by size, fp32 GEMM) ...")
     machine = bench.Machine.measure()
     bw = ", ".join(f"{size >> 20} MB {gbps:.1f}" for size, gbps in sorted(machine.copy_gbps.items()))
-    log(f"  bandwidth GB/s by size: {bw}; fp32 GEMM {machine.gemm_gflops:.1f} GFLOP/s")
+    log(f"  bandwidth GB/s by size: {bw}; fp32 GEMM {machine.gemm_gflops:.1f} GFLOP/s; "
+        f"cores' peak {machine.peak_gflops:.0f} GFLOP/s (the roofline's FLOP ceiling)")
     if args.baseline:
         log("stock mlx-lm as a user runs it (reference BLAS, weights as loaded): a subprocess, runs in turn with the others")
     print(bench.UNITS)
