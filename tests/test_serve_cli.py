@@ -1,5 +1,6 @@
 """``mlx-tracer serve`` as a user runs it: options checked before the model
-loads, and a real server process on 127.0.0.1 that Ctrl-C stops."""
+loads, and a real server process on 127.0.0.1 that Ctrl-C stops (SIGTERM with
+open streams: tests/test_serve_limits.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ def run(*args, timeout=120):
     (["--max-queue", "0"], "--max-queue: must be > 0"),
     (["--prefix-cache-mb", "-1"], "--prefix-cache-mb: must be >= 0"),
     (["--timeout", "0"], "expected seconds > 0"),
+    (["--max-request-bytes", "10"], "max_request_bytes must be in [1024, "),
+    (["--shutdown-grace", "-1"], "shutdown_grace must be in [0, 3600]"),
+    (["--api-key", ""], "an API key cannot be empty"),
     (["--buckets", "0"], "must be >= 1"),
     (["--spec", "magic"], "invalid choice"),
     (["--draft-model", "/no/such/draft.gguf"], "that path does not exist"),
@@ -48,30 +52,39 @@ def test_a_busy_port_fails_before_the_model_loads():
     assert r.returncode == 2 and "cannot listen on 127.0.0.1" in r.stderr, r.stderr
 
 
-def test_python_m_mlx_tracer_serve_answers_and_stops_on_ctrl_c(tmp_path):
-    model = save_chat_model_dir(tmp_path / "tiny")
-    env = dict(os.environ, MLX_TRACER_BLAS="0")
+def start_serve(model, *args, env=None):
+    """``(process, url, its stderr lines so far)`` of ``python -m mlx_tracer serve``
+    on ``model`` and a free port, once it says where it serves (its stderr is a pipe)."""
+    env = dict(os.environ, MLX_TRACER_BLAS="0", **(env or {}))
     proc = subprocess.Popen([sys.executable, "-m", "mlx_tracer", "serve", "--model", str(model), "--port", "0",
-                             "--weights", "as-is", "--buckets", "1,2"],
-                            stderr=subprocess.PIPE, text=True, env=env)
+                             "--weights", "as-is", *args], stderr=subprocess.PIPE, text=True, env=env)
+    url, lines, t0 = None, [], time.monotonic()
+    while url is None and time.monotonic() - t0 < 90:
+        line = proc.stderr.readline()
+        if not line and proc.poll() is not None:
+            break
+        lines.append(line)
+        m = re.search(r"serving tiny at (http://127\.0\.0\.1:\d+)/v1", line)
+        url = m.group(1) if m else None
+    return proc, url, lines
+
+
+def stop_process(proc):
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    proc.stderr.close()
+
+
+def test_python_m_mlx_tracer_serve_answers_and_stops_on_ctrl_c(tmp_path):
+    proc, url, lines = start_serve(save_chat_model_dir(tmp_path / "tiny"), "--buckets", "1,2")
     try:
-        url, lines, t0 = None, [], time.monotonic()
-        while url is None and time.monotonic() - t0 < 90:
-            line = proc.stderr.readline()
-            if not line and proc.poll() is not None:
-                break
-            lines.append(line)
-            m = re.search(r"serving tiny at (http://127\.0\.0\.1:\d+)/v1", line)
-            url = m.group(1) if m else None
         assert url, "".join(lines)
         assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
         r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "5 6"}],
                                                            "max_tokens": 3, "temperature": 0}, timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 130
+        assert proc.wait(30) == 0  # drained: nothing was running
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stderr.close()
+        stop_process(proc)

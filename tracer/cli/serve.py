@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
-from ..runtime.options import DEFAULT_DRAFT_TOKENS, PROMPT_LOOKUP
+from ..runtime.options import (
+    DEFAULT_DRAFT_TOKENS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_GRACE, PROMPT_LOOKUP, OptionError,
+    check_request_bytes, check_shutdown_grace,
+)
 from . import options as opt
 from .commands import load_generator, log
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+API_KEY_ENV = "MLX_TRACER_API_KEY"
 
 
 def port(text: str) -> int:
@@ -33,6 +38,31 @@ def seconds(text: str) -> float:
     return value
 
 
+def _checked(check, value):
+    try:
+        return check(value)
+    except OptionError as e:
+        raise argparse.ArgumentTypeError(e.reason) from None
+
+
+def request_bytes(text: str) -> int:
+    return _checked(check_request_bytes, opt.positive_int(text))
+
+
+def grace(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {text!r}") from None
+    return _checked(check_shutdown_grace, value)
+
+
+def api_key(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an API key cannot be empty")
+    return text
+
+
 def add_parser(sub, model_args):
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and text completions, streaming, metrics)")
     model_args(s)
@@ -48,6 +78,14 @@ def add_parser(sub, model_args):
     s.add_argument("--draft-tokens", type=opt.draft_tokens,
                    help=f"most drafts per row and verify step (k; default {DEFAULT_DRAFT_TOKENS}; needs --spec or --draft-model)")
     s.add_argument("--timeout", type=seconds, default=600.0, help="seconds a request may take before it is cancelled (default 600; answered 504)")
+    s.add_argument("--max-request-bytes", type=request_bytes, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help=f"largest request body in bytes (default {DEFAULT_MAX_REQUEST_BYTES}: 4 MiB); larger ones get 413")
+    s.add_argument("--shutdown-grace", type=grace, default=DEFAULT_SHUTDOWN_GRACE,
+                   help=f"on SIGTERM/SIGINT, seconds running requests get to finish before they are cut "
+                        f"(default {DEFAULT_SHUTDOWN_GRACE:g}); new ones get 503")
+    s.add_argument("--api-key", type=api_key, default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set; "
+                        "/health and /metrics stay open)")
     s.add_argument("--no-warmup", dest="warmup", action="store_false", help="do not trace the buckets before serving")
     s.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="uvicorn's log level (info: access log too)")
     s.set_defaults(func=serve)
@@ -72,9 +110,12 @@ def serve(args) -> int:
         worker.start(warmup=gen.engine.buckets if args.warmup else None)
         if worker.warmup_ms:
             log(f"traced {len(worker.warmup_ms)} step shapes in {sum(worker.warmup_ms.values()):.0f} ms")
+        key = args.api_key or os.environ.get(API_KEY_ENV) or None
         try:
-            log(f"serving {worker.model_id} at {address(sock)}/v1 (also /health, /metrics); Ctrl-C stops")
-            run(create_app(worker, timeout=args.timeout), sock, args.log_level)
+            app = create_app(worker, timeout=args.timeout, max_request_bytes=args.max_request_bytes, api_key=key)
+            log(f"serving {worker.model_id} at {address(sock)}/v1 (also /health, /metrics)"
+                + ("; /v1 needs the API key" if key else "") + "; Ctrl-C stops")
+            run(app, sock, args.log_level, grace=args.shutdown_grace)
         finally:
             worker.stop()
     finally:

@@ -39,6 +39,10 @@ MAX_CAPACITY = 2**20  # positions of a full-attention cache bucket: beyond any c
 MAX_DRAFT_TOKENS = 64  # drafts per row and verify step: acceptance falls off long before
 MAX_TOKENS = 2**20  # completion tokens of a request (the model's context length bounds it further)
 MAX_QUEUE = 100_000  # requests waiting for a row (each holds its prompt in memory)
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20  # a request body: ~1M tokens of text, far past any context in reach
+MAX_REQUEST_BYTES = 1 << 30  # each body in flight is held in memory, then parsed and tokenized
+DEFAULT_SHUTDOWN_GRACE = 10.0  # seconds running requests get to finish once the server is told to stop
+MAX_SHUTDOWN_GRACE = 3600.0  # past an hour a supervisor has long given up and killed the process
 
 
 class OptionError(ValueError):
@@ -256,6 +260,25 @@ def check_queue_size(n, name: str = "max_queue") -> int:
     if not 1 <= n <= MAX_QUEUE:
         raise OptionError(name, f"{name} must be in [1, {MAX_QUEUE}] (each waiting request holds its prompt), got {n}")
     return int(n)
+
+
+def check_request_bytes(n, name: str = "max_request_bytes") -> int:
+    """Bytes a request body may have: 1 KiB .. MAX_REQUEST_BYTES."""
+    if not _is_int(n):
+        raise OptionTypeError(name, f"{name} must be an integer number of bytes, got {n!r}")
+    if not 1024 <= n <= MAX_REQUEST_BYTES:
+        raise OptionError(name, f"{name} must be in [1024, {MAX_REQUEST_BYTES}] bytes (1 KiB to 1 GiB: each body is "
+                                f"held in memory), got {n}")
+    return int(n)
+
+
+def check_shutdown_grace(seconds, name: str = "shutdown_grace") -> float:
+    """Seconds running requests get to finish at shutdown: 0 .. MAX_SHUTDOWN_GRACE."""
+    if not isinstance(seconds, numbers.Real) or isinstance(seconds, bool) or not math.isfinite(seconds):
+        raise OptionTypeError(name, f"{name} must be a finite number of seconds, got {seconds!r}")
+    if not 0 <= seconds <= MAX_SHUTDOWN_GRACE:
+        raise OptionError(name, f"{name} must be in [0, {MAX_SHUTDOWN_GRACE:g}] seconds (0: cut at once), got {seconds}")
+    return float(seconds)
 
 
 def check_cache_bytes(n, name: str = "max_bytes") -> int:

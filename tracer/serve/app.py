@@ -4,18 +4,21 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (whole
 answers or server-sent events ending with ``data: [DONE]``), ``GET
 /v1/models``, ``GET /health``, ``GET /metrics``.
 
-A handler checks the body (:mod:`.protocol`), hands the request to the engine
-thread and waits on the request's own queue for its messages (:mod:`.jobs`),
-racing two things: the client going away (an ``http.disconnect`` on the ASGI
-receive channel) and the server's timeout. Either cancels the request in the
-engine (its row is freed at the next step; other requests lose nothing).
-Handlers never touch the model: no MLX call runs on the event loop.
+A handler reads the body within its bounds (:mod:`.body`), checks it
+(:mod:`.protocol`), tokenizes the prompt on a worker thread, hands the request
+to the engine thread and waits on the request's own queue for its messages
+(:mod:`.jobs`), racing two things: the client going away (an
+``http.disconnect`` on the ASGI receive channel) and the server's timeout.
+Either cancels the request in the engine (its row is freed at the next step;
+other requests lose nothing); so does the end of the shutdown grace
+(:mod:`.shutdown`). Handlers never touch the model: no MLX call runs on the
+event loop. With an API key, ``/v1/*`` needs it (:mod:`.middleware`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import sys
 import time
 from typing import AsyncIterator, Optional
 
@@ -25,14 +28,15 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from ..runtime.options import OptionError, check_context_length
-from .errors import APIError, invalid_option, timed_out
-from .jobs import Admitted, Delta, Finished, Job, Rejected
-from .protocol import GenerationSpec, parse_chat, parse_completion, parse_json_error
+from ..runtime.options import DEFAULT_MAX_REQUEST_BYTES, OptionError, check_context_length, check_request_bytes
+from .body import read_json
+from .errors import APIError, invalid_option, shutting_down, timed_out
+from .jobs import Admitted, Cut, Delta, Finished, Job, Rejected
+from .middleware import CountResponses, RequireKey
+from .protocol import GenerationSpec, parse_chat, parse_completion
 from .responses import DONE, ResponseWriter, Usage, sse
+from .shutdown import Shutdown
 from .worker import EngineWorker
-
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 
 
 class ClientGone(Exception):
@@ -56,16 +60,22 @@ class ClientWatch:
 
 
 class Session:
-    """One generation request on the front end: its job, its client and its deadline."""
+    """One generation request on the front end: its job, its client and its
+    deadline; registered with the server's :class:`~.shutdown.Shutdown` while open."""
 
-    def __init__(self, worker: EngineWorker, job: Job, watch: ClientWatch, deadline: Optional[float], timeout: Optional[float]):
+    def __init__(self, worker: EngineWorker, job: Job, watch: ClientWatch, deadline: Optional[float],
+                 timeout: Optional[float], shutdown: Shutdown, name: str):
         self.worker, self.job, self.watch = worker, job, watch
         self.deadline, self.timeout = deadline, timeout
+        self.shutdown, self.name = shutdown, name
         self.finished = False
+        self.tokens = 0  # deltas read
+        shutdown.opened(self)
 
     async def next(self):
         """The job's next message; cancels the job and raises when the client
-        left (:class:`ClientGone`) or the deadline passed (504)."""
+        left (:class:`ClientGone`), the deadline passed (504) or the server
+        stops (503: the shutdown grace ran out)."""
         queue = self.job.queue
         left = None if self.deadline is None else self.deadline - time.perf_counter()
         if not queue.empty() and not self.watch.gone.done() and (left is None or left > 0):
@@ -82,6 +92,14 @@ class Session:
         raise timed_out(self.timeout)
 
     def _seen(self, msg):
+        if isinstance(msg, Cut):
+            self.abandon()
+            kind = "streamed" if self.job.spec.stream else "whole"
+            print(f"mlx-tracer serve: shutting down: cut {kind} request {self.name} after {self.tokens} tokens "
+                  f"(the {self.shutdown.grace:g} s grace ran out)", file=sys.stderr, flush=True)
+            raise shutting_down()
+        if isinstance(msg, Delta):
+            self.tokens += 1
         if isinstance(msg, (Finished, Rejected)):
             self.finished = True
         return msg
@@ -95,6 +113,7 @@ class Session:
     def close(self):
         self.abandon()
         self.watch.close()
+        self.shutdown.closed(self)
 
 
 class EventStream(Response):
@@ -121,33 +140,54 @@ class EventStream(Response):
             self.session.close()
 
 
-def create_app(worker: EngineWorker, timeout: Optional[float] = 600.0) -> Starlette:
+class ServerApp:
+    """The ASGI app of :func:`create_app`, with its :class:`~.shutdown.Shutdown`
+    (``await app.shutdown.drain(grace)`` stops it gracefully; :mod:`.server` does on a signal)."""
+
+    def __init__(self, asgi, shutdown: Shutdown):
+        self.asgi, self.shutdown = asgi, shutdown
+
+    async def __call__(self, scope, receive, send):
+        await self.asgi(scope, receive, send)
+
+
+def create_app(worker: EngineWorker, timeout: Optional[float] = 600.0,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, api_key: Optional[str] = None) -> ServerApp:
     """The ASGI app serving ``worker`` (started and stopped by the caller).
-    ``timeout``: seconds a request may take from arrival (None: no limit)."""
+    ``timeout``: seconds a request may take from arrival (None: no limit);
+    ``max_request_bytes``: the largest body (413 past it); ``api_key``: what
+    ``/v1/*`` requests must send as ``Authorization: Bearer <key>`` (None: open)."""
     metrics = worker.metrics
+    max_request_bytes = check_request_bytes(max_request_bytes)
+    shutdown = Shutdown()
 
     async def chat_completions(request: Request):
-        received = time.perf_counter()
-        return await generate(request, parse_chat(await _json(request), worker.model_id), received)
+        return await generate(request, parse_chat)
 
     async def completions(request: Request):
-        received = time.perf_counter()
-        return await generate(request, parse_completion(await _json(request), worker.model_id), received)
+        return await generate(request, parse_completion)
 
-    async def generate(request: Request, spec: GenerationSpec, received: float):
+    async def generate(request: Request, parse):
+        received = time.perf_counter()
+        if shutdown.draining:
+            raise shutting_down()
+        spec: GenerationSpec = parse(await read_json(request, max_request_bytes), worker.model_id)
         try:  # before tokenizing: a budget that leaves no room for any prompt
             check_context_length(None, spec.max_tokens, worker.context_limit, max_param=spec.max_tokens_param)
         except OptionError as e:
             raise invalid_option(e) from None
-        job = worker.submit(spec, asyncio.get_running_loop(), received)
+        ids = await asyncio.to_thread(worker.tokenize, spec)  # beside the loop: a long prompt stalls no stream
+        if shutdown.draining:
+            raise shutting_down()
+        job = worker.submit(spec, ids, asyncio.get_running_loop(), received)
         deadline = None if timeout is None else received + timeout
-        session = Session(worker, job, ClientWatch(request), deadline, timeout)
+        writer = ResponseWriter(spec.endpoint, worker.model_id)
+        session = Session(worker, job, ClientWatch(request), deadline, timeout, shutdown, writer.id)
         try:
             first = await session.next()
             if isinstance(first, Rejected):
                 raise first.error
             assert isinstance(first, Admitted), first
-            writer = ResponseWriter(spec.endpoint, worker.model_id)
             usage = Usage(first.prompt_tokens, 0, first.cached_tokens)
             if spec.stream:
                 stream = EventStream(_stream(session, spec, writer, usage), session)
@@ -171,6 +211,8 @@ def create_app(worker: EngineWorker, timeout: Optional[float] = 600.0) -> Starle
         return JSONResponse(_model_card(worker))
 
     async def health(request: Request):
+        if shutdown.draining:
+            return JSONResponse({"status": "draining", "model": worker.model_id}, status_code=503)
         if worker.running:
             return JSONResponse({"status": "ok", "model": worker.model_id})
         return JSONResponse({"status": "unavailable", "error": str(worker.error or "stopped")}, status_code=503)
@@ -197,14 +239,7 @@ def create_app(worker: EngineWorker, timeout: Optional[float] = 600.0) -> Starle
         Route("/metrics", metrics_text, methods=["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={APIError: api_error, HTTPException: http_error})
-    return _CountResponses(app, metrics)
-
-
-async def _json(request: Request):
-    try:
-        return json.loads(await request.body())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise parse_json_error(e) from None
+    return ServerApp(CountResponses(RequireKey(app, api_key), metrics), shutdown)
 
 
 async def _whole(session: Session, spec: GenerationSpec, writer: ResponseWriter, usage: Usage) -> JSONResponse:
@@ -230,8 +265,9 @@ async def _stream(session: Session, spec: GenerationSpec, writer: ResponseWriter
     while True:
         try:
             msg = await session.next()
-        except APIError as e:  # the timeout: the response has started, so it ends with an error event
+        except APIError as e:  # timeout or shutdown: the response has started, so an error event ends it
             yield sse(e.body())
+            yield DONE
             return
         if isinstance(msg, Delta):
             lp = [msg.logprob] if msg.logprob is not None else None
@@ -240,6 +276,7 @@ async def _stream(session: Session, spec: GenerationSpec, writer: ResponseWriter
         elif isinstance(msg, Finished):
             if msg.error is not None:
                 yield sse(msg.error.body())
+                yield DONE
                 return
             yield sse(writer.chunk("", finish_reason=msg.reason, usage=with_usage))
             if with_usage:
@@ -251,27 +288,3 @@ async def _stream(session: Session, spec: GenerationSpec, writer: ResponseWriter
 
 def _model_card(worker: EngineWorker) -> dict:
     return {"id": worker.model_id, "object": "model", "created": 0, "owned_by": "mlx-tracer"}
-
-
-class _CountResponses:
-    """ASGI middleware: counts responses by route and status code."""
-
-    def __init__(self, app, metrics):
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        path = path if path in ROUTES else "/v1/models/{name}" if path.startswith("/v1/models/") else "other"
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start":
-                self.metrics.count_response(path, message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, counting_send)
-        except Exception:
-            self.metrics.count_response(path, 500)
-            raise

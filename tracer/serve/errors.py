@@ -63,3 +63,22 @@ def timed_out(seconds: float) -> APIError:
 
 def internal(message: str) -> APIError:
     return APIError(500, message, "server_error", None, "internal_error")
+
+
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than this server accepts ({limit} bytes, --max-request-bytes): "
+                         "send a shorter prompt", "invalid_request_error", None, "request_too_large")
+
+
+def too_deep(limit: int) -> APIError:
+    return APIError(400, f"the request body nests JSON arrays and objects more than {limit} levels deep",
+                    "invalid_request_error", None, "json_too_deep")
+
+
+def unauthorized(message: str) -> APIError:
+    return APIError(401, message, "invalid_request_error", None, "invalid_api_key")
+
+
+def shutting_down(retry_after: int = 5) -> APIError:
+    return APIError(503, "the server is shutting down: retry shortly (or on another server)", "server_error", None,
+                    "shutting_down", retry_after)

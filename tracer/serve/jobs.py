@@ -10,7 +10,9 @@ by the engine thread. Ownership of its fields is split, never shared:
 
 Messages, in order: one :class:`Admitted` or :class:`Rejected`; then, after
 ``Admitted``, one :class:`Delta` per generated token and a :class:`Finished`.
-The queue is unbounded: the engine thread never waits for a slow client.
+The queue is unbounded: the engine thread never waits for a slow client. The
+front end itself may put one :class:`Cut` (on its own loop) when the server
+stops before the request is over (:mod:`.shutdown`).
 """
 
 from __future__ import annotations
@@ -57,7 +59,12 @@ class Finished:
     error: Optional[APIError] = None
 
 
-Message = object  # one of Admitted, Rejected, Delta, Finished
+@dataclass
+class Cut:
+    """The server is stopping and the shutdown grace ran out (put by the front end)."""
+
+
+Message = object  # one of Admitted, Rejected, Delta, Finished, Cut
 
 
 @dataclass
@@ -67,10 +74,10 @@ class Job:
     spec: GenerationSpec
     loop: asyncio.AbstractEventLoop
     received_at: float  # time.perf_counter() when the request arrived
+    prompt: List[int] = field(default_factory=list)  # the whole prompt's token ids (tokenized by the front end)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     # engine thread
     uid: Optional[int] = None  # the engine's request id, once submitted
-    prompt: List[int] = field(default_factory=list)  # the whole prompt's token ids
     cached: int = 0  # leading prompt tokens that came from the prefix cache
     stop_ids: frozenset = frozenset()
     started: bool = False  # got its first event (left the queue)

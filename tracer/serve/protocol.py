@@ -3,10 +3,12 @@
 Everything that needs no model is checked here, in the HTTP front end, before
 a request reaches the engine thread: JSON types, ranges (through the
 runtime's own validators), options this server does not support (``n > 1``,
-tools, non-text content, ``top_logprobs > 0``: 400 naming the parameter) and
-unknown parameters (400, as OpenAI answers). What needs the tokenizer or the
-model (chat template, prompt length against the context) is checked by the
-engine thread, which answers a failure to that request only.
+tools, non-text content, ``top_logprobs > 0``: 400 naming the parameter),
+text no tokenizer takes (lone surrogates) and unknown parameters (400, as
+OpenAI answers). What needs the tokenizer (chat template, prompt length
+against the context) is checked by :meth:`~.worker.EngineWorker.tokenize`
+beside the event loop, and what needs the engine by the engine thread; each
+answers a failure to that request only.
 """
 
 from __future__ import annotations
@@ -102,7 +104,10 @@ def _spec(endpoint, body, served, prompt, limit, logprobs, limit_name) -> Genera
     if model is not None and model != served:
         raise model_not_found(model, served)
     _refuse_sampling_extras(body)
-    if _int(body, "n", 1) != 1:
+    n = _int(body, "n", 1)
+    if n < 1:
+        raise bad_request(f"n must be 1 (n > 1 is not supported yet), got {n}", "n")
+    if n > 1:
         raise unsupported("n", "n > 1 is not supported: send one request per completion")
     try:  # the runtime's own checks, under the names this request gave
         max_tokens = check_max_tokens(DEFAULT_MAX_TOKENS if limit is None else limit, limit_name)
@@ -173,7 +178,7 @@ def _content(content, role: str, where: str) -> str:
     if content is None and role == "assistant":
         return ""
     if isinstance(content, str):
-        return content
+        return _encodable(content, f"{where}.content")
     if isinstance(content, list):
         texts = []
         for j, part in enumerate(content):
@@ -183,7 +188,7 @@ def _content(content, role: str, where: str) -> str:
                                                           f"got {kind or type(part).__name__!r}")
             if not isinstance(part.get("text"), str):
                 raise bad_request(f"{where}.content[{j}].text must be a string", f"{where}.content[{j}].text")
-            texts.append(part["text"])
+            texts.append(_encodable(part["text"], f"{where}.content[{j}].text"))
         return "".join(texts)
     raise bad_request(f"{where}.content must be a string or a list of text parts, got {type(content).__name__}",
                       f"{where}.content")
@@ -197,7 +202,7 @@ def _prompt(value) -> Union[str, List[int]]:
     if isinstance(value, str):
         if not value:
             raise bad_request("empty prompt: give some text", "prompt")
-        return value
+        return _encodable(value, "prompt")
     if isinstance(value, list):
         if not value:
             raise bad_request("empty prompt: give at least one token id", "prompt")
@@ -205,6 +210,17 @@ def _prompt(value) -> Union[str, List[int]]:
             raise bad_request("prompt token ids must be integers >= 0", "prompt")
         return [int(t) for t in value]
     raise bad_request(f"prompt must be a string or a list of token ids, got {type(value).__name__}", "prompt")
+
+
+def _encodable(text: str, param: str) -> str:
+    """``text``, if UTF-8 can encode it (a JSON escape such as ``\\udcff``
+    decodes to a lone surrogate, which no tokenizer takes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise bad_request(f"{param} contains characters that cannot be encoded (lone surrogate "
+                          f"{text[e.start]!r} at position {e.start})", param, "invalid_text") from None
+    return text
 
 
 def _is_int(x) -> bool:

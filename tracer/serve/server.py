@@ -1,9 +1,16 @@
 """Running the app: uvicorn on a socket bound before the model loads, in the
-foreground (``mlx-tracer serve``) or on a background thread (tests, notebooks)."""
+foreground (``mlx-tracer serve``) or on a background thread (tests, notebooks).
+
+In the foreground, SIGTERM and SIGINT drain the app before uvicorn stops
+(:class:`DrainingServer`, :mod:`.shutdown`); a second signal cuts at once."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import signal
 import socket
+import sys
 import threading
 import time
 from pathlib import Path
@@ -11,7 +18,9 @@ from typing import Optional
 
 import uvicorn
 
-GRACEFUL_S = 5.0  # on Ctrl-C, open streams get this long before they are cut
+from ..runtime.options import DEFAULT_SHUTDOWN_GRACE, check_shutdown_grace
+
+GRACEFUL_S = 5.0  # after the app drained: uvicorn's own wait for connections to close
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -46,13 +55,72 @@ def _config(app, log_level: str) -> uvicorn.Config:
                           timeout_graceful_shutdown=GRACEFUL_S)
 
 
-def run(app, sock: socket.socket, log_level: str = "warning"):
-    """Serve ``app`` on ``sock`` until interrupted (Ctrl-C)."""
-    uvicorn.Server(_config(app, log_level)).run(sockets=[sock])
+class DrainingServer(uvicorn.Server):
+    """uvicorn that, on SIGTERM or SIGINT, first drains the app
+    (``app.shutdown.drain(grace)``: no new requests, the running ones finish
+    or are cut with an error) and then stops. Unlike uvicorn it does not raise
+    the signal again once stopped, so a drained server exits 0."""
+
+    def __init__(self, config: uvicorn.Config, grace: float = DEFAULT_SHUTDOWN_GRACE):
+        super().__init__(config)
+        self.app_shutdown = config.app.shutdown  # the app is create_app's (uvicorn has a shutdown method)
+        self.grace = check_shutdown_grace(grace)
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._drain: Optional[asyncio.Task] = None
+
+    async def serve(self, sockets=None):
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():  # only the main thread gets signals
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig, frame):
+        # a signal handler runs between two bytecodes of the loop's thread: hand over to the loop
+        self.drain_soon(signal.Signals(sig).name)
+
+    def drain_soon(self, why: str = "stop"):
+        """Drain, then stop (any thread; before the loop runs: stop at once).
+        A second call cuts the open requests without waiting out the grace."""
+        if self._loop is None:
+            self.should_exit = True
+        else:
+            self._loop.call_soon_threadsafe(self._begin_drain, why)
+
+    def _begin_drain(self, why: str):
+        if self._drain is None:
+            self._drain = self._loop.create_task(self._drain_then_exit(why))
+        else:
+            self.app_shutdown.hurry()
+
+    async def _drain_then_exit(self, why: str):
+        try:
+            print(f"mlx-tracer serve: {why}: taking no new requests; {len(self.app_shutdown.open)} running get up to "
+                  f"{self.grace:g} s to finish (a second signal cuts them now)", file=sys.stderr, flush=True)
+            await self.app_shutdown.drain(self.grace)
+        finally:
+            self.should_exit = True
+
+
+def run(app, sock: socket.socket, log_level: str = "warning", grace: float = DEFAULT_SHUTDOWN_GRACE):
+    """Serve ``app`` (from :func:`~.app.create_app`) on ``sock`` until SIGTERM or
+    SIGINT, then drain it for up to ``grace`` seconds (:class:`DrainingServer`)."""
+    DrainingServer(_config(app, log_level), grace).run(sockets=[sock])
 
 
 class BackgroundServer:
-    """``app`` served on a thread, on 127.0.0.1 and a free port by default::
+    """``app`` (from :func:`~.app.create_app`) served on a thread, on 127.0.0.1
+    and a free port by default::
 
         with BackgroundServer(create_app(worker)) as server:
             httpx.get(server.url + "/health")
@@ -61,7 +129,7 @@ class BackgroundServer:
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
         self.sock = bind(host, port)
         self.url = address(self.sock)
-        self.server = uvicorn.Server(_config(app, log_level))
+        self.server = DrainingServer(_config(app, log_level))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="mlx-tracer-http", daemon=True)
 
     def start(self, timeout: float = 30.0) -> "BackgroundServer":
@@ -73,8 +141,14 @@ class BackgroundServer:
             time.sleep(0.01)
         return self
 
-    def stop(self, timeout: float = 30.0):
-        self.server.should_exit = True
+    def stop(self, timeout: float = 30.0, grace: Optional[float] = None):
+        """Stop serving; with ``grace``, drain first as on a signal (running
+        requests get ``grace`` seconds, then are cut)."""
+        if grace is not None and self.server.started and self.thread.is_alive():
+            self.server.grace = check_shutdown_grace(grace)
+            self.server.drain_soon()
+        else:
+            self.server.should_exit = True
         self.thread.join(timeout)
         self.sock.close()
 

@@ -2,8 +2,9 @@
 
 :class:`EngineWorker` owns a :class:`~mlx_tracer.generator.Generator` (its
 engine, caches, prefix cache, tokenizer and every MLX call). The HTTP
-front end talks to it through two thread-safe calls, :meth:`submit` and
-:meth:`cancel`, which append to an inbox; the thread applies the inbox
+front end tokenizes each prompt on a thread of its own (:meth:`tokenize`,
+which uses the tokenizer only) and talks to it through two thread-safe calls,
+:meth:`submit` and :meth:`cancel`, which append to an inbox; the thread applies the inbox
 between steps (new requests join the running batch at the next step,
 cancellations free their rows at the next step) and sends each request's
 messages (:mod:`.jobs`) to its own asyncio queue, one
@@ -95,12 +96,46 @@ class EngineWorker:
     def queue_depth(self) -> int:
         return self._waiting
 
+    def tokenize(self, spec: GenerationSpec) -> List[int]:
+        """The request's prompt as token ids, checked against the model's
+        position limit; raises :class:`APIError` (400) naming the prompt.
+
+        Any thread: it uses the tokenizer only (encoding is thread-safe, and
+        its Rust encoder lets go of the GIL), never MLX. The front end calls it
+        beside its event loop, so a long prompt stalls neither the engine
+        thread nor the other requests' streams."""
+        prompt = "messages" if spec.endpoint == "chat" else "prompt"  # what this request calls its prompt
+        try:
+            ids = self._encode(spec)
+            check_context_length(len(ids), spec.max_tokens, self.context_limit, param=prompt,
+                                 max_param=spec.max_tokens_param, limit_name="position limit")
+        except OptionError as e:
+            raise invalid_option(e, prompt if e.param == "prompt" else None) from None
+        except (ValueError, TypeError) as e:  # text the tokenizer refuses (protocol.py catches lone surrogates first)
+            raise bad_request(f"the tokenizer could not encode the {prompt} ({type(e).__name__})", prompt) from None
+        return ids
+
+    def _encode(self, spec: GenerationSpec) -> List[int]:
+        tok = self.gen.tokenizer
+        if spec.endpoint != "chat":
+            return self.gen.encode(spec.prompt, chat=False)
+        if not getattr(tok, "has_chat_template", False):
+            raise bad_request("this model has no chat template: use /v1/completions with a prompt", "messages")
+        try:
+            ids = tok.apply_chat_template(spec.prompt, add_generation_prompt=True)
+        except Exception as e:  # jinja's TemplateError and the like: the messages do not fit the template
+            raise bad_request(f"the model's chat template rejected the messages: {e}", "messages") from None
+        if hasattr(ids, "keys"):  # a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
     # -------------------------------------------------- front-end thread
-    def submit(self, spec: GenerationSpec, loop, received_at: Optional[float] = None) -> Job:
-        """Queue a request (raises :class:`APIError` 503 when full or stopped)."""
+    def submit(self, spec: GenerationSpec, ids: List[int], loop, received_at: Optional[float] = None) -> Job:
+        """Queue a request whose prompt :meth:`tokenize` gave ``ids`` (raises
+        :class:`APIError` 503 when full or stopped)."""
         if not self.running:
             raise unavailable("the engine is not running" + (f": {self.error}" if self.error else ""))
-        job = Job(spec, loop, time.perf_counter() if received_at is None else received_at)
+        job = Job(spec, loop, time.perf_counter() if received_at is None else received_at, list(ids))
         with self._wake:
             if self._waiting >= self.max_queue:
                 raise queue_full(self._waiting)
@@ -155,12 +190,9 @@ class EngineWorker:
                 pass
 
     def _admit(self, job: Job):
-        spec = job.spec
-        prompt = "messages" if spec.endpoint == "chat" else "prompt"  # what this request calls its prompt
+        spec, ids = job.spec, job.prompt
+        prompt = "messages" if spec.endpoint == "chat" else "prompt"
         try:
-            ids = self._encode(spec)
-            check_context_length(len(ids), spec.max_tokens, self.context_limit, param=prompt,
-                                 max_param=spec.max_tokens_param, limit_name="position limit")
             s = spec.sampling
             uid = self.gen.submit(ids, max_tokens=spec.max_tokens, temp=s.temperature, top_p=s.top_p, min_p=s.min_p,
                                   top_k=s.top_k, seed=s.seed, stop=spec.stop, stop_tokens=[] if spec.ignore_eos else None,
@@ -174,24 +206,10 @@ class EngineWorker:
         except Exception as e:  # a bug: answer this request, keep serving the others
             traceback.print_exc(file=sys.stderr)
             return self._reject(job, internal(f"could not start the request: {type(e).__name__}: {e}"))
-        job.uid, job.prompt, job.cached = uid, ids, self.gen.cached_tokens(uid)
+        job.uid, job.cached = uid, self.gen.cached_tokens(uid)
         job.stop_ids = frozenset() if spec.ignore_eos else frozenset(self.gen.tokenizer.eos_token_ids)
         self._jobs[uid] = job
         self._send(job, Admitted(len(ids), job.cached))
-
-    def _encode(self, spec: GenerationSpec) -> List[int]:
-        tok = self.gen.tokenizer
-        if spec.endpoint != "chat":
-            return self.gen.encode(spec.prompt, chat=False)
-        if not getattr(tok, "has_chat_template", False):
-            raise bad_request("this model has no chat template: use /v1/completions with a prompt", "messages")
-        try:
-            ids = tok.apply_chat_template(spec.prompt, add_generation_prompt=True)
-        except Exception as e:  # jinja's TemplateError and the like: the messages do not fit the template
-            raise bad_request(f"the model's chat template rejected the messages: {e}", "messages") from None
-        if hasattr(ids, "keys"):  # a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
 
     def _reject(self, job: Job, error: APIError):
         job.done = True
