@@ -21,7 +21,8 @@ from .caches import DEFAULT_CAPACITIES
 from .runtime.distributed import Lockstep, init_group, load_sharded, shard_model
 from .runtime.engine import Engine, RetireHook
 from .runtime.options import (
-    DEFAULT_BUCKETS, DEFAULT_DRAFT_TOKENS, DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNKS, DEFAULT_SPEC_POLICY,
+    DEFAULT_BUCKETS, DEFAULT_DRAFT_TOKENS, DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNKS, DEFAULT_PREFILL_STEP_TOKENS,
+    DEFAULT_SPEC_POLICY,
     GeneratorOptions, OptionError, check_capacities, check_generator_options, check_max_tokens, check_stop_strings,
     check_system, check_token_ids, is_draft_path,
 )
@@ -41,6 +42,9 @@ class Generator:
         model, tokenizer: an mlx-lm model and its (mlx-lm wrapped) tokenizer.
         buckets: batch-width buckets (default 1, 2, 4, 8).
         prefill_chunks: static prefill window lengths.
+        prefill_step_tokens: with rows running, newcomers are prefilled in
+            windows of at most this many tokens between decode steps (0: whole;
+            see :class:`~mlx_tracer.runtime.engine.Engine`).
         capacities: capacity buckets of full-attention caches.
         chat: apply the tokenizer's chat template to string prompts
             (default: when the tokenizer has one).
@@ -77,8 +81,10 @@ class Generator:
         distributed: Union[bool, "mx.distributed.Group"] = False,
         on_retire: Optional[RetireHook] = None,
         prefix_cache: Optional[PrefixCache] = None,
+        prefill_step_tokens: int = DEFAULT_PREFILL_STEP_TOKENS,
     ):
-        options = check_generator_options(buckets, prefill_chunks, chat, system, speculative, draft_tokens, spec_policy)
+        options = check_generator_options(buckets, prefill_chunks, chat, system, speculative, draft_tokens, spec_policy,
+                                          prefill_step_tokens)
         capacities = check_capacities(capacities)
         if is_draft_path(speculative):
             from .loading import load_model

@@ -9,7 +9,7 @@ from typing import Optional, Sequence, Tuple
 
 from ..runtime.options import (
     DEFAULT_PREFILL_CHUNKS, MAX_CAPACITY, OptionError, check_buckets, check_cache_bytes, check_draft_tokens,
-    check_max_tokens, check_queue_size,
+    check_max_tokens, check_prefill_step_tokens, check_queue_size,
 )
 
 MAX_SEED = 2**63 - 1  # mx.random.key takes a uint64; prompt i of a batch uses seed + i
@@ -112,6 +112,11 @@ def _checked(check, value):
 def buckets(text: str) -> Tuple[int, ...]:
     """``--buckets``: positive integers up to the bound of :func:`check_buckets`."""
     return _checked(check_buckets, positive_ints(text))
+
+
+def prefill_step_tokens(text: str) -> int:
+    """``--prefill-step-tokens``: 0 or a window length within the bound of :func:`check_prefill_step_tokens`."""
+    return _checked(check_prefill_step_tokens, non_negative_int(text))
 
 
 def max_tokens(text: str) -> int:

@@ -11,7 +11,7 @@ import math
 import os
 
 from ..runtime.options import (
-    DEFAULT_DRAFT_TOKENS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_GRACE, PROMPT_LOOKUP, OptionError,
+    DEFAULT_DRAFT_TOKENS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_PREFILL_STEP_TOKENS, DEFAULT_SHUTDOWN_GRACE, PROMPT_LOOKUP, OptionError,
     check_request_bytes, check_shutdown_grace,
 )
 from . import options as opt
@@ -77,6 +77,9 @@ def add_parser(sub, model_args):
     spec.add_argument("--draft-model", help="speculative decoding with this draft model (GGUF / mlx-lm folder, same tokenizer)")
     s.add_argument("--draft-tokens", type=opt.draft_tokens,
                    help=f"most drafts per row and verify step (k; default {DEFAULT_DRAFT_TOKENS}; needs --spec or --draft-model)")
+    s.add_argument("--prefill-step-tokens", type=opt.prefill_step_tokens, default=DEFAULT_PREFILL_STEP_TOKENS,
+                   help=f"with requests running, newcomers' prompts go in windows of at most this many tokens between "
+                        f"decode steps (default {DEFAULT_PREFILL_STEP_TOKENS}; 0: whole, running streams wait)")
     s.add_argument("--timeout", type=seconds, default=600.0, help="seconds a request may take before it is cancelled (default 600; answered 504)")
     s.add_argument("--max-request-bytes", type=request_bytes, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"largest request body in bytes (default {DEFAULT_MAX_REQUEST_BYTES}: 4 MiB); larger ones get 413")
@@ -103,7 +106,7 @@ def serve(args) -> int:
     sock = bind(args.host, args.port)  # before the slow load: a busy port fails now
     try:
         prefix_cache = PrefixCache(args.prefix_cache_mb << 20) if args.prefix_cache_mb else None
-        gen = load_generator(args, prefix_cache=prefix_cache)
+        gen = load_generator(args, prefix_cache=prefix_cache, prefill_step_tokens=args.prefill_step_tokens)
         worker = EngineWorker(gen, model_id(args.model), max_queue=args.max_queue)
         if args.warmup:
             log(f"tracing buckets {list(gen.engine.buckets)} ...")

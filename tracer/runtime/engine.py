@@ -30,10 +30,11 @@ from ..caches import DEFAULT_CAPACITIES
 from .batch import RunningBatch
 from .drafters import make_drafter
 from .options import (
-    DEFAULT_BUCKETS, DEFAULT_DRAFT_TOKENS, DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNKS, DEFAULT_SPEC_POLICY, EngineOptions,
+    DEFAULT_BUCKETS, DEFAULT_DRAFT_TOKENS, DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNKS, DEFAULT_PREFILL_STEP_TOKENS,
+    DEFAULT_SPEC_POLICY, EngineOptions,
     check_buckets, check_capacities, check_engine_options, check_max_tokens, check_token_ids,
 )
-from .prefill import prefill
+from .admission import Admission
 from .prefix_cache import PrefixCache, PrefixReuse
 from .requests import EngineSnapshot, EngineStats, Request, TokenEvent
 from .sampling import GREEDY, SamplingParams
@@ -75,6 +76,10 @@ class Engine:
             positions of the caches the request started from (0 without
             ``add(cache=...)``).
         rng: draws the seeds of unseeded requests (see :class:`Scheduler`).
+        prefill_step_tokens: with rows running, newcomers' prompts go in
+            windows of at most this many tokens, one per step, between the
+            running rows' decode steps (:mod:`.admission`); 0: prefilled
+            whole before decoding goes on.
         prefix_cache: a :class:`PrefixCache` the engine looks every new
             prompt up in (``add`` without ``cache=``: a hit continues from its
             caches) and stores every retiring row in.
@@ -97,9 +102,11 @@ class Engine:
         on_retire: Optional[RetireHook] = None,
         rng: Optional[np.random.Generator] = None,
         prefix_cache: Optional[PrefixCache] = None,
+        prefill_step_tokens: int = DEFAULT_PREFILL_STEP_TOKENS,
     ):
         # checked before the probe forward: bad input fails fast
-        options = check_engine_options(buckets, prefill_chunks, speculative, draft_tokens, spec_policy)
+        options = check_engine_options(buckets, prefill_chunks, speculative, draft_tokens, spec_policy,
+                                       prefill_step_tokens=prefill_step_tokens)
         self._build(model, options, speculative, capacities, batched_prefill, on_retire, rng, prefix_cache)
 
     @classmethod
@@ -123,6 +130,9 @@ class Engine:
         self.prefixes = PrefixReuse(prefix_cache) if prefix_cache is not None else None
         self._stats = EngineStats()
         self.batch = RunningBatch(self.compiled, options.buckets, self._stats)
+        self.interleave_prefill = options.prefill_step_tokens > 0
+        self.admission = Admission(self.compiled, self.scheduler, self.batch,
+                                   options.prefill_step_tokens or max(options.prefill_chunks))
 
     # ------------------------------------------------------------- requests
     @property
@@ -249,6 +259,8 @@ class Engine:
         # where the BLAS thread count follows the load, drain every RECHECK_STEPS steps to ask again
         follows = threads.follows_load()
         recheck = follows and self.stats.steps % threads.RECHECK_STEPS == threads.RECHECK_STEPS - 1
+        if self.interleave_prefill:
+            self.admission.interleave()  # one window of newcomers' prompts beside the running rows
         if not self.batch.pipeline:
             if follows and self.stats.steps and self.stats.steps % threads.RECHECK_STEPS == 0:  # (admit() asks too)
                 threads.apply()  # drained: a safe point to change BLAS threads
@@ -257,7 +269,7 @@ class Engine:
                 return events
             self.batch.dispatch()
         if (len(self.batch.pipeline) < 2 and self.batch.needs_more() and not recheck
-                and not self.scheduler.must_drain(len(self.batch.rows))):
+                and not self.admission.must_drain()):
             self.batch.dispatch()
         events += self.batch.read()
         return events + self._retire()
@@ -291,18 +303,11 @@ class Engine:
         Needs an empty pipeline (between steps)."""
         if self.batch.pipeline:
             raise RuntimeError("admit() needs the decode pipeline drained: call it between steps")
-        groups = self.scheduler.admission(len(self.batch.rows))
-        if not groups:
+        if self.admission.job is None and not self.scheduler.admission(len(self.batch.rows)):
             return
         if threads.follows_load():
             threads.apply()  # nothing is in flight: a safe point to change BLAS threads
-        prefilled = [prefill(self.compiled, g, bucket_for(len(g), self.buckets), self.scheduler.prefill_windows, self.stats)
-                     for g in groups]
-        new = [r for g in groups for r in g]  # row order = join order
-        self.batch.join(new, prefilled)
-        self.scheduler.admitted(new)
-        for r in new:
-            r.cache = None  # the caller's serial caches were only read; drop our reference
+        self.admission.admit()
 
     def _drop_cancelled(self) -> List[TokenEvent]:
         events = self.scheduler.drop_cancelled()

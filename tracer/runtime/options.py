@@ -35,6 +35,10 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 # process. Each is far above what is useful, and says why it is where it is.
 MAX_BUCKET = 1024  # rows of a batch: every bucket is a trace, and caches for that many rows while it runs
 MAX_PREFILL_CHUNK = 8192  # tokens of a prefill window: a trace each, its scores window x capacity per head
+# With rows running, a newcomer's prompt goes in windows of at most this many
+# tokens, one per engine step: a running stream waits about one such window
+# for its next token (0: prefill newcomers whole, the running rows wait).
+DEFAULT_PREFILL_STEP_TOKENS = 64
 MAX_CAPACITY = 2**20  # positions of a full-attention cache bucket: beyond any context length in reach
 MAX_DRAFT_TOKENS = 64  # drafts per row and verify step: acceptance falls off long before
 MAX_TOKENS = 2**20  # completion tokens of a request (the model's context length bounds it further)
@@ -65,6 +69,7 @@ class EngineOptions:
     prefill_chunks: Tuple[int, ...] = DEFAULT_PREFILL_CHUNKS
     draft_tokens: int = 0  # drafts per row and verify step; 0: not speculative
     spec_policy: str = DEFAULT_SPEC_POLICY
+    prefill_step_tokens: int = DEFAULT_PREFILL_STEP_TOKENS  # 0: newcomers prefilled whole
 
 
 @dataclass(frozen=True)
@@ -161,22 +166,34 @@ def speculative_kind(spec, paths: bool = False) -> Optional[str]:
                                          f"object with propose(context, k); got {type(spec).__name__}")
 
 
+def check_prefill_step_tokens(n) -> int:
+    """The longest interleaved prefill window: 0 (off) or 2 .. MAX_PREFILL_CHUNK tokens."""
+    if not _is_int(n):
+        raise OptionTypeError("prefill_step_tokens", f"prefill_step_tokens must be an integer, got {n!r}")
+    if n != 0 and not 2 <= n <= MAX_PREFILL_CHUNK:
+        raise OptionError("prefill_step_tokens", f"prefill_step_tokens must be 0 (prefill newcomers whole) or in "
+                                                 f"[2, {MAX_PREFILL_CHUNK}], got {n}")
+    return int(n)
+
+
 def check_engine_options(buckets=DEFAULT_BUCKETS, prefill_chunks=DEFAULT_PREFILL_CHUNKS, speculative=None,
                          draft_tokens=DEFAULT_DRAFT_TOKENS, spec_policy=DEFAULT_SPEC_POLICY,
-                         paths: bool = False) -> EngineOptions:
+                         paths: bool = False, prefill_step_tokens=DEFAULT_PREFILL_STEP_TOKENS) -> EngineOptions:
     """Every engine option at once (``paths``: ``speculative`` may be a draft model's path)."""
     buckets = check_buckets(buckets)
     spec_policy = check_spec_policy(spec_policy)
     chunks = check_prefill_chunks(prefill_chunks)
     k = check_draft_tokens(draft_tokens, chunks) if speculative_kind(speculative, paths) else 0
-    return EngineOptions(buckets, chunks, k, spec_policy)
+    return EngineOptions(buckets, chunks, k, spec_policy, check_prefill_step_tokens(prefill_step_tokens))
 
 
 def check_generator_options(buckets=DEFAULT_BUCKETS, prefill_chunks=DEFAULT_PREFILL_CHUNKS, chat=None, system=None,
                             speculative=None, draft_tokens=DEFAULT_DRAFT_TOKENS,
-                            spec_policy=DEFAULT_SPEC_POLICY) -> GeneratorOptions:
+                            spec_policy=DEFAULT_SPEC_POLICY,
+                            prefill_step_tokens=DEFAULT_PREFILL_STEP_TOKENS) -> GeneratorOptions:
     """A Generator's options, without a model (``speculative`` may be a draft model's path)."""
-    engine = check_engine_options(buckets, prefill_chunks, speculative, draft_tokens, spec_policy, paths=True)
+    engine = check_engine_options(buckets, prefill_chunks, speculative, draft_tokens, spec_policy, paths=True,
+                                  prefill_step_tokens=prefill_step_tokens)
     if chat is not None and not isinstance(chat, bool):
         raise OptionTypeError("chat", f"chat must be True, False or None, got {chat!r}")
     return GeneratorOptions(engine, chat, check_system(system))

@@ -37,10 +37,7 @@ def prefill(compiled: CompiledModel, reqs: Sequence[Request], width: int,
     """Caches (bucket ``width``) of ``reqs`` holding all but their last prompt
     token, after any context in their starting serial caches."""
     t0 = time.perf_counter()
-    if reqs[0].cache is not None:  # continue from serial mlx-lm caches (one request per group)
-        caches = compiled.layout.from_serial(reqs[0].cache, width, compiled.capacities)
-    else:
-        caches = compiled.new_caches(width, rows=len(reqs))
+    caches = start_caches(compiled, reqs, width)
     fed = feed(compiled, caches, [r.prompt[:-1] for r in reqs], windows)
     stats.prefill_tokens += fed
     stats.prefill_s += time.perf_counter() - t0
@@ -52,10 +49,27 @@ def feed(compiled: CompiledModel, caches: List[StaticKVCache], seqs: Sequence[Se
     """Write ``seqs[r]`` (ragged, possibly empty) after each live row's tokens,
     through compiled window steps of the lengths ``windows`` picks (right-padded
     to them); returns the tokens fed."""
+    for _ in feed_windows(compiled, caches, seqs, windows):
+        pass
+    return sum(len(s) for s in seqs)
+
+
+def start_caches(compiled: CompiledModel, reqs: Sequence[Request], width: int) -> List[StaticKVCache]:
+    """Fresh caches (bucket ``width``) for ``reqs``, or the continuation of a
+    request's starting serial mlx-lm caches (one request per group)."""
+    if reqs[0].cache is not None:
+        return compiled.layout.from_serial(reqs[0].cache, width, compiled.capacities)
+    return compiled.new_caches(width, rows=len(reqs))
+
+
+def feed_windows(compiled: CompiledModel, caches: List[StaticKVCache], seqs: Sequence[Sequence[int]],
+                 windows: Callable[[int], List[int]]):
+    """:func:`feed`, one window at a time: a generator that yields after each
+    window step is evaluated (its caller may run other steps in between)."""
     lengths = [len(s) for s in seqs]
     top = max(lengths, default=0)
     if top == 0:
-        return 0
+        return
     plan = windows(top)
     padded = sum(plan)
     tokens = np.zeros((caches[0].width, padded), dtype=np.int32)  # [Bk, padded] right-padded rows
@@ -68,7 +82,9 @@ def feed(compiled: CompiledModel, caches: List[StaticKVCache], seqs: Sequence[Se
         compiled.step(caches, mx.array(tokens[:, done : done + L]))
         mx.eval([c.state for c in caches])
         done += L
+        if done < padded:
+            yield L
     for c in caches:
         c.finalize()
     mx.eval([c.state for c in caches])
-    return sum(lengths)
+    yield plan[-1]

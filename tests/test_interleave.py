@@ -1,0 +1,87 @@
+"""Interleaved prefill (tracer/runtime/admission.py): with rows running, a
+newcomer's prompt goes in one bounded window per engine step, so the running
+rows keep getting a token every step; the tokens are those of a solo run,
+and a newcomer cancelled while it prefills never joins."""
+
+from __future__ import annotations
+
+import pytest
+
+from mlx_tracer.runtime.engine import Engine
+from mlx_tracer.runtime.options import OptionError
+from mlx_tracer.runtime.step import CompiledModel
+
+from .tiny_models import tiny_model
+
+LONG = [(7 * i) % 97 + 1 for i in range(150)]
+
+
+def solo(model, prompt, n):
+    eng = Engine(CompiledModel(model), buckets=(1,))
+    eng.add(prompt, max_tokens=n)
+    return [ev.token for ev in eng.run() if ev.token is not None]
+
+
+def windows_per_step(compiled, calls):
+    step = compiled.step
+
+    def spy(caches, tokens, *a, **k):
+        calls.append(tokens.shape[1])
+        return step(caches, tokens, *a, **k)
+
+    compiled.step = spy
+
+
+@pytest.mark.parametrize("step_tokens", [32, 0])
+def test_running_rows_get_a_token_every_step_while_a_newcomer_prefills(step_tokens):
+    model = tiny_model("llama")
+    cm = CompiledModel(model)
+    eng = Engine(cm, buckets=(1, 2), prefill_chunks=(8, 32, 128), prefill_step_tokens=step_tokens)
+    first = eng.add([1, 2, 3], max_tokens=40)
+    early = [ev.token for _ in range(3) for ev in eng.step() if ev.token is not None]
+    late = eng.add(LONG, max_tokens=5)
+    calls = []
+    windows_per_step(cm, calls)
+    steps, got = 0, {first: early, late: []}
+    while not got[late]:
+        before = len(calls)
+        events = eng.step()
+        steps += 1
+        windows = [L for L in calls[before:] if L > 1]
+        for ev in events:
+            if ev.token is not None:
+                got[ev.uid].append(ev.token)
+        if step_tokens:
+            assert len(windows) <= 1 and all(L <= step_tokens for L in windows), windows  # one bounded window a step
+            assert any(ev.uid == first and ev.token is not None for ev in events) or not got[late]
+    if step_tokens:
+        assert steps >= len(LONG) // step_tokens  # the prompt went in over several steps
+    else:
+        assert steps <= 3  # prefilled whole
+    for ev in eng.run():
+        if ev.token is not None:
+            got[ev.uid].append(ev.token)
+    assert got[late] == solo(model, LONG, 5)
+    assert got[first] == solo(model, [1, 2, 3], 40)
+
+
+def test_a_newcomer_cancelled_while_it_prefills_never_joins():
+    model = tiny_model("llama")
+    eng = Engine(CompiledModel(model), buckets=(1, 2), prefill_chunks=(8, 32), prefill_step_tokens=8)
+    first = eng.add([1, 2, 3], max_tokens=30)
+    events = eng.step()
+    late = eng.add(LONG, max_tokens=5)
+    events += eng.step() + eng.step()
+    assert eng.admission.job is not None and not eng.admission.job.done
+    eng.cancel(late)
+    for ev in eng.run():
+        assert all(r.uid != late for r in eng.rows)
+        events.append(ev)
+    late_events = [ev for ev in events if ev.uid == late]
+    assert [ev.finish_reason for ev in late_events] == ["cancelled"] and late_events[0].token is None
+    assert [ev.token for ev in events if ev.uid == first and ev.token is not None] == solo(model, [1, 2, 3], 30)
+
+
+def test_the_step_window_is_an_option_checked_before_anything_runs():
+    with pytest.raises(OptionError, match=r"prefill_step_tokens must be 0 .* or in \[2, 8192\]"):
+        Engine(tiny_model("llama"), prefill_step_tokens=1)

@@ -1,0 +1,118 @@
+"""Admission: newcomers' prompts prefilled and joined into the running batch.
+
+With no row running, queued requests are prefilled at once and joined (no one
+waits on them). With rows running, a prefill would stall every running
+stream for its whole length, so it is *interleaved*: a :class:`PrefillJob`
+runs one window of at most ``step_tokens`` tokens per engine step, between
+the running rows' decode steps, so a running stream's gap between two tokens
+grows by about one such window, not by every newcomer's prompt. Jobs take
+the queue first come, first served; when a job's prompts are all in, the
+decode pipeline drains and its rows join at the next step boundary. A
+request cancelled while its job runs is left out of the join.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, Optional, Sequence
+
+from ..caches.batch import StaticKVCache
+from .batch import RunningBatch
+from .prefill import feed_windows, prefill, prefill_windows, start_caches
+from .requests import EngineStats, Request
+from .scheduler import Scheduler
+from .step import CompiledModel, bucket_for
+
+
+class PrefillJob:
+    """Groups of newcomers prefilled one window per :meth:`advance`, in join order."""
+
+    def __init__(self, compiled: CompiledModel, groups: Sequence[Sequence[Request]], buckets: Sequence[int],
+                 windows, stats: EngineStats):
+        self.groups = [list(g) for g in groups]
+        self.caches: List[List[StaticKVCache]] = []
+        self.done = False
+        self._stats = stats
+        self._steps = self._run(compiled, buckets, windows)
+
+    def _run(self, compiled, buckets, windows):
+        for g in self.groups:
+            caches = start_caches(compiled, g, bucket_for(len(g), buckets))
+            yield from feed_windows(compiled, caches, [r.prompt[:-1] for r in g], windows)
+            self.caches.append(caches)
+            self._stats.prefill_tokens += sum(len(r.prompt) - 1 for r in g)
+
+    def advance(self) -> None:
+        """One window (evaluated); marks the job done after its last."""
+        t0 = time.perf_counter()
+        try:
+            next(self._steps)
+        except StopIteration:
+            self.done = True
+        self._stats.prefill_s += time.perf_counter() - t0
+
+    def finish(self) -> None:
+        while not self.done:
+            self.advance()
+
+
+class Admission:
+    """Who joins the running batch, and when (see the module docstring).
+
+    Args:
+        step_tokens: the longest window an interleaved prefill runs per
+            engine step (the prefill chunks up to it are used).
+    """
+
+    def __init__(self, compiled: CompiledModel, scheduler: Scheduler, batch: RunningBatch, step_tokens: int):
+        self.compiled, self.scheduler, self.batch = compiled, scheduler, batch
+        self.step_tokens = step_tokens
+        self.job: Optional[PrefillJob] = None
+
+    def interleave(self) -> None:
+        """With rows running: start a job for the queued requests there is room
+        for, or run one more window of the job in progress."""
+        if self.job is None and self.batch.rows:
+            groups = self.scheduler.admission(len(self.batch.rows))
+            if groups:
+                chunks = [c for c in self.scheduler.prefill_chunks if c <= self.step_tokens] or [min(self.scheduler.prefill_chunks)]
+                self.job = PrefillJob(self.compiled, groups, self.scheduler.buckets,
+                                      lambda n: prefill_windows(n, chunks), self.batch.stats)
+        if self.job is not None and not self.job.done:
+            self.job.advance()
+
+    def must_drain(self) -> bool:
+        """Whether the decode pipeline should drain for a join at the next step."""
+        if self.job is not None:
+            return self.job.done
+        return self.scheduler.must_drain(len(self.batch.rows))
+
+    def admit(self) -> List[Request]:
+        """Join what is ready now (needs an empty pipeline): a job's rows
+        (finished first if need be), or the queued requests there is room for,
+        prefilled at once. Returns the requests that joined."""
+        if self.job is not None:
+            job, self.job = self.job, None
+            job.finish()
+            groups, prefilled = job.groups, job.caches
+        else:
+            groups = self.scheduler.admission(len(self.batch.rows))
+            stats = self.batch.stats  # the engine's current stats (reset_stats swaps them)
+            prefilled = [prefill(self.compiled, g, bucket_for(len(g), self.scheduler.buckets),
+                                 self.scheduler.prefill_windows, stats) for g in groups]
+        new, ready = [], []
+        for g, caches in zip(groups, prefilled):
+            live = [i for i, r in enumerate(g) if not r.finished]  # cancelled while it prefilled: left out
+            if not live:
+                continue
+            if len(live) < len(g):
+                for c in caches:
+                    c.filter(live, width=bucket_for(len(live), self.scheduler.buckets))
+            new += [g[i] for i in live]
+            ready.append(caches)
+        if new:
+            self.batch.join(new, ready)
+            self.scheduler.admitted(new)
+        for r in new:
+            r.cache = None  # the caller's serial caches were only read; drop our reference
+        return new
