@@ -5,9 +5,10 @@ waits on them). With rows running, a prefill would stall every running
 stream for its whole length, so it is *interleaved*: a :class:`PrefillJob`
 runs one window of at most ``step_tokens`` tokens per engine step, between
 the running rows' decode steps, so a running stream's gap between two tokens
-grows by about one such window, not by every newcomer's prompt. Jobs take
-the queue first come, first served; when a job's prompts are all in, the
-decode pipeline drains and its rows join at the next step boundary. A
+grows by about one such window, not by every newcomer's prompt. A job takes
+the first prefill group of the queue (first come, first served; on the CPU
+one newcomer); when its prompt is in, the decode pipeline drains and its
+rows join at the next step boundary, and the next job starts. A
 request cancelled while its job runs is left out of the join.
 """
 
@@ -73,7 +74,7 @@ class Admission:
         """With rows running: start a job for the queued requests there is room
         for, or run one more window of the job in progress."""
         if self.job is None and self.batch.rows:
-            groups = self.scheduler.admission(len(self.batch.rows))
+            groups = self.scheduler.admission(len(self.batch.rows))[:1]  # the first come joins first
             if groups:
                 chunks = [c for c in self.scheduler.prefill_chunks if c <= self.step_tokens] or [min(self.scheduler.prefill_chunks)]
                 self.job = PrefillJob(self.compiled, groups, self.scheduler.buckets,
