@@ -1,8 +1,9 @@
-"""Milliseconds per call of the native quantized matmul (``qmm``, the exact
-contract) against ``mx.quantized_matmul`` and the float32 ``x @ W.T`` that
-the fast BLAS serves, at SmolLM2-135M's projection shapes.
+"""Milliseconds per call of the native quantized matmul (``qmm``, its exact
+and/or fast contract) against ``mx.quantized_matmul`` and the float32
+``x @ W.T`` that the fast BLAS serves, at SmolLM2-135M's projection shapes.
 
     python benchmarks/qmm.py [--m 1 8 40 256] [--reps 15] [--bits 4] [--group 32]
+                             [--contract exact|fast|both] [--chain 1] [--threads N]
 
 Weights are random, quantized with ``mx.quantize`` (scales and biases cast
 to float16, as GGUF's and mlx-lm's are); each cell is the median of
@@ -10,8 +11,11 @@ to float16, as GGUF's and mlx-lm's are); each cell is the median of
 memory, as a decode step does (a step reads every matrix of the model once,
 far more than the caches hold): the calls rotate over enough copies of the
 weights to exceed ``--stream-mb`` of float32 (``--stream-mb 0``: one copy,
-read from the caches where it fits). The machine's load average is
-printed with the table: on a shared machine the figures are rough.
+read from the caches where it fits). ``--chain C`` evaluates C calls (on C
+copies) as one graph and reports the time per call: a decode step's nodes
+run back to back, without the few tens of microseconds one ``mx.eval``
+costs. The machine's load average is printed with the table: on a shared
+machine the figures are rough.
 """
 
 from __future__ import annotations
@@ -30,15 +34,19 @@ from mlx_tracer.backend import kernels
 SHAPES = (("qkv", 960, 576), ("o", 576, 576), ("gate/up", 3072, 576), ("down", 576, 1536), ("head", 49152, 576))
 
 
-def timed(fn, copies: int, reps: int, warmup: int) -> float:
-    """Median ms of an evaluated call fn(i), i rotating over the copies."""
+def timed(fn, copies: int, reps: int, warmup: int, chain: int) -> float:
+    """Median ms of an evaluated call fn(i), i rotating over the copies;
+    `chain` calls a graph, the time divided among them."""
+    def step(i):
+        return [fn((i * chain + c) % copies) for c in range(chain)]
+
     for i in range(warmup):
-        mx.eval(fn(i % copies))
+        mx.eval(step(i))
     times = []
     for i in range(reps):
         t = time.perf_counter()
-        mx.eval(fn(i % copies))
-        times.append(time.perf_counter() - t)
+        mx.eval(step(i))
+        times.append((time.perf_counter() - t) / chain)
     return statistics.median(times) * 1e3
 
 
@@ -49,19 +57,29 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--bits", type=int, default=4, choices=(4, 8))
     ap.add_argument("--group", type=int, default=32, choices=(32, 64, 128))
+    ap.add_argument("--contract", default="exact", choices=("exact", "fast", "both"), help="qmm's contract(s)")
+    ap.add_argument("--chain", type=int, default=1, help="calls evaluated as one graph")
+    ap.add_argument("--threads", type=int, default=0, help="qmm's threads (0: its default)")
     ap.add_argument("--stream-mb", type=float, default=128, help="float32 weights to rotate over (0: one copy)")
     ap.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES], help="which of " + ", ".join(s[0] for s in SHAPES))
     args = ap.parse_args()
     K = kernels.load()
     if K is None:
         raise SystemExit(f"the native kernels are off: {kernels.status()}")
+    if args.threads:
+        K.qmm_set_threads(args.threads)
+    contracts = ("exact", "fast") if args.contract == "both" else (args.contract,)
     print(f"qmm: {K.qmm_isa()}, {K.qmm_threads()} threads; {args.bits}-bit, group {args.group}, float16 scales; "
-          f"weights streamed over {args.stream_mb:g} MB; load average {os.getloadavg()[0]:.2f} before")
-    print(f"{'shape':>8} {'N':>6} {'K':>5} {'M':>4} | {'qmm':>8} {'quantized_matmul':>16} {'fp32 x@W.T':>10} | qmm speed-up vs fp32")
+          f"weights streamed over {args.stream_mb:g} MB; {args.chain} call(s) a graph; "
+          f"load average {os.getloadavg()[0]:.2f} before")
+    heads = " ".join(f"{'qmm ' + c:>10}" for c in contracts)
+    gains = " ".join(f"{c:>6}" for c in contracts)
+    print(f"{'shape':>8} {'N':>6} {'K':>5} {'M':>4} | {heads} {'quantized_matmul':>16} {'fp32 x@W.T':>10} | "
+          f"speed-up vs fp32: {gains}")
     for name, N, Kd in SHAPES:
         if name not in args.shapes:
             continue
-        copies = max(1, math.ceil(args.stream_mb * 2**20 / (4 * N * Kd)))
+        copies = max(args.chain, math.ceil(args.stream_mb * 2**20 / (4 * N * Kd)))
         Ws, qs = [], []
         for i in range(copies):
             W = mx.random.normal((N, Kd), key=mx.random.key(i)) * 0.05
@@ -72,11 +90,13 @@ def main() -> None:
         for M in args.m:
             x = mx.random.normal((M, Kd), key=mx.random.key(copies))
             mx.eval(x)
-            run = dict(copies=copies, reps=args.reps, warmup=args.warmup)
-            q = timed(lambda i: K.qmm(x, *qs[i], args.group, args.bits), **run)
+            run = dict(copies=copies, reps=args.reps, warmup=args.warmup, chain=args.chain)
+            q = [timed(lambda i: K.qmm(x, *qs[i], args.group, args.bits, contract=c), **run) for c in contracts]
             qm = timed(lambda i: mx.quantized_matmul(x, *qs[i], True, args.group, args.bits), **run)
             f = timed(lambda i: x @ Ws[i].T, **run)
-            print(f"{name:>8} {N:>6} {Kd:>5} {M:>4} | {q:8.3f} {qm:16.3f} {f:10.3f} | {f / q:5.2f}x")
+            cells = " ".join(f"{t:10.3f}" for t in q)
+            ups = " ".join(f"{f / t:5.2f}x" for t in q)
+            print(f"{name:>8} {N:>6} {Kd:>5} {M:>4} | {cells} {qm:16.3f} {f:10.3f} | {'':17} {ups}")
     print(f"load average {os.getloadavg()[0]:.2f} after")
 
 

@@ -2,7 +2,10 @@
 every ISA path it equals x @ dequantize(w).T in float32 up to the order of
 summation, dequantizes each weight to the bits MLX's float32 dequantize
 computes, reads strided views, gives the same bits with 1 and 2 threads and
-inside mx.compile, and refuses bad inputs with a clear error."""
+inside mx.compile, and refuses bad inputs with a clear error. Its fast
+contract (x in int8 per 32-block, integer dot products) stays within
+FAST_BOUND of the exact result on every path, with the same guarantees of
+determinism."""
 
 from __future__ import annotations
 
@@ -26,6 +29,10 @@ CASES = ((1, 576, 576, 32), (2, 1000, 64, 64), (3, 51, 2048, 128), (5, 576, 1536
 # |qmm - exact| <= BOUND * sum_k |x_k w_k| for each output (float32 sums of up
 # to 2048 products: the worst case of a blocked float32 sum is ~K/16 * 2^-24).
 BOUND = 1e-5
+# The fast contract: |fast - exact| <= FAST_BOUND * sum_k |x_k w_k| (x rounded
+# to int8 per 32-block, an error up to max|x| / 254 an element; measured over
+# CASES: at most 3.9e-3, for 4 and 8 bits alike).
+FAST_BOUND = 1e-2
 
 pytestmark = pytest.mark.skipif(K is None, reason=f"native kernels unavailable: {kernels.status()}")
 
@@ -86,6 +93,18 @@ def test_qmm_equals_the_float32_dequantized_matmul(isa, bits, dtype):
 
 
 @pytest.mark.parametrize("isa", PATHS, indirect=True)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_fast_contract_is_within_its_bound_of_exact(isa, bits, dtype):
+    for i, (M, N, Kd, group) in enumerate(CASES):
+        args, exact, magnitude = case(i, bits, dtype)
+        y = K.qmm(*args, group, bits, contract="fast")
+        assert y.shape == (M, N) and y.dtype == mx.float32
+        err = float((np.abs(np.array(y, np.float64) - exact) / magnitude).max())
+        assert err <= FAST_BOUND, f"{isa} M={M} N={N} K={Kd} group={group} bits={bits}: {err:.2e}"
+
+
+@pytest.mark.parametrize("isa", PATHS, indirect=True)
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 64), (4, 128)])
 def test_each_weight_is_mlx_float32_dequantize_bit_for_bit(isa, bits, group):
     """Rows of the identity pick single weights out: no sum, so the outputs are
@@ -129,24 +148,49 @@ def test_strided_views_read_as_their_dense_copies(M):
     assert np.array_equal(np.array(got), want)
 
 
-@pytest.mark.parametrize("M,N,Kd", [(1, 3000, 576), (8, 1000, 1536), (40, 700, 576)])
-def test_one_and_two_threads_give_the_same_bits(threads, M, N, Kd):
-    w, s, b = quantized(N, Kd, 32, 4, mx.float16)
+@pytest.mark.parametrize("contract", ["exact", "fast"])
+@pytest.mark.parametrize("M,N,Kd,bits", [(1, 3000, 576, 4), (8, 1000, 1536, 4), (40, 700, 576, 4), (3, 900, 800, 8)])
+def test_one_and_two_threads_give_the_same_bits(threads, contract, M, N, Kd, bits):
+    w, s, b = quantized(N, Kd, 32, bits, mx.float16)
     x = mx.random.normal((M, Kd), key=mx.random.key(3))
     outs = []
     for n in (1, 2, 1, 2):
         threads(n)
-        outs.append(np.array(K.qmm(x, w, s, b, 32, 4)))
+        outs.append(np.array(K.qmm(x, w, s, b, 32, bits, contract=contract)))
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
 
 
-def test_compiled_equals_eager():
+@pytest.mark.parametrize("contract", ["exact", "fast"])
+def test_compiled_equals_eager(contract):
     w, s, b = quantized(300, 256, 64, 8, mx.bfloat16)
-    f = lambda x: K.qmm(x, w, s, b, 64, 8) * 2.0 + 1.0  # noqa: E731
+    f = lambda x: K.qmm(x, w, s, b, 64, 8, contract=contract) * 2.0 + 1.0  # noqa: E731
     cf = mx.compile(f)
     for M in (1, 8, 17):
         x = mx.random.normal((M, 256), key=mx.random.key(M))
         assert np.array_equal(np.array(cf(x)), np.array(f(x))), M
+
+
+def test_the_two_contracts_are_distinct_graph_nodes():
+    """One compiled function calling both must not merge them (is_equivalent)."""
+    w, s, b = quantized(64, 256, 32, 4, mx.float16)
+    x = mx.random.normal((2, 256), key=mx.random.key(5))
+    cf = mx.compile(lambda x: (K.qmm(x, w, s, b, 32, 4), K.qmm(x, w, s, b, 32, 4, contract="fast")))
+    exact, fast = cf(x)
+    assert np.array_equal(np.array(exact), np.array(K.qmm(x, w, s, b, 32, 4)))
+    assert np.array_equal(np.array(fast), np.array(K.qmm(x, w, s, b, 32, 4, contract="fast")))
+    assert not np.array_equal(np.array(exact), np.array(fast))
+
+
+def test_fast_contract_reads_strided_views_and_non_finite_x():
+    Kd, group, bits = 320, 64, 4  # 10 blocks: a partial last superblock of 8
+    w, s, b = quantized(37, Kd, group, bits, mx.float16)
+    big = mx.random.normal((5, 2 * Kd), key=mx.random.key(11))
+    view = big[1:4, 3:3 + Kd]
+    want = np.array(K.qmm(mx.contiguous(view), w, s, b, group, bits, contract="fast"))
+    assert np.array_equal(np.array(K.qmm(view, w, s, b, group, bits, contract="fast")), want)
+    x = mx.contiguous(view) * mx.array([1.0, float("inf"), 1.0])[:, None]
+    got = np.array(K.qmm(x, w, s, b, group, bits, contract="fast"))
+    assert np.array_equal(got[[0, 2]], want[[0, 2]]) and np.isnan(got[1]).all()
 
 
 def test_bad_inputs_are_refused_with_what_was_wrong():
@@ -169,6 +213,8 @@ def test_bad_inputs_are_refused_with_what_was_wrong():
             call()
     with pytest.raises(ValueError, match="no ISA path 'sse9'"):
         K.qmm_set_isa("sse9")
+    with pytest.raises(ValueError, match="contract must be 'exact' or 'fast', got 'fastest'"):
+        K.qmm(x, w, s, b, 32, 4, contract="fastest")
 
 
 def run_with(env: dict) -> subprocess.CompletedProcess:

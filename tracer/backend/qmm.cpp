@@ -13,13 +13,24 @@
 // also with dtype=float32): qmm does not, and differs from those weights by
 // their rounding (up to half a float16 ulp of each product and sum).
 //
-// Two ways through, by the number M of x rows:
-//  * M <= kSmallMaxM: each weight row is read once, dequantized 32 weights
-//    at a time in vector registers and multiplied into every row of x (in
-//    tiles of kTile rows); columns are split into chunks (a function of the
-//    shape only) that the caller and a pool of workers pull from one counter;
-//    each output is computed by one thread from start to end, so the bits do
-//    not depend on the thread count.
+// The *fast* contract (contract="fast", as llama.cpp computes): each 32-block
+// of an x row is quantized to int8 (scale d = max |x| / 127, rounded to
+// nearest), the weights' 4- or 8-bit integers are multiplied with it as
+// integers (AVX-512 VNNI vpdpbusd, AVX2 maddubs + madd, portable loops; the
+// integer sums are exact, the same on every path), and each block adds
+// s * d * sum(xq * q) + b * d * sum(xq) in float32 (qmm_fast.h). Its error
+// against exact is measured in tests/test_qmm.py (FAST_BOUND) and as KL of
+// SmolLM2's next-token distributions (benchmarks/qmm_kl.py).
+//
+// Two ways through, by the number M of x rows (exact; fast always the first):
+//  * M <= kSmallMaxM: tiles of a few weight rows by up to kTile x rows, each
+//    weight block dequantized once in vector registers and multiplied into
+//    every x row of the tile (qmm_isa.h); columns are split into chunks (a
+//    function of the shape only) that the caller and a pool of workers pull
+//    from one counter (qmm_pool.h; work under kPoolBytes stays on the
+//    caller); each output is computed by one thread from start to end, with
+//    accumulators of its own, so the bits depend neither on the thread count
+//    nor on which rows share its tile.
 //  * more rows: panels of weight rows dequantized (on the pool) to float32
 //    scratch sized to stay in L2, each handed to the process's cblas_sgemm
 //    (the BLAS shim splits it; its bits do not depend on the thread count).
@@ -28,12 +39,13 @@
 // same products, summed in another order. AVX-512 looks 4-bit weights up in
 // a 16-entry table per group (scale * q + bias for q = 0..15, computed as
 // above), the same values as computing each.
-// Kernels exist for AVX-512, AVX2 (+FMA, F16C) and portable C++, compiled
+// Kernels exist for AVX-512 (its fast contract with VNNI, else AVX2's), AVX2
+// (+FMA, F16C) and portable C++ (qmm_ops_x86.h, qmm_ops_portable.h), compiled
 // with target pragmas (the module itself is built without -march), chosen by
 // __builtin_cpu_supports; MLX_TRACER_QMM_ISA=avx512|avx2|portable forces one
-// (one the CPU lacks falls back to the best it has, said on stderr).
-// MLX_TRACER_QMM_THREADS=N pins the thread count (default: the cores this
-// process may run on). tests/test_qmm.py checks every path.
+// for both contracts (one the CPU lacks falls back to the best it has, said
+// on stderr). MLX_TRACER_QMM_THREADS=N pins the thread count (default: the
+// cores this process may run on). tests/test_qmm.py checks every path.
 
 #include <sched.h>
 
@@ -41,6 +53,8 @@
 #include <atomic>
 #include <bit>
 #include <chrono>
+#include <cmath>
+#include <limits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -85,10 +99,19 @@ constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 // SmolLM2's four projection shapes, at 8 slower for all four).
 constexpr int kSmallMaxM = 8;
 constexpr size_t kChunkBytes = 16 << 10;     // packed weights a chunk of the few-row path
+constexpr size_t kPoolBytes = 64 << 10;      // less work than this (~6 us at M = 1) does not wake the pool
 constexpr size_t kPanelBytes = 512 << 10;    // a dequantized panel of the many-row path
 constexpr int kBlock = 32;                   // weights a kernel step: 16 bytes at 4 bits, 32 at 8
+constexpr int kPrefetch = 1024;              // weights ahead a kernel asks the caches for
+
+inline void prefetch(const void* p) {
+#if defined(__x86_64__)
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+#endif
+}
 
 enum class Scale { f32, f16, bf16 };
+enum class Contract { exact, fast };
 
 // One qmm call as its task sees it: pointers, no array references.
 struct QmmJob {
@@ -100,7 +123,21 @@ struct QmmJob {
   Scale scale;
   int M, N, K, group, bits;
   float* out;          // [M, N]
+  // The fast contract's x (quantize_x), else null:
+  const int8_t* xq = nullptr;  // [M, fast_blocks(K) * 32] int8, in qmm_fast.h's layout
+  const float* xd = nullptr;   // [M, fast_blocks(K)] the blocks' scales
+  const float* xg = nullptr;   // [M, fast_groups(K / group)] per group: sum over its blocks of scale * sum(xq)
 };
+
+// Blocks of 32 an x row of the fast contract takes: K's, rounded up to 8 (qmm_fast.h's superblocks).
+constexpr int fast_blocks(int K) {
+  return (K / kBlock + 7) / 8 * 8;
+}
+
+// Groups an x row of the fast contract has sums for: G, rounded up to 8 (the float lanes of its kernels).
+constexpr int fast_groups(int G) {
+  return (G + 7) / 8 * 8;
+}
 
 inline const uint8_t* packed_row(const QmmJob& j, int n) {
   return reinterpret_cast<const uint8_t*>(j.w) + size_t(n) * j.K * j.bits / 8;
@@ -157,148 +194,10 @@ void row_params(const QmmJob& j, int n, float* s, float* b, Halves halves) {
 // MLX packs weight i of a row at bits 4 (i % 8) of little-endian word i / 8
 // (8 (i % 4) of i / 4 at 8 bits): byte i of a 4-bit block holds weights 2i
 // (low nibble) and 2i + 1.
-namespace isa_portable {
-constexpr int L = 8, kTile = 4;
-constexpr Halves halves = halves_portable;
-struct F {
-  float v[L];
-};
-inline F splat(float a) {
-  F r;
-  std::fill(r.v, r.v + L, a);
-  return r;
-}
-inline F loadu(const float* p) {
-  F r;
-  std::memcpy(r.v, p, sizeof r.v);
-  return r;
-}
-inline void storeu(float* p, F a) {
-  std::memcpy(p, a.v, sizeof a.v);
-}
-inline F add(F a, F b) {
-  for (int i = 0; i < L; ++i) a.v[i] += b.v[i];
-  return a;
-}
-inline F fmadd(F a, F b, F c) {
-  for (int i = 0; i < L; ++i) c.v[i] += a.v[i] * b.v[i];
-  return c;
-}
-inline float hsum(F a) {
-  float s = 0.0f;
-  for (int i = 0; i < L; ++i) s += a.v[i];
-  return s;
-}
-struct Group {
-  float s, b;
-};
-template <int BITS>
-inline Group group(float s, float b) {
-  return {s, b};
-}
-template <int BITS>
-inline void dequant(const uint8_t* p, const Group& g, F* w) {
-  float q[kBlock];  // loops the compiler vectorizes
-  for (int i = 0; i < kBlock / 2; ++i) {
-    q[i] = BITS == 8 ? p[i] : p[i] & 15;
-    q[i + kBlock / 2] = BITS == 8 ? p[i + kBlock / 2] : p[i] >> 4;
-  }
-  for (int i = 0; i < kBlock; ++i) q[i] = q[i] * g.s + g.b;
-  std::memcpy(w, q, sizeof q);
-}
-#include "qmm_isa.h"
-}  // namespace isa_portable
+#include "qmm_ops_portable.h"
 
 #if defined(__x86_64__)
-// The vector type V of an x86 ISA whose intrinsics start with P, its plain
-// operations and its float16 conversion.
-#define QMM_X86_OPS(V, P)                                              \
-  using F = V;                                                         \
-  constexpr Halves halves = halves_f16c;                               \
-  inline F splat(float a) { return P##_set1_ps(a); }                   \
-  inline F loadu(const float* p) { return P##_loadu_ps(p); }           \
-  inline void storeu(float* p, F a) { P##_storeu_ps(p, a); }           \
-  inline F add(F a, F b) { return P##_add_ps(a, b); }                 \
-  inline F fmadd(F a, F b, F c) { return P##_fmadd_ps(a, b, c); }
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,f16c")
-namespace isa_avx2 {
-constexpr int L = 8, kTile = 4;
-QMM_X86_OPS(__m256, _mm256)
-inline float hsum(F a) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-inline F widen8(__m128i bytes) {  // the low 8 bytes
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
-}
-struct Group {
-  F s, b;
-};
-template <int BITS>
-inline Group group(float s, float b) {
-  return {splat(s), splat(b)};
-}
-template <int BITS>
-inline void dequant(const uint8_t* p, const Group& g, F* w) {
-  if constexpr (BITS == 4) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), m = _mm_set1_epi8(0x0f);
-    const __m128i even = _mm_and_si128(v, m), odd = _mm_and_si128(_mm_srli_epi16(v, 4), m);
-    w[0] = widen8(even), w[1] = widen8(_mm_srli_si128(even, 8)), w[2] = widen8(odd), w[3] = widen8(_mm_srli_si128(odd, 8));
-  } else {
-    for (int i = 0; i < 4; ++i) w[i] = widen8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i)));
-  }
-  for (int v = 0; v < 4; ++v) w[v] = _mm256_add_ps(_mm256_mul_ps(w[v], g.s), g.b);
-}
-#include "qmm_isa.h"
-}  // namespace isa_avx2
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,fma,f16c")
-namespace isa_avx512 {
-constexpr int L = 16, kTile = 8;
-QMM_X86_OPS(__m512, _mm512)
-inline float hsum(F a) { return _mm512_reduce_add_ps(a); }
-// 4 bits: `a` holds the group's 16 possible weights (scale * q + bias for q = 0..15), looked
-// up by each nibble; 8 bits: scale and bias.
-struct Group {
-  F a, b;
-};
-template <int BITS>
-inline Group group(float s, float b) {
-  if constexpr (BITS == 4) {
-    const F q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    return {_mm512_add_ps(_mm512_mul_ps(q, splat(s)), splat(b)), splat(0.0f)};
-  }
-  return {splat(s), splat(b)};
-}
-template <int BITS>
-inline void dequant(const uint8_t* p, const Group& g, F* w) {
-  if constexpr (BITS == 4) {
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    w[0] = _mm512_permutexvar_ps(q, g.a);  // vpermps reads an index's low 4 bits: the low nibble
-    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), g.a);
-  } else {
-    for (int i = 0; i < 2; ++i) {
-      const F q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i))));
-      w[i] = _mm512_add_ps(_mm512_mul_ps(q, g.a), g.b);
-    }
-  }
-}
-#include "qmm_isa.h"
-}  // namespace isa_avx512
-#pragma GCC pop_options
-
-bool has_avx2() {
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
-bool has_avx512() {
-  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl");
-}
+#include "qmm_ops_x86.h"
 #endif
 
 // ------------------------------------------------------------ ISA choice
@@ -307,13 +206,17 @@ struct Path {
   bool (*supported)();
   void (*small)(const QmmJob&, int n0, int n1);
   void (*dequant)(const QmmJob&, int n0, int n1, float* panel);
+  void (*fast)(const QmmJob&, int n0, int n1);
+  void (*quantize_x)(const QmmJob&, int8_t* xq, float* xd, float* xg);
 };
 
 const Path kPaths[] = {  // worst to best
-    {"portable", [] { return true; }, isa_portable::rows_small, isa_portable::dequant_rows},
+    {"portable", [] { return true; }, isa_portable::rows_small, isa_portable::dequant_rows, isa_portable::fast_rows,
+     isa_portable::quantize_x_rows},
 #if defined(__x86_64__)
-    {"avx2", has_avx2, isa_avx2::rows_small, isa_avx2::dequant_rows},
-    {"avx512", has_avx512, isa_avx512::rows_small, isa_avx512::dequant_rows},
+    {"avx2", has_avx2, isa_avx2::rows_small, isa_avx2::dequant_rows, isa_avx2::fast_rows, isa_avx2::quantize_x_rows},
+    {"avx512", has_avx512, isa_avx512::rows_small, isa_avx512::dequant_rows, fast_avx512,
+     isa_avx2::quantize_x_rows},  // the same bytes on every path
 #endif
 };
 constexpr int kPathCount = int(sizeof(kPaths) / sizeof(kPaths[0]));
@@ -363,6 +266,8 @@ const Path& path() {
 // ------------------------------------------------------------- the work
 // Calls fn(n0, n1) for weight rows [n0, n1) in chunks of about kChunkBytes
 // of packed weights (at least `align` rows, a multiple of it), on the pool.
+// Work under kPoolBytes (packed bytes times (M + 1) / 2) runs on the calling
+// thread alone, in the same chunks (the same bits).
 template <class Fn>
 void over_rows(const QmmJob& j, int n0, int n1, int align, const Fn& fn) {
   const size_t row_bytes = size_t(j.K) * j.bits / 8;
@@ -372,10 +277,11 @@ void over_rows(const QmmJob& j, int n0, int n1, int align, const Fn& fn) {
     const Fn* fn;
     int n0, n1, rows;
   } ctx{&fn, n0, n1, rows};
+  const bool alone = size_t(n1 - n0) * row_bytes * (j.M + 1) / 2 < kPoolBytes;
   Pool::the().run((n1 - n0 + rows - 1) / rows, [](const void* c, int i) {
     const Ctx& t = *static_cast<const Ctx*>(c);
     (*t.fn)(t.n0 + i * t.rows, std::min(t.n1, t.n0 + (i + 1) * t.rows));
-  }, &ctx);
+  }, &ctx, alone);
 }
 
 // Few x rows: straight from the packed weights.
@@ -395,10 +301,30 @@ void run_large(const QmmJob& j, const Path& p) {
   }
 }
 
+// The fast contract's x: each 32-block of a row scaled by d = max |x| / 127
+// and rounded to the nearest integer (ties to even), laid out as qmm_fast.h
+// reads it (superblocks of 8 blocks, zeros past K); per group, the sum over
+// its blocks of d * sum(xq).
+void quantize_x(QmmJob& j, const Path& p, std::vector<int8_t>& xq, std::vector<float>& xd, std::vector<float>& xg) {
+  const int Bp = fast_blocks(j.K);
+  xq.assign(size_t(j.M) * Bp * kBlock, 0), xd.assign(size_t(j.M) * Bp, 0.0f),
+      xg.assign(size_t(j.M) * fast_groups(j.K / j.group), 0.0f);
+  p.quantize_x(j, xq.data(), xd.data(), xg.data());
+  j.xq = xq.data(), j.xd = xd.data(), j.xg = xg.data();
+}
+
 // 4-bit blocks come out of dequant in block order (even weights, then odd):
 // x goes into the same order, which changes only the order of summation.
-void run(QmmJob j) {
-  std::vector<float> xp;  // [M, K]
+void run(QmmJob j, Contract contract) {
+  const Path& p = path();
+  if (contract == Contract::fast) {
+    thread_local std::vector<int8_t> xq;
+    thread_local std::vector<float> xd, xg;
+    quantize_x(j, p, xq, xd, xg);
+    over_rows(j, 0, j.N, 4, [&](int n0, int n1) { p.fast(j, n0, n1); });
+    return;
+  }
+  thread_local std::vector<float> xp;  // [M, K]
   if (j.bits == 4) {
     xp.resize(size_t(j.M) * j.K);
     for (int m = 0; m < j.M; ++m) {
@@ -410,7 +336,7 @@ void run(QmmJob j) {
     }
     j.x = xp.data(), j.ldx = j.K;
   }
-  j.M <= kSmallMaxM ? run_small(j, path()) : run_large(j, path());
+  j.M <= kSmallMaxM ? run_small(j, p) : run_large(j, p);
 }
 
 // ------------------------------------------------------------ primitive
@@ -428,7 +354,8 @@ std::string describe(const array& a) {
 
 class Qmm : public mx::Primitive {
  public:
-  Qmm(mx::Stream s, int group, int bits) : mx::Primitive(s), group_(group), bits_(bits) {}
+  Qmm(mx::Stream s, int group, int bits, Contract contract)
+      : mx::Primitive(s), group_(group), bits_(bits), contract_(contract) {}
 
   // inputs: x [M, K] float32, w [N, K bits / 32] uint32, scales, biases [N, K / group]; output [M, N] float32
   void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
@@ -442,7 +369,7 @@ class Qmm : public mx::Primitive {
     const QmmJob j{x.data<float>(), x.shape(0) == 1 ? size_t(x.shape(1)) : size_t(x.strides()[0]), w.data<uint32_t>(),
                    s.data<void>(), b.data<void>(), scale, x.shape(0), w.shape(0), x.shape(1), group_, bits_,
                    out.data<float>()};
-    enc.dispatch([j] { run(j); });
+    enc.dispatch([j, c = contract_] { run(j, c); });
   }
   void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
     throw std::runtime_error("mlx_tracer qmm: CPU only");
@@ -452,10 +379,10 @@ class Qmm : public mx::Primitive {
   }
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const Qmm&>(other);
-    return group_ == o.group_ && bits_ == o.bits_;
+    return group_ == o.group_ && bits_ == o.bits_ && contract_ == o.contract_;
   }
   const char* name() const override {
-    return "TracerQmm";
+    return contract_ == Contract::fast ? "TracerQmmFast" : "TracerQmm";
   }
 
  private:
@@ -480,9 +407,12 @@ class Qmm : public mx::Primitive {
   }
 
   int group_, bits_;
+  Contract contract_;
 };
 
-array qmm(const array& x, const array& w, const array& scales, const array& biases, int group_size, int bits) {
+array qmm(const array& x, const array& w, const array& scales, const array& biases, int group_size, int bits,
+          const std::string& contract) {
+  need(contract == "exact" || contract == "fast", "contract must be 'exact' or 'fast', got '" + contract + "'");
   need(bits == 4 || bits == 8, "bits must be 4 or 8, got " + std::to_string(bits));
   need(group_size == 32 || group_size == 64 || group_size == 128,
        "group_size must be 32, 64 or 128, got " + std::to_string(group_size));
@@ -501,7 +431,8 @@ array qmm(const array& x, const array& w, const array& scales, const array& bias
   need(scales.shape() == groups && biases.shape() == groups, "scales and biases must be [N, K / group_size] = [" +
                                                                  std::to_string(N) + ", " + std::to_string(K / group_size) +
                                                                  "], got " + describe(scales) + " and " + describe(biases));
-  auto prim = std::make_shared<Qmm>(mx::default_stream(mx::Device::cpu), group_size, bits);
+  auto prim = std::make_shared<Qmm>(mx::default_stream(mx::Device::cpu), group_size, bits,
+                                    contract == "fast" ? Contract::fast : Contract::exact);
   return array({M, N}, mx::float32, std::move(prim), {x, w, scales, biases});
 }
 
@@ -516,7 +447,10 @@ std::string set_isa(const std::string& name) {
 
 void register_qmm(nb::module_& m) {
   m.def("qmm", &qmm, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"),
-        nb::arg("bits"), "x [M, K] float32 @ mx.dequantize(w, scales, biases, group_size, bits).T -> [M, N] float32");
+        nb::arg("bits"), nb::arg("contract") = "exact",
+        "x [M, K] float32 @ mx.dequantize(w, scales, biases, group_size, bits).T -> [M, N] float32; contract "
+        "'exact' (each weight dequantized in float32, float32 sums) or 'fast' (x in int8 per 32-block, integer dot "
+        "products)");
   m.def("qmm_isa", [] { return std::string(path().name); }, "qmm's kernels in use: avx512, avx2 or portable");
   m.def("qmm_set_isa", &set_isa, nb::arg("name"), "Use that ISA path from now on (the best one the CPU has if it lacks it); returns the one in use");
   m.def("qmm_threads", [] { return Pool::the().threads(); });

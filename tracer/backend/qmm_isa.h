@@ -1,7 +1,10 @@
-// qmm's kernels for one instruction set. qmm.cpp includes this file once per
-// ISA, inside a namespace that defines, under that ISA's target pragma:
+// qmm's exact-contract kernels for one instruction set. qmm_ops_*.h include
+// this file once per ISA, inside a namespace that defines, under that ISA's
+// target pragma:
 //   F, L          a vector of L float lanes;
 //   kTile         x rows a weight row is multiplied into at once (accumulators in registers);
+//   kRows(mt), kAcc(mt)  weight rows a tile of mt x rows takes at once, and the
+//                 accumulators each (row, x row) pair has (enough independent chains);
 //   halves        float16 scales to float32;
 //   splat, loadu, storeu, add, fmadd (a * b + c), hsum (lanes in a fixed order);
 //   Group, group<BITS>(scale, bias)  what dequant needs of a group;
@@ -9,67 +12,124 @@
 //       scale * q, rounded, + bias in float32, into w[32 / L] in block order
 //       (at 4 bits: the even-numbered weights, then the odd ones; qmm.cpp
 //       permutes x to match).
+// The tiling (over_tiles, Params) serves qmm_fast.h's kernels too.
 // Everything here is the same for every ISA; only the lane count and the
 // accumulation order differ between them.
 
 constexpr int kVecs = kBlock / L;
 
-// out[m0 .. m0 + MT, n] = x[m0 .. m0 + MT] . (weight row n): the row dequantized
-// block by block in registers, each block multiplied into MT rows of x.
-template <int MT, int BITS>
+// out[m0 .. m0 + MT, n .. n + R) = x[m0 .. m0 + MT] . (weight rows n .. n + R): each
+// block of each row dequantized once in registers and multiplied into MT rows
+// of x. s, b [R][G]: the rows' scales and biases in float32. A row's
+// accumulators are its own (A of them for each x row, a function of MT only):
+// its sums do not depend on R nor on which rows share its tile.
+template <int R, int MT, int BITS>
 inline void row_tile(const QmmJob& j, int n, int m0, const float* s, const float* b) {
-  constexpr int A = MT <= 2 ? kVecs : 2;  // accumulators a row: enough independent chains
-  const uint8_t* wr = packed_row(j, n);
+  constexpr int A = kAcc(MT);
   const int G = j.K / j.group;
-  F acc[MT][A];
-  for (int m = 0; m < MT; ++m) {
-    for (int a = 0; a < A; ++a) acc[m][a] = splat(0.0f);
+  const uint8_t* wr[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) wr[r] = packed_row(j, n + r);
+  const float* xr = j.x + size_t(m0) * j.ldx;
+  F acc[R][MT][A];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m) {
+#pragma GCC unroll 8
+      for (int a = 0; a < A; ++a) acc[r][m][a] = splat(0.0f);
+    }
   }
   for (int g = 0; g < G; ++g) {
-    const Group grp = group<BITS>(s[g], b[g]);
+    Group grp[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) grp[r] = group<BITS>(s[r * G + g], b[r * G + g]);
     for (int k = g * j.group, end = k + j.group; k < end; k += kBlock) {
-      F w[kVecs];
-      dequant<BITS>(wr + k * BITS / 8, grp, w);
-      for (int m = 0; m < MT; ++m) {
-        const float* xr = j.x + size_t(m0 + m) * j.ldx + k;
-        for (int v = 0; v < kVecs; ++v) {
-          acc[m][v % A] = fmadd(w[v], loadu(xr + v * L), acc[m][v % A]);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        prefetch(wr[r] + (k + kPrefetch) * BITS / 8);
+        F w[kVecs];
+        dequant<BITS>(wr[r] + k * BITS / 8, grp[r], w);
+#pragma GCC unroll 8
+        for (int m = 0; m < MT; ++m) {
+          for (int v = 0; v < kVecs; ++v) {
+            acc[r][m][v % A] = fmadd(w[v], loadu(xr + m * j.ldx + k + v * L), acc[r][m][v % A]);
+          }
         }
       }
     }
   }
-  for (int m = 0; m < MT; ++m) {
-    for (int a = 1; a < A; ++a) acc[m][0] = add(acc[m][0], acc[m][a]);
-    j.out[size_t(m0 + m) * j.N + n] = hsum(acc[m][0]);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m) {
+#pragma GCC unroll 8
+      for (int a = 1; a < A; ++a) acc[r][m][0] = add(acc[r][m][0], acc[r][m][a]);
+      j.out[size_t(m0 + m) * j.N + n + r] = hsum(acc[r][m][0]);
+    }
   }
 }
 
-// row_tile<mt>, for a run-time mt in 1 .. MT.
-template <int MT, int BITS>
-inline void row_tile_upto(int mt, const QmmJob& j, int n, int m0, const float* s, const float* b) {
+// A range of weight rows' scales and biases in float32, as a tile reads them:
+// row n's at s + (n - n0) * ls and b + (n - n0) * lb.
+struct Params {
+  const float* s;
+  const float* b;
+  int ls, lb, n0;
+  const float* scales(int n) const { return s + size_t(n - n0) * ls; }
+  const float* biases(int n) const { return b + size_t(n - n0) * lb; }
+};
+
+// Calls Tile::run<R, MT>(n, m0, params) over rows [n0, n1) for the x rows
+// [m0, m0 + MT): Tile::rows(MT) weight rows at once, the rest one by one.
+template <class Tile, int MT>
+inline void over_tiles_mt(int n0, int n1, int m0, const Tile& t, const Params& p) {
+  constexpr int R = Tile::rows(MT);
+  int n = n0;
+  for (; n + R <= n1; n += R) t.template run<R, MT>(n, m0, p);
+  for (; n < n1; ++n) t.template run<1, MT>(n, m0, p);
+}
+
+template <class Tile, int MT>
+inline void over_tiles_upto(int mt, int n0, int n1, int m0, const Tile& t, const Params& p) {
   if constexpr (MT > 1) {
-    if (mt < MT) {
-      return row_tile_upto<MT - 1, BITS>(mt, j, n, m0, s, b);
-    }
+    if (mt < MT) return over_tiles_upto<Tile, MT - 1>(mt, n0, n1, m0, t, p);
   }
-  row_tile<MT, BITS>(j, n, m0, s, b);
+  over_tiles_mt<Tile, MT>(n0, n1, m0, t, p);
 }
 
-template <int BITS>
-void rows_small_bits(const QmmJob& j, int n0, int n1) {
-  const int G = j.K / j.group;
-  std::vector<float> params(2 * size_t(G));  // a row's scales, then biases, in float32
-  for (int n = n0; n < n1; ++n) {
-    row_params(j, n, params.data(), params.data() + G, halves);
-    for (int m0 = 0; m0 < j.M; m0 += kTile) {
-      row_tile_upto<kTile, BITS>(std::min(kTile, j.M - m0), j, n, m0, params.data(), params.data() + G);
-    }
+// Every (weight rows, x rows) tile of out[:, n0 .. n1), x in tiles of kTile
+// rows; the rows' scales and biases converted once (Tile::params).
+template <class Tile>
+void over_tiles(const QmmJob& j, int n0, int n1, const Tile& t) {
+  thread_local std::vector<float> buffer;
+  const Params p = t.params(n0, n1, buffer);
+  for (int m0 = 0; m0 < j.M; m0 += kTile) {
+    over_tiles_upto<Tile, kTile>(std::min(kTile, j.M - m0), n0, n1, m0, t, p);
   }
 }
+
+// The exact contract's tiles: the rows' scales [rows, G], then biases [rows, G].
+template <int BITS>
+struct ExactTile {
+  const QmmJob& j;
+  static constexpr int rows(int mt) { return kRows(mt); }
+  Params params(int n0, int n1, std::vector<float>& buffer) const {
+    const size_t G = j.K / j.group, rows = n1 - n0;
+    buffer.resize(2 * rows * G);
+    widen(j.scales, j.scale, n0 * G, rows * G, buffer.data(), halves);
+    widen(j.biases, j.scale, n0 * G, rows * G, buffer.data() + rows * G, halves);
+    return {buffer.data(), buffer.data() + rows * G, int(G), int(G), n0};
+  }
+  template <int R, int MT>
+  void run(int n, int m0, const Params& p) const {
+    row_tile<R, MT, BITS>(j, n, m0, p.scales(n), p.biases(n));
+  }
+};
 
 // out[:, n0 .. n1) for few rows of x, straight from the packed weights.
 void rows_small(const QmmJob& j, int n0, int n1) {
-  j.bits == 4 ? rows_small_bits<4>(j, n0, n1) : rows_small_bits<8>(j, n0, n1);
+  j.bits == 4 ? over_tiles(j, n0, n1, ExactTile<4>{j}) : over_tiles(j, n0, n1, ExactTile<8>{j});
 }
 
 template <int BITS>

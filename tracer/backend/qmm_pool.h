@@ -15,19 +15,41 @@ long now_ns() {
       .count();
 }
 
-// Waits until a != seen (a bounded spin, then a futex sleep); returns the new value.
-uint32_t wait_change(std::atomic<uint32_t>& a, uint32_t seen) {
-  const long until = now_ns() + kSpinNs;
-  for (int i = 1;; ++i) {
-    const uint32_t v = a.load(std::memory_order_acquire);
-    if (v != seen) return v;
-    cpu_relax();
-    if ((i & 63) == 0 && now_ns() > until) break;
+// A word threads wait on to change: a bounded spin, then a futex sleep. Who
+// changes it calls the futex only while someone sleeps (one syscall less a
+// job where the waiters still spin): a sleeper counts itself before it reads
+// the word a last time, the changer reads the count after its store (both
+// sequentially consistent, so one of them sees the other).
+struct Signal {
+  std::atomic<uint32_t> word{0};
+  std::atomic<int> sleepers{0};
+
+  // Waits until word != seen; returns the new value.
+  uint32_t wait_change(uint32_t seen) {
+    const long until = now_ns() + kSpinNs;
+    for (int i = 1;; ++i) {
+      const uint32_t v = word.load(std::memory_order_acquire);
+      if (v != seen) return v;
+      cpu_relax();
+      if ((i & 63) == 0 && now_ns() > until) break;
+    }
+    sleepers.fetch_add(1);
+    uint32_t v;
+    while ((v = word.load()) == seen) word.wait(seen);
+    sleepers.fetch_sub(1);
+    return v;
   }
-  uint32_t v;
-  while ((v = a.load(std::memory_order_acquire)) == seen) a.wait(seen);
-  return v;
-}
+  void store(uint32_t v) {
+    word.store(v);
+    if (sleepers.load() > 0) word.notify_all();
+  }
+  // word + 1 (returned), waking sleepers.
+  uint32_t increment() {
+    const uint32_t v = word.fetch_add(1) + 1;
+    if (sleepers.load() > 0) word.notify_all();
+    return v;
+  }
+};
 
 int default_threads() {
   if (const char* env = std::getenv("MLX_TRACER_QMM_THREADS"); env && std::atoi(env) > 0) return std::atoi(env);
@@ -54,20 +76,20 @@ class Pool {
   int threads() const { return threads_.load(); }
   void set_threads(int n) { threads_.store(std::max(1, n)); }
 
-  void run(int count, Fn fn, const void* ctx) {
-    const int helpers = count < 2 || threads() < 2 || !lock_.try_lock() ? 0 : start(threads() - 1);
+  // Runs fn(ctx, 0 .. count); on the caller alone where `alone`.
+  void run(int count, Fn fn, const void* ctx, bool alone = false) {
+    const int helpers = alone || count < 2 || threads() < 2 || !lock_.try_lock() ? 0 : start(threads() - 1);
     if (helpers == 0) {
       for (int i = 0; i < count; ++i) fn(ctx, i);
       return;
     }
     fn_ = fn, ctx_ = ctx;
     gen_ = gen_ + 1 == 0 ? 1 : gen_ + 1;  // 0 is every worker's first "seen"
-    done_.store(0);
+    done_.word.store(0);
     word_.store(uint64_t(gen_) << 32 | uint64_t(count) << 16, std::memory_order_release);
-    wake_.store(gen_, std::memory_order_release);
-    wake_.notify_all();
+    wake_.store(gen_);
     take(gen_);
-    for (uint32_t d = done_.load(); d != uint32_t(count);) d = wait_change(done_, d);
+    for (uint32_t d = done_.word.load(); d != uint32_t(count);) d = done_.wait_change(d);
     lock_.unlock();
   }
 
@@ -87,7 +109,7 @@ class Pool {
   }
   void work() {
     for (uint32_t seen = 0;;) {
-      seen = wait_change(wake_, seen);
+      seen = wake_.wait_change(seen);
       take(seen);
     }
   }
@@ -99,7 +121,7 @@ class Pool {
       if (uint32_t(v >> 32) != gen || next >= count) return;
       if (!word_.compare_exchange_weak(v, v + 1, std::memory_order_acq_rel)) continue;
       fn_(ctx_, next);  // the job cannot finish (nor fn_ change) before this chunk is done
-      if (done_.fetch_add(1, std::memory_order_acq_rel) + 1 == uint32_t(count)) done_.notify_one();
+      done_.increment();
       v = word_.load(std::memory_order_acquire);
     }
   }
@@ -107,7 +129,7 @@ class Pool {
     new (&lock_) std::mutex;
     started_ = 0;
     gen_ = 0;
-    word_.store(0), wake_.store(0), done_.store(0);
+    word_.store(0), wake_.word.store(0), done_.word.store(0), wake_.sleepers.store(0), done_.sleepers.store(0);
   }
 
   std::mutex lock_;
@@ -117,6 +139,6 @@ class Pool {
   Fn fn_ = nullptr;
   const void* ctx_ = nullptr;
   alignas(64) std::atomic<uint64_t> word_{0};
-  alignas(64) std::atomic<uint32_t> done_{0};
-  alignas(64) std::atomic<uint32_t> wake_{0};
+  alignas(64) Signal done_;  // chunks finished
+  alignas(64) Signal wake_;  // the generation of the job on offer
 };
