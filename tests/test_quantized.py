@@ -11,7 +11,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_tracer.backend import kernels
 from mlx_tracer.loading.quant import float32_activations
@@ -20,6 +19,7 @@ from mlx_tracer.runtime.engine import Engine
 from mlx_tracer.runtime.step import CompiledModel
 
 from .helpers import FRANCE, model_present
+from .test_lean import eager_logits
 from .tiny_models import tiny_model
 
 K = kernels.load()
@@ -38,14 +38,9 @@ def quantized_tiny(family: str, group_size: int, bits: int, scales=mx.float16):
 
 
 def eager_greedy(model, prompt, steps):
-    cache = make_prompt_cache(model)
-    logits = model(mx.array([prompt]), cache=cache)[:, -1, :]
-    out = []
-    for _ in range(steps):
-        tok = mx.argmax(logits, axis=-1)
-        out.append(tok.item())
-        logits = model(tok[:, None], cache=cache)[:, -1, :]
-    return out, logits
+    """mlx-lm's greedy tokens (and the last step's logits), from test_lean's eager loop."""
+    logits = eager_logits(model, prompt, steps + 1)  # the last: after the steps-th token
+    return [mx.argmax(x, axis=-1).item() for x in logits[:steps]], logits[-1]
 
 
 def engine_tokens(engine, prompts, max_tokens):
