@@ -83,25 +83,14 @@ def case(i: int, bits: int, dtype_name: str):
 @pytest.mark.parametrize("isa", PATHS, indirect=True)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_qmm_equals_the_float32_dequantized_matmul(isa, bits, dtype):
+@pytest.mark.parametrize("contract,bound", [("exact", BOUND), ("fast", FAST_BOUND)])
+def test_qmm_is_within_its_contract_of_the_float32_dequantized_matmul(isa, bits, dtype, contract, bound):
     for i, (M, N, Kd, group) in enumerate(CASES):
         args, exact, magnitude = case(i, bits, dtype)
-        y = K.qmm(*args, group, bits)
+        y = K.qmm(*args, group, bits, contract=contract)
         assert y.shape == (M, N) and y.dtype == mx.float32
         err = float((np.abs(np.array(y, np.float64) - exact) / magnitude).max())
-        assert err <= BOUND, f"{isa} M={M} N={N} K={Kd} group={group} bits={bits}: {err:.2e}"
-
-
-@pytest.mark.parametrize("isa", PATHS, indirect=True)
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-def test_fast_contract_is_within_its_bound_of_exact(isa, bits, dtype):
-    for i, (M, N, Kd, group) in enumerate(CASES):
-        args, exact, magnitude = case(i, bits, dtype)
-        y = K.qmm(*args, group, bits, contract="fast")
-        assert y.shape == (M, N) and y.dtype == mx.float32
-        err = float((np.abs(np.array(y, np.float64) - exact) / magnitude).max())
-        assert err <= FAST_BOUND, f"{isa} M={M} N={N} K={Kd} group={group} bits={bits}: {err:.2e}"
+        assert err <= bound, f"{isa} {contract} M={M} N={N} K={Kd} group={group} bits={bits}: {err:.2e}"
 
 
 @pytest.mark.parametrize("isa", PATHS, indirect=True)

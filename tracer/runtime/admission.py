@@ -20,7 +20,7 @@ from typing import List, Optional, Sequence
 from ..caches.batch import StaticKVCache
 from .batch import RunningBatch
 from .prefill import feed_windows, prefill, prefill_windows, start_caches
-from .requests import EngineStats, Request
+from .requests import Request
 from .scheduler import Scheduler
 from .step import CompiledModel, bucket_for
 
@@ -29,11 +29,11 @@ class PrefillJob:
     """Groups of newcomers prefilled one window per :meth:`advance`, in join order."""
 
     def __init__(self, compiled: CompiledModel, groups: Sequence[Sequence[Request]], buckets: Sequence[int],
-                 windows, stats: EngineStats):
+                 windows, batch: RunningBatch):
         self.groups = [list(g) for g in groups]
         self.caches: List[List[StaticKVCache]] = []
         self.done = False
-        self._stats = stats
+        self._batch = batch  # its stats are the engine's (reset_stats swaps them)
         self._steps = self._run(compiled, buckets, windows)
 
     def _run(self, compiled, buckets, windows):
@@ -41,7 +41,7 @@ class PrefillJob:
             caches = start_caches(compiled, g, bucket_for(len(g), buckets))
             yield from feed_windows(compiled, caches, [r.prompt[:-1] for r in g], windows)
             self.caches.append(caches)
-            self._stats.prefill_tokens += sum(len(r.prompt) - 1 for r in g)
+            self._batch.stats.prefill_tokens += sum(len(r.prompt) - 1 for r in g)
 
     def advance(self) -> None:
         """One window (evaluated); marks the job done after its last."""
@@ -50,7 +50,7 @@ class PrefillJob:
             next(self._steps)
         except StopIteration:
             self.done = True
-        self._stats.prefill_s += time.perf_counter() - t0
+        self._batch.stats.prefill_s += time.perf_counter() - t0
 
     def finish(self) -> None:
         while not self.done:
@@ -62,7 +62,8 @@ class Admission:
 
     Args:
         step_tokens: the longest window an interleaved prefill runs per
-            engine step (the prefill chunks up to it are used).
+            engine step (the prefill chunks up to it are used); 0: no
+            interleaving, newcomers are prefilled whole at admission.
     """
 
     def __init__(self, compiled: CompiledModel, scheduler: Scheduler, batch: RunningBatch, step_tokens: int):
@@ -73,12 +74,12 @@ class Admission:
     def interleave(self) -> None:
         """With rows running: start a job for the queued requests there is room
         for, or run one more window of the job in progress."""
-        if self.job is None and self.batch.rows:
+        if self.job is None and self.batch.rows and self.step_tokens:
             groups = self.scheduler.admission(len(self.batch.rows))[:1]  # the first come joins first
             if groups:
                 chunks = [c for c in self.scheduler.prefill_chunks if c <= self.step_tokens] or [min(self.scheduler.prefill_chunks)]
                 self.job = PrefillJob(self.compiled, groups, self.scheduler.buckets,
-                                      lambda n: prefill_windows(n, chunks), self.batch.stats)
+                                      lambda n: prefill_windows(n, chunks), self.batch)
         if self.job is not None and not self.job.done:
             self.job.advance()
 

@@ -128,11 +128,8 @@ class Engine:
         self.speculator = Speculator(drafter, options.draft_tokens, options.spec_policy) if drafter else None
         self.on_retire = on_retire
         self.prefixes = PrefixReuse(prefix_cache) if prefix_cache is not None else None
-        self._stats = EngineStats()
-        self.batch = RunningBatch(self.compiled, options.buckets, self._stats)
-        self.interleave_prefill = options.prefill_step_tokens > 0
-        self.admission = Admission(self.compiled, self.scheduler, self.batch,
-                                   options.prefill_step_tokens or max(options.prefill_chunks))
+        self.batch = RunningBatch(self.compiled, options.buckets, EngineStats())
+        self.admission = Admission(self.compiled, self.scheduler, self.batch, options.prefill_step_tokens)
 
     # ------------------------------------------------------------- requests
     @property
@@ -161,12 +158,12 @@ class Engine:
 
     @property
     def stats(self) -> EngineStats:
-        return self._stats
+        return self.batch.stats
 
     def reset_stats(self) -> EngineStats:
         """Start a new measurement: fresh counters from now on (returns them)."""
-        self._stats = self.batch.stats = EngineStats()
-        return self._stats
+        self.batch.stats = EngineStats()
+        return self.batch.stats
 
     @property
     def prefix_cache(self) -> Optional[PrefixCache]:
@@ -176,7 +173,7 @@ class Engine:
         """A copy of what the engine looks like now (traces, batch, queue, stats, prefix cache)."""
         return EngineSnapshot(
             traces=dict(self.compiled.traces), bucket=self.batch.width, live_rows=len(self.batch.rows),
-            queued=len(self.scheduler.queue), stats=replace(self._stats),
+            queued=len(self.scheduler.queue), stats=replace(self.batch.stats),
             prefix_cache=self.prefix_cache.snapshot() if self.prefixes is not None else None,
         )
 
@@ -259,8 +256,7 @@ class Engine:
         # where the BLAS thread count follows the load, drain every RECHECK_STEPS steps to ask again
         follows = threads.follows_load()
         recheck = follows and self.stats.steps % threads.RECHECK_STEPS == threads.RECHECK_STEPS - 1
-        if self.interleave_prefill:
-            self.admission.interleave()  # one window of newcomers' prompts beside the running rows
+        self.admission.interleave()  # one window of newcomers' prompts beside the running rows
         if not self.batch.pipeline:
             if follows and self.stats.steps and self.stats.steps % threads.RECHECK_STEPS == 0:  # (admit() asks too)
                 threads.apply()  # drained: a safe point to change BLAS threads
