@@ -68,7 +68,8 @@ def norm(n, seed, eps=1e-5):
 def test_the_kernels_list_their_inputs_once():
     names = dict(K.inputs("layer_in"))
     assert list(names)[:2] == ["h", "act"] and names["h"] and not names["act"] and not names["q_norm"]
-    assert [n for n, required in K.inputs("layer_mid") if not required] == ["b_o", "b_gu"]
+    assert [n for n, required in K.inputs("layer_mid") if not required] == [
+        "w_o_scales", "w_o_biases", "b_o", "w_gu_scales", "w_gu_biases", "b_gu"]
     with pytest.raises(ValueError, match="no kernel 'nope'"):
         K.inputs("nope")
 
@@ -143,6 +144,71 @@ def test_layer_mid_equals_the_lean_ops(B, nk, R, D, S, bias):
     assert same(h3, h2) and same(act3, act)
 
 
+class Packed:
+    """A Linear as MLX's packed blocks (mx.quantize), scales and biases in
+    ``dtype``: the weight slot ``slot`` of the kernels, and the lean ops'
+    matmul for it (qmm's exact contract, then + bias)."""
+
+    def __init__(self, m, group, bits, dtype):
+        self.w, s, b = mx.quantize(m.weight, group_size=group, bits=bits)
+        self.s, self.b = s.astype(dtype), b.astype(dtype)
+        self.bias, self.group, self.bits = m.get("bias"), group, bits
+
+    def slot(self, name):
+        return {name: self.w, f"{name}_scales": self.s, f"{name}_biases": self.b}
+
+    def __call__(self, x):
+        y = K.qmm(x, self.w, self.s, self.b, group_size=self.group, bits=self.bits)
+        return y + self.bias if self.bias is not None else y
+
+
+@pytest.mark.parametrize("B,bits,group,dtype,bias", [(1, 4, 32, mx.float16, False), (3, 4, 64, mx.float32, True),
+                                                     (8, 8, 32, mx.bfloat16, True), (5, 8, 128, mx.float16, False)])
+def test_layer_kernels_on_packed_blocks_equal_the_lean_ops_on_qmm(B, bits, group, dtype, bias):
+    """Projections given as packed 4-/8-bit blocks: the bits of the lean ops
+    path, which calls qmm for each (then adds the bias)."""
+    mx.random.seed(B + bits)
+    nq, nk, D, hid, F = 4, 2, 32, 128, 256
+    down, qkv = Packed(linear(F, hid, bias), group, bits, dtype), Packed(linear(hid, (nq + 2 * nk) * D, bias), group, bits, dtype)
+    o, gu = Packed(linear(nq * D, hid, bias), group, bits, dtype), Packed(linear(hid, 2 * F, bias), group, bits, dtype)
+    n_in, post = norm(hid, 1), norm(hid, 2)
+    h, act = mx.random.normal((B, hid)), mx.random.normal((B, F))
+    rot = rotation(B, nq, nk, D, list(range(3, 3 + B)))
+    h1 = h + down(act)
+    q, k, v = mx.split(rot(qkv(n_in(h1))), [nq, nq + nk], axis=1)
+    got = K.layer_in(dict(h=h, act=act, **down.slot("w_down"), b_down=down.bias, norm=n_in.weight, **qkv.slot("w_qkv"),
+                          b_qkv=qkv.bias, cos=rot.C, sin=rot.S, scale=rot.F), eps=1e-5, nq=nq, nk=nk, D=D)
+    assert same(got[0], h1) and same(got[1], q.reshape(B, nk, nq // nk, D)) and same(got[2], k) and same(got[3], v)
+    S = 17
+    keys, values = mx.random.normal((B, nk, S, D)), mx.random.normal((B, nk, S, D))
+    mask_bias = mx.zeros((B, 1, 1, S))
+    a = o(attention_ref(got[1], keys, values, mask_bias))
+    gate, up = mx.split(gu(norm_of_sum(h1, a, post)), 2, axis=-1)
+    h2, act2 = K.layer_mid(dict(q=got[1], k=keys, v=values, bias=mask_bias, **o.slot("w_o"), b_o=o.bias, h=h1,
+                                norm=post.weight, **gu.slot("w_gu"), b_gu=gu.bias), eps=1e-5)
+    assert same(h2, h1 + a) and same(act2, nn.silu(gate) * up)
+
+
+def test_packed_weights_are_checked_with_what_to_pass():
+    nq, nk, D, hid = 2, 1, 8, 64
+    rot = rotation(1, nq, nk, D, [3])
+    w, s, b = mx.quantize(mx.random.normal(((nq + 2 * nk) * D, hid)), group_size=32, bits=4)
+    good = dict(h=mx.ones((1, hid)), norm=mx.ones((hid,)), w_qkv=w, w_qkv_scales=s, w_qkv_biases=b, cos=rot.C,
+                sin=rot.S, scale=rot.F)
+    kw = dict(eps=1e-5, nq=nq, nk=nk, D=D)
+    assert len(K.layer_in(good, **kw)) == 3
+    with pytest.raises(ValueError, match="need both _scales and _biases"):
+        K.layer_in({k: v for k, v in good.items() if k != "w_qkv_biases"}, **kw)
+    with pytest.raises(ValueError, match=r"float32 \(a matrix\) or uint32"):
+        K.layer_in(dict(good, w_qkv=w.astype(mx.int32)), **kw)
+    with pytest.raises(ValueError, match="group of 32, 64 or 128"):
+        K.layer_in(dict(good, w_qkv_scales=mx.ones((32, 4)), w_qkv_biases=mx.ones((32, 4))), **kw)
+    with pytest.raises(ValueError, match="w_qkv_biases must match"):
+        K.layer_in(dict(good, w_qkv_biases=b.astype(mx.float16)), **kw)
+    with pytest.raises(ValueError, match="contract must be 'exact' or 'fast'"):
+        K.layer_in(good, contract="quick", **kw)
+
+
 def test_cache_write_equals_slice_update():
     mx.random.seed(5)
     buf, new = mx.random.normal((3, 2, 16, 8)), mx.random.normal((3, 2, 1, 8))
@@ -180,7 +246,7 @@ def test_bad_inputs_are_refused_with_what_to_pass():
         K.layer_in({k: v for k, v in good.items() if k != "w_qkv"}, **kw)
     with pytest.raises(ValueError, match="float32"):
         K.layer_in(dict(good, h=mx.ones((B, hid), dtype=mx.float16)), **kw)
-    with pytest.raises(ValueError, match=r"w_qkv must be \[16, 32\], got \[16, 24\]"):
+    with pytest.raises(ValueError, match=r"w_qkv must be float32 \[16, 32\], got \[16, 24\]"):
         K.layer_in(dict(good, w_qkv=mx.ones((hid, 24))), **kw)
     with pytest.raises(ValueError, match="act and w_down go together"):
         K.layer_in(dict(good, act=mx.ones((B, 4))), **kw)
@@ -197,8 +263,11 @@ def test_bad_inputs_are_refused_with_what_to_pass():
 
 def decode_logits(cm, prompts, steps, native):
     """Greedy logits of ``steps`` decode steps after a compiled prefill, in a
-    bucket of 4 (two padding rows), kernels on or off."""
+    bucket of 4 (two padding rows); native: the layer kernels (True), MLX's
+    ops (False), or MLX's ops around the kernels' qmm ("qmm")."""
     cm.lean.use_kernels(K if native else None)
+    if native == "qmm":
+        cm.lean.decode_layers = cm.lean.window_layers
     caches = cm.new_caches(4, rows=len(prompts))
     feed(cm, caches, [p[:-1] for p in prompts], lambda n: [n])
     y = mx.array([p[-1] for p in prompts] + [0] * (4 - len(prompts)), dtype=mx.int32)[:, None]
@@ -219,24 +288,25 @@ def test_the_lean_decode_on_kernels_equals_it_on_mlx_ops(family, quantize, tmp_p
             mx.random.seed(i)
             layer.self_attn.q_norm.weight = mx.random.uniform(0.5, 1.5, layer.self_attn.q_norm.weight.shape)
             layer.self_attn.k_norm.weight = mx.random.uniform(0.5, 1.5, layer.self_attn.k_norm.weight.shape)
-    if quantize:  # float32 activations, quantized projections: MLX's ops around the quantized matmul kernel
+    if quantize:  # float32 activations, quantized projections: the kernels read the packed blocks
         nn.quantize(model, group_size=32, bits=4)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
     ops, _ = decode_logits(CompiledModel(model, fuse=True), prompts, 10, native=False)
     got, cm = decode_logits(CompiledModel(model, fuse=True), prompts, 10, native=True)
-    for i, (a, b) in enumerate(zip(got, ops)):
-        if quantize:  # qmm's contract: mx.quantized_matmul's values up to the summation order; the same tokens
-            assert mx.allclose(a, b, atol=1e-4, rtol=1e-4).item() and mx.array_equal(mx.argmax(a, -1), mx.argmax(b, -1))
-        else:
+    if quantize:  # the same bits as MLX's ops around qmm; mx.quantized_matmul's values up to the summation order
+        on_qmm, _ = decode_logits(CompiledModel(model, fuse=True), prompts, 10, native="qmm")
+        for i, (a, b, c) in enumerate(zip(got, on_qmm, ops)):
+            assert same(a, b), f"step {i}: max diff {mx.abs(a - b).max().item()}"
+            assert mx.allclose(a, c, atol=1e-4, rtol=1e-4).item() and mx.array_equal(mx.argmax(a, -1), mx.argmax(c, -1))
+    else:
+        for i, (a, b) in enumerate(zip(got, ops)):
             assert same(a, b), f"step {i}: max diff {mx.abs(a - b).max().item()}"
     graph = cm.export_decode_graph(str(tmp_path / "g.dot"))
-    if quantize:
-        layers = len(model.layers)
-        assert graph["TracerQmm"] == 4 * layers + 1 and "TracerLayerIn" not in graph and "quantized" in cm.lean.native_off
-    else:
-        assert graph["TracerLayerIn"] == graph["TracerLayerMid"] == len(model.layers) and cm.lean.native_off is None
-        assert graph["TracerCacheWrite"] == 2 * len(model.layers)
-        assert "DynamicSliceUpdate" not in graph and "Softmax" not in graph
+    assert graph["TracerLayerIn"] == graph["TracerLayerMid"] == len(model.layers) and cm.lean.native_off is None
+    assert graph["TracerCacheWrite"] == 2 * len(model.layers)
+    assert "DynamicSliceUpdate" not in graph and "Softmax" not in graph
+    # quantized: the last down projection and the (tied, quantized) head on qmm
+    assert graph.get("TracerQmm", 0) == (2 if quantize else 0)
 
 
 def test_env_switch_turns_them_off():

@@ -14,16 +14,21 @@ by the runtime: adapters import nothing but caches):
 The residual stream is carried as ``h`` plus the last MLP's activation; the
 last layer's down projection and residual are MLX ops. The kernels' inputs
 are passed by name (the names the kernels module lists in ``inputs(kernel)``).
+
+A projection is a float32 matrix (the group's ``wt``) or the file's packed
+4-/8-bit blocks (``weight``, ``scales``, ``biases``), which the kernels
+multiply with the quantized matmul the ops path calls for the same group
+(``qmm``, its exact contract): the same bits either way.
 """
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import mlx.core as mx
 
 from .step_tables import StepTables
-from .weights import Binding, LayerSpec
+from .weights import Binding, LayerSpec, LinearGroup
 
 
 def why_not_native(binding: Binding, kernels) -> Optional[str]:
@@ -34,14 +39,23 @@ def why_not_native(binding: Binding, kernels) -> Optional[str]:
     if binding.activation_dtype != f32:
         return f"{binding.activation_dtype} activations (the kernels are float32)"
     for s in binding.layers:
-        if not all(g.dense_f32() for g in s.groups().values()):
-            return f"layer {s.index}: quantized or non-float32 projections (the layer kernels take float32 matrices)"
+        if not all(g.dense_f32() or g.kernel is not None for g in s.groups().values()):
+            return (f"layer {s.index}: projections neither float32 nor quantized as the kernels take them "
+                    "(affine, 4 or 8 bits, groups of 32/64/128)")
         norms = [s.input_norm, s.post_norm, *(s.qk_norms or ())]
         if any(n.weight.dtype != f32 for n in norms):
             return f"layer {s.index}: norms not float32"
         if s.qk_norms is not None and s.qk_norms[0].eps != s.qk_norms[1].eps:
             return f"layer {s.index}: q and k norms of different eps"
     return None
+
+
+def weight(slot: str, g: LinearGroup) -> Dict[str, mx.array]:
+    """A group as the kernels' weight slot ``slot`` takes it: its float32
+    matrix, or its packed blocks with their scales and biases."""
+    if g.quant is None:
+        return {slot: g.p["wt"]}
+    return {slot: g.p["weight"], f"{slot}_scales": g.p["scales"], f"{slot}_biases": g.p["biases"]}
 
 
 class NativeLayers:
@@ -59,11 +73,11 @@ class NativeLayers:
         act = None  # the previous layer's MLP activation
         for s, cache in zip(self.layers, caches):
             rot = t.rotation(s, h.dtype)
-            inputs = dict(h=h, norm=s.input_norm.weight, w_qkv=s.qkv.p["wt"], b_qkv=s.qkv.p.get("bias"),
+            inputs = dict(h=h, norm=s.input_norm.weight, **weight("w_qkv", s.qkv), b_qkv=s.qkv.p.get("bias"),
                           cos=rot.C, sin=rot.S, scale=rot.F)
             if act is not None:
                 prev = self.layers[s.index - 1].down
-                inputs.update(act=act, w_down=prev.p["wt"], b_down=prev.p.get("bias"))
+                inputs.update(act=act, **weight("w_down", prev), b_down=prev.p.get("bias"))
             qk_eps = 0.0
             if s.qk_norms is not None:
                 inputs.update(q_norm=s.qk_norms[0].weight, k_norm=s.qk_norms[1].weight)
@@ -74,7 +88,7 @@ class NativeLayers:
             q, k, v = outs  # [B, nk, R, D], [B, nk, 1, D] x 2
             keys, values = K.cache_write(cache.keys, k, cache.column), K.cache_write(cache.values, v, cache.column)
             cache.written(keys, values)
-            h, act = K.layer_mid(dict(q=q, k=keys, v=values, bias=t.bias(s.index, h.dtype), w_o=s.o.p["wt"],
-                                      b_o=s.o.p.get("bias"), h=h, norm=s.post_norm.weight, w_gu=s.gu.p["wt"],
+            h, act = K.layer_mid(dict(q=q, k=keys, v=values, bias=t.bias(s.index, h.dtype), **weight("w_o", s.o),
+                                      b_o=s.o.p.get("bias"), h=h, norm=s.post_norm.weight, **weight("w_gu", s.gu),
                                       b_gu=s.gu.p.get("bias")), eps=s.post_norm.eps)  # h + a, silu(gate) * up
         return h + self.layers[-1].down(act)  # (h + a) + down, as the ops compute it

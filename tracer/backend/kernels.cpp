@@ -11,7 +11,10 @@
 //    at a time from the start, as MLX's CPU kernels run on x86 (one SIMD lane);
 //  * matrix products with the cblas_sgemm call MLX's CPU matmul makes for the
 //    same operands (same transposes, leading dimensions, alpha and beta; a
-//    bias copied into the output first, as mx.addmm does).
+//    bias copied into the output first, as mx.addmm does);
+//  * or, for a projection given as MLX's packed affine blocks (4 or 8 bits),
+//    the qmm call the lean forward's MLX-ops path makes for it (qmm.cpp,
+//    its exact or fast contract), the bias added after, as `y + bias`.
 // tests/test_kernels.py checks each against the MLX ops, bit for bit.
 //
 // Built and loaded by mlx_tracer/backend/kernels.py (see there).
@@ -39,6 +42,7 @@
 #include "mlx/scheduler.h"
 #include "mlx/stream.h"
 #include "mlx/types/limits.h"
+#include "qmm_api.h"
 
 // The BLAS MLX's matmuls call (the process's global cblas_sgemm: the fast
 // BLAS shim when active, else the one libmlx links).
@@ -68,15 +72,6 @@ void alloc(std::vector<array>& outputs) {
   }
 }
 
-// The right operand of `x @ w` as MLX's CPU matmul hands it to cblas_sgemm:
-// [K, N] row-major (no transpose, ld N), a transposed view of a row-major
-// [N, K] (transpose, ld K: a Linear's weight.T), else a row-major copy.
-struct Operand {
-  array a;
-  bool trans;
-  int ld;
-};
-
 // What a kernel's task reads of an array: its data pointer, shape and
 // strides, and no reference. A task must not hold arrays: MLX keeps a node's
 // input buffers alive until its tasks ran (as its own kernels rely on), and a
@@ -99,26 +94,39 @@ struct View {
   }
 };
 
-// A matmul's right operand as a task sees it.
-struct OperandView {
-  const float* p;
-  bool trans;
-  int ld;
+// A projection's right operand as a task sees it: a float32 matrix as
+// cblas_sgemm takes it, or packed blocks as qmm takes them (packed.w set).
+struct WeightView {
+  const float* p = nullptr;
+  bool trans = false;
+  int ld = 0;
+  tracer_qmm::Packed packed{};
+  bool fast = false;  // qmm's fast contract
 };
 
-OperandView view(const Operand& w) {
-  return {w.a.data<float>(), w.trans, w.ld};
-}
-
 // --------------------------------------------------------------- row math
-// out [M, N] = x [M, K] @ w (+ bias [N], as mx.addmm: bias rows first, beta 1).
-void gemm(const float* x, int M, int K, const float* w, bool trans, int ldw, int N, const float* bias, float* out) {
+// out [M, N] = x [M, K] @ w (+ bias [N]): a float32 w as mx.addmm computes it
+// (bias rows first, beta 1); packed blocks as qmm, then out + bias.
+void matmul(const float* x, int M, int K, const WeightView& w, int N, const float* bias, float* out) {
+  if (w.packed.w != nullptr) {
+    tracer_qmm::matmul(x, size_t(K), M, w.packed, out, w.fast);
+    if (bias != nullptr) {
+      for (size_t m = 0; m < size_t(M); ++m) {
+        float* o = out + m * N;
+        for (int n = 0; n < N; ++n) {
+          o[n] = Add()(o[n], bias[n]);
+        }
+      }
+    }
+    return;
+  }
   if (bias != nullptr) {
     for (int m = 0; m < M; ++m) {
       std::memcpy(out + size_t(m) * N, bias, sizeof(float) * N);
     }
   }
-  cblas_sgemm(kRowMajor, kNoTrans, trans ? kTrans : kNoTrans, M, N, K, 1.0f, x, K, w, ldw, bias ? 1.0f : 0.0f, out, N);
+  cblas_sgemm(kRowMajor, kNoTrans, w.trans ? kTrans : kNoTrans, M, N, K, 1.0f, x, K, w.p, w.ld, bias ? 1.0f : 0.0f,
+              out, N);
 }
 
 // Sum of squares of a row, in order from zero: MLX's Square kernel writes
@@ -267,41 +275,55 @@ void swiglu_rows(const float* gu, size_t M, int F, float* out) {
 // are optional. The binding lays out the arrays it was given in list order,
 // skipping absent optional ones (Inputs), and the primitive keeps that
 // layout: eval_cpu finds each input by its slot, never by counting.
+// A weight slot `w_X` (float32 [K, N], the right operand of x @ w) may be
+// given as MLX's packed blocks instead: `w_X` the packed [N, K bits / 32]
+// uint32 (mx.quantize's layout, rows = output columns) with `w_X_scales`
+// and `w_X_biases` [N, K / group] (float32, float16 or bfloat16); bits and
+// group follow from the shapes.
 struct Slot {
   const char* name;
   bool required;
+  char kind;  // 'f': float32; 'w': a weight (float32 or packed); 'q': a packed weight's scales or biases
 };
 
-#define TRACER_SLOT_ENUM(name, required) name,
-#define TRACER_SLOT_TABLE(name, required) {#name, bool(required)},
+#define TRACER_SLOT_ENUM(name, required, kind) name,
+#define TRACER_SLOT_TABLE(name, required, kind) {#name, bool(required), kind},
 
 // layer_in: a decode step's layer up to attention.
-#define TRACER_LAYER_IN(X)                                                       \
-  X(h, 1)      /* [B, hidden] the residual stream */                             \
-  X(act, 0)    /* [B, F] the previous layer's MLP activation (not in layer 0) */ \
-  X(w_down, 0) /* [F, hidden] its down projection (x @ w), with act */          \
-  X(b_down, 0) /* [hidden] */                                                    \
-  X(norm, 1)   /* [hidden] the input norm's weight */                            \
-  X(w_qkv, 1)  /* [hidden, (nq + 2 nk) D] */                                     \
-  X(b_qkv, 0)  /* [(nq + 2 nk) D] */                                             \
-  X(cos, 1)    /* C [B (nq + 2 nk), D] (the lean forward's rotation tables) */   \
-  X(sin, 1)    /* S [B (nq + 2 nk), D] */                                        \
-  X(scale, 1)  /* F [B (nq + 2 nk), 1] */                                        \
-  X(q_norm, 0) /* [D] qwen3's per-head norms, both or neither */                 \
-  X(k_norm, 0) /* [D] */
+#define TRACER_LAYER_IN(X)                                                            \
+  X(h, 1, 'f')             /* [B, hidden] the residual stream */                      \
+  X(act, 0, 'f')           /* [B, F] the previous MLP's activation (not in layer 0) */ \
+  X(w_down, 0, 'w')        /* [F, hidden] its down projection (x @ w), with act */    \
+  X(w_down_scales, 0, 'q') /* packed w_down only */                                   \
+  X(w_down_biases, 0, 'q')                                                            \
+  X(b_down, 0, 'f')        /* [hidden] */                                             \
+  X(norm, 1, 'f')          /* [hidden] the input norm's weight */                     \
+  X(w_qkv, 1, 'w')         /* [hidden, (nq + 2 nk) D] */                              \
+  X(w_qkv_scales, 0, 'q')                                                             \
+  X(w_qkv_biases, 0, 'q')                                                             \
+  X(b_qkv, 0, 'f')         /* [(nq + 2 nk) D] */                                      \
+  X(cos, 1, 'f')           /* C [B (nq + 2 nk), D] (the lean forward's tables) */     \
+  X(sin, 1, 'f')           /* S [B (nq + 2 nk), D] */                                 \
+  X(scale, 1, 'f')         /* F [B (nq + 2 nk), 1] */                                 \
+  X(q_norm, 0, 'f')        /* [D] qwen3's per-head norms, both or neither */          \
+  X(k_norm, 0, 'f')        /* [D] */
 
 // layer_mid: attention to the MLP's activation.
-#define TRACER_LAYER_MID(X)                                                  \
-  X(q, 1)    /* [B, nk, R, D] scaled queries */                              \
-  X(k, 1)    /* [B, nk, S, D] the cache buffers, this step written */        \
-  X(v, 1)    /* [B, nk, S, D] */                                             \
-  X(bias, 1) /* [B, 1, 1, S] 0 where visible, float32's lowest elsewhere */ \
-  X(w_o, 1)  /* [nq D, hidden] */                                            \
-  X(b_o, 0)  /* [hidden] */                                                  \
-  X(h, 1)    /* [B, hidden] the residual stream */                           \
-  X(norm, 1) /* [hidden] the post-attention norm's weight */                 \
-  X(w_gu, 1) /* [hidden, 2F] gate and up, side by side */                    \
-  X(b_gu, 0) /* [2F] */
+#define TRACER_LAYER_MID(X)                                                        \
+  X(q, 1, 'f')           /* [B, nk, R, D] scaled queries */                        \
+  X(k, 1, 'f')           /* [B, nk, S, D] the cache buffers, this step written */  \
+  X(v, 1, 'f')           /* [B, nk, S, D] */                                       \
+  X(bias, 1, 'f')        /* [B, 1, 1, S] 0 where visible, float32's lowest else */ \
+  X(w_o, 1, 'w')         /* [nq D, hidden] */                                      \
+  X(w_o_scales, 0, 'q')                                                            \
+  X(w_o_biases, 0, 'q')                                                            \
+  X(b_o, 0, 'f')         /* [hidden] */                                            \
+  X(h, 1, 'f')           /* [B, hidden] the residual stream */                     \
+  X(norm, 1, 'f')        /* [hidden] the post-attention norm's weight */           \
+  X(w_gu, 1, 'w')        /* [hidden, 2F] gate and up, side by side */              \
+  X(w_gu_scales, 0, 'q')                                                           \
+  X(w_gu_biases, 0, 'q')                                                           \
+  X(b_gu, 0, 'f')        /* [2F] */
 
 namespace in_slot {
 enum LayerIn : int { TRACER_LAYER_IN(TRACER_SLOT_ENUM) kLayerInCount };
@@ -336,6 +358,14 @@ class Inputs {
       const bool present = it != given.end() && it->second.has_value();
       need(present || !slots[s].required, std::string(kernel) + " needs input '" + slots[s].name + "'");
       if (present) {
+        const mx::Dtype t = it->second->dtype();
+        const bool ok = slots[s].kind == 'f'   ? t == mx::float32
+                        : slots[s].kind == 'w' ? t == mx::float32 || t == mx::uint32
+                                               : t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
+        need(ok, std::string(kernel) + ": input '" + slots[s].name + "' must be " +
+                     (slots[s].kind == 'f'   ? "float32"
+                      : slots[s].kind == 'w' ? "float32 (a matrix) or uint32 (packed blocks)"
+                                             : "float32, float16 or bfloat16"));
         at_[s] = int(out.size());
         out.push_back(*it->second);
       }
@@ -375,17 +405,19 @@ class Kernel : public mx::Primitive {
     }
     array out(a.shape(), a.dtype(), nullptr, {});
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    run([a = View(a), dst = out.data<float>()]() {
-      const int nd = int(a.shape.size());
+    run([src = a.data<char>(), shape = std::vector<int>(a.shape().begin(), a.shape().end()),
+         strides = std::vector<int64_t>(a.strides().begin(), a.strides().end()), size = a.size(),
+         item = a.itemsize(), dst = out.data<char>()]() {
+      const int nd = int(shape.size());
       std::vector<int> idx(nd, 0);
-      for (size_t i = 0; i < a.size; ++i) {
+      for (size_t i = 0; i < size; ++i) {
         int64_t off = 0;
         for (int d = 0; d < nd; ++d) {
-          off += int64_t(idx[d]) * a.strides[d];
+          off += int64_t(idx[d]) * strides[d];
         }
-        dst[i] = a.p[off];
+        std::memcpy(dst + i * item, src + off * item, item);
         for (int d = nd - 1; d >= 0; --d) {
-          if (++idx[d] < a.shape[d]) {
+          if (++idx[d] < shape[d]) {
             break;
           }
           idx[d] = 0;
@@ -405,16 +437,35 @@ class Kernel : public mx::Primitive {
     return at.has(slot) ? std::optional<array>(dense(at(in, slot))) : std::nullopt;
   }
 
-  Operand operand(const array& w) {
-    const int64_t stx = w.strides()[0], sty = w.strides()[1];
-    if (stx == w.shape(1) && sty == 1) {
-      return {w, false, int(stx)};
+  // The weight in slot `w` of a projection from K inputs: a float32 matrix
+  // as MLX's matmul hands it to cblas_sgemm ([K, N] row-major: no
+  // transpose; a transposed view of a row-major [N, K], as a Linear's
+  // weight.T: transpose; else a row-major copy), or packed blocks with
+  // their scales and biases. What it points into are the node's inputs or
+  // temporaries of its tasks: alive until the tasks ran.
+  WeightView weight(const Inputs& at, const std::vector<array>& in, int w, int scales, int biases, int K, bool fast) {
+    WeightView v;
+    const array& a = at(in, w);
+    if (at.has(scales)) {
+      array q = dense(a), sc = dense(at(in, scales)), bi = dense(at(in, biases));
+      const auto t = sc.dtype() == mx::float16    ? tracer_qmm::ScaleType::f16
+                     : sc.dtype() == mx::bfloat16 ? tracer_qmm::ScaleType::bf16
+                                                  : tracer_qmm::ScaleType::f32;
+      v.packed = {q.data<uint32_t>(), sc.data<void>(), bi.data<void>(), t, q.shape(0), K, K / sc.shape(1),
+                  q.shape(1) * 32 / K};
+      v.fast = fast;
+      return v;
     }
-    if (stx == 1 && sty == w.shape(0)) {
-      return {w, true, int(sty)};
+    const int64_t stx = a.strides()[0], sty = a.strides()[1];
+    if (stx == a.shape(1) && sty == 1) {
+      v.p = a.data<float>(), v.ld = int(stx);
+    } else if (stx == 1 && sty == a.shape(0)) {
+      v.p = a.data<float>(), v.trans = true, v.ld = int(sty);
+    } else {
+      array c = dense(a);
+      v.p = c.data<float>(), v.ld = c.shape(1);
     }
-    array c = dense(w);
-    return {c, false, c.shape(1)};
+    return v;
   }
 };
 
@@ -428,8 +479,8 @@ const float* ptr(const std::optional<array>& a) {
 // inputs: TRACER_LAYER_IN; outputs: [h_new], q [B, nk, R, D], k, v [B, nk, 1, D]
 class LayerIn : public Kernel {
  public:
-  LayerIn(mx::Stream s, Inputs at, float eps, int nq, int nk, int D, float qk_eps)
-      : Kernel(s), at_(std::move(at)), eps_(eps), qk_eps_(qk_eps), nq_(nq), nk_(nk), D_(D) {}
+  LayerIn(mx::Stream s, Inputs at, float eps, int nq, int nk, int D, float qk_eps, bool fast)
+      : Kernel(s), at_(std::move(at)), eps_(eps), qk_eps_(qk_eps), nq_(nq), nk_(nk), D_(D), fast_(fast) {}
 
   void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
     namespace s = in_slot;
@@ -438,28 +489,27 @@ class LayerIn : public Kernel {
     std::optional<array> act = dense_if(at_, in, s::act), bd = dense_if(at_, in, s::b_down);
     std::optional<array> bq = dense_if(at_, in, s::b_qkv);
     std::optional<array> qn = dense_if(at_, in, s::q_norm), kn = dense_if(at_, in, s::k_norm);
-    std::optional<Operand> wd;
-    if (act) wd = operand(at_(in, s::w_down));
-    Operand wq = operand(at_(in, s::w_qkv));
+    const WeightView wd = act ? weight(at_, in, s::w_down, s::w_down_scales, s::w_down_biases, act->shape(1), fast_)
+                              : WeightView{};
+    const WeightView wq = weight(at_, in, s::w_qkv, s::w_qkv_scales, s::w_qkv_biases, h.shape(1), fast_);
     alloc(outputs);
     const bool carry = act.has_value();
     const size_t o = carry ? 1 : 0;
     const float eps = eps_, qk_eps = qk_eps_;
     const int nq = nq_, nk = nk_, D = D_;
-    run([h = View(h), act = act ? View(*act) : View(), wd = wd ? view(*wd) : OperandView{}, bd = ptr(bd), nw = View(nw),
-         wq = view(wq), bq = ptr(bq), C = View(C), S = View(S), F = View(F), qn = ptr(qn), kn = ptr(kn),
+    run([h = View(h), act = act ? View(*act) : View(), wd, bd = ptr(bd), nw = View(nw), wq, bq = ptr(bq), C = View(C), S = View(S), F = View(F), qn = ptr(qn), kn = ptr(kn),
          h_new = carry ? outputs[0].data<float>() : nullptr, q = outputs[o].data<float>(),
          k = outputs[o + 1].data<float>(), v = outputs[o + 2].data<float>(), eps, nq, nk, D, carry, qk_eps]() {
       const int B = h.dim(0), hid = h.dim(1), N = (nq + 2 * nk) * D;
       std::vector<float> x(size_t(B) * hid), y(size_t(B) * N);
       if (carry) {
         std::vector<float> down(size_t(B) * hid);
-        gemm(act.p, B, act.dim(1), wd.p, wd.trans, wd.ld, hid, bd, down.data());
+        matmul(act.p, B, act.dim(1), wd, hid, bd, down.data());
         norm_rows(h.p, down.data(), nw.p, eps, B, hid, h_new, x.data());
       } else {
         norm_rows(h.p, nullptr, nw.p, eps, B, hid, nullptr, x.data());
       }
-      gemm(x.data(), B, hid, wq.p, wq.trans, wq.ld, N, bq, y.data());
+      matmul(x.data(), B, hid, wq, N, bq, y.data());
       if (qn != nullptr) {
         qk_norm_rows(y.data(), qn, kn, qk_eps, B, nq, nk, D);
       }
@@ -474,6 +524,7 @@ class LayerIn : public Kernel {
   Inputs at_;
   float eps_, qk_eps_;
   int nq_, nk_, D_;
+  bool fast_;
 };
 
 // A decode step's cache write: buf [B, H, S, D] with new [B, H, 1, D] at
@@ -532,26 +583,28 @@ class CacheWrite : public Kernel {
 // inputs: TRACER_LAYER_MID; outputs: h_mid [B, hidden], act [B, F]
 class LayerMid : public Kernel {
  public:
-  LayerMid(mx::Stream s, Inputs at, float eps) : Kernel(s), at_(std::move(at)), eps_(eps) {}
+  LayerMid(mx::Stream s, Inputs at, float eps, bool fast) : Kernel(s), at_(std::move(at)), eps_(eps), fast_(fast) {}
 
   void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
     namespace s = mid_slot;
     array q = dense(at_(in, s::q)), k = blocks_dense(at_(in, s::k)), v = blocks_dense(at_(in, s::v));
     array bias = dense(at_(in, s::bias)), h = dense(at_(in, s::h)), nw = dense(at_(in, s::norm));
     std::optional<array> bo = dense_if(at_, in, s::b_o), bg = dense_if(at_, in, s::b_gu);
-    Operand wo = operand(at_(in, s::w_o)), wg = operand(at_(in, s::w_gu));
+    const int nqD = q.shape(1) * q.shape(2) * q.shape(3);
+    const WeightView wo = weight(at_, in, s::w_o, s::w_o_scales, s::w_o_biases, nqD, fast_);
+    const WeightView wg = weight(at_, in, s::w_gu, s::w_gu_scales, s::w_gu_biases, h.shape(1), fast_);
     alloc(outputs);
     const float eps = eps_;
-    run([q = View(q), k = View(k), v = View(v), bias = View(bias), wo = view(wo), bo = ptr(bo), h = View(h),
-         nw = View(nw), wg = view(wg), bg = ptr(bg), h_mid = outputs[0].data<float>(), act = View(outputs[1]), eps]() {
+    run([q = View(q), k = View(k), v = View(v), bias = View(bias), wo, bo = ptr(bo), h = View(h), nw = View(nw), wg,
+         bg = ptr(bg), h_mid = outputs[0].data<float>(), act = View(outputs[1]), eps]() {
       const int B = q.dim(0), nk = q.dim(1), R = q.dim(2), D = q.dim(3), hid = h.dim(1), F = act.dim(1);
       const int nqD = nk * R * D;
       std::vector<float> scores(size_t(R) * k.dim(2)), o(size_t(B) * nqD), a(size_t(B) * hid), x(size_t(B) * hid),
           gu(size_t(B) * 2 * F);
       attention_rows(q.p, k, v, bias.p, B, nk, R, D, scores.data(), o.data());
-      gemm(o.data(), B, nqD, wo.p, wo.trans, wo.ld, hid, bo, a.data());
+      matmul(o.data(), B, nqD, wo, hid, bo, a.data());
       norm_rows(h.p, a.data(), nw.p, eps, B, hid, h_mid, x.data());
-      gemm(x.data(), B, hid, wg.p, wg.trans, wg.ld, 2 * F, bg, gu.data());
+      matmul(x.data(), B, hid, wg, 2 * F, bg, gu.data());
       swiglu_rows(gu.data(), B, F, act.p);
     });
   }
@@ -562,6 +615,7 @@ class LayerMid : public Kernel {
  private:
   Inputs at_;
   float eps_;
+  bool fast_;
 };
 
 // -------------------------------------------------------------- bindings
@@ -569,11 +623,9 @@ mx::Stream cpu_stream() {
   return mx::default_stream(mx::Device::cpu);
 }
 
+// Inputs' dtypes are checked by the caller (Inputs: by each slot's kind).
 template <class P, class... A>
 std::vector<array> make(std::vector<mx::Shape> shapes, std::vector<array> inputs, A... args) {
-  for (auto& a : inputs) {
-    need(a.dtype() == mx::float32 || (a.dtype() == mx::int32 && a.size() == 1), "inputs must be float32");
-  }
   std::vector<mx::Dtype> dtypes(shapes.size(), mx::float32);
   return array::make_arrays(std::move(shapes), dtypes, std::make_shared<P>(cpu_stream(), args...), inputs);
 }
@@ -586,10 +638,30 @@ std::string shape_of(const array& a) {
   return s + "]";
 }
 
-// w: the right operand [K, N] of `x @ w`
-void need_weight(const array& w, int K, int N, const std::string& what) {
-  need(w.ndim() == 2 && w.shape(0) == K && w.shape(1) == N,
-       what + " must be [" + std::to_string(K) + ", " + std::to_string(N) + "], got " + shape_of(w));
+// The weight in slot w of a projection from K inputs to N outputs (N < 0:
+// any): float32 [K, N] (the right operand of x @ w), or packed blocks
+// [N, K bits / 32] uint32 (4 or 8 bits) with scales and biases [N, K / group]
+// of one dtype (group 32, 64 or 128). Returns N.
+int need_weight(const Inputs& at, const std::vector<array>& in, int w, int scales, int biases, int K, int N,
+                const std::string& what) {
+  const array& a = at(in, w);
+  const std::string k = std::to_string(K);
+  if (!at.has(scales) && !at.has(biases)) {
+    need(a.dtype() == mx::float32 && a.ndim() == 2 && a.shape(0) == K && (N < 0 || a.shape(1) == N),
+         what + " must be float32 [" + k + ", " + (N < 0 ? "N" : std::to_string(N)) + "], got " + shape_of(a) +
+             " (or packed blocks with _scales and _biases)");
+    return a.shape(1);
+  }
+  need(at.has(scales) && at.has(biases), what + ": packed blocks need both _scales and _biases");
+  const int bits = a.ndim() == 2 ? a.shape(1) * 32 / K : 0;
+  need(a.dtype() == mx::uint32 && (bits == 4 || bits == 8) && a.shape(1) * 32 == bits * K && (N < 0 || a.shape(0) == N),
+       what + " with scales must be packed uint32 [N, " + k + " bits / 32] with 4 or 8 bits, got " + shape_of(a));
+  const array &sc = at(in, scales), &bi = at(in, biases);
+  const int G = sc.ndim() == 2 ? sc.shape(1) : 0;
+  need(G > 0 && sc.shape(0) == a.shape(0) && K % G == 0 && (K / G == 32 || K / G == 64 || K / G == 128),
+       what + "_scales must be [N, " + k + " / group] with a group of 32, 64 or 128, got " + shape_of(sc));
+  need(bi.shape() == sc.shape() && bi.dtype() == sc.dtype(), what + "_biases must match " + what + "_scales");
+  return a.shape(0);
 }
 
 void need_vector(const Inputs& at, const std::vector<array>& in, int slot, size_t n, const std::string& what) {
@@ -604,7 +676,13 @@ void need_attention(const array& q, const array& k, const array& v, const array&
        "decode attention needs q [B, nk, R, D], keys/values [B, nk, S, D], bias [B, 1, 1, S]");
 }
 
-std::vector<array> layer_in(const Named& given, float eps, int nq, int nk, int D, float qk_eps) {
+bool fast_contract(const std::string& contract) {
+  need(contract == "exact" || contract == "fast", "contract must be 'exact' or 'fast', got '" + contract + "'");
+  return contract == "fast";
+}
+
+std::vector<array> layer_in(const Named& given, float eps, int nq, int nk, int D, float qk_eps,
+                            const std::string& contract) {
   namespace s = in_slot;
   std::vector<array> in;
   Inputs at(kLayerInSlots, given, "layer_in", in);
@@ -619,11 +697,11 @@ std::vector<array> layer_in(const Named& given, float eps, int nq, int nk, int D
   if (at.has(s::act)) {
     const array& act = at(in, s::act);
     need(act.ndim() == 2 && act.shape(0) == B, "layer_in: act must be [B, F]");
-    need_weight(at(in, s::w_down), act.shape(1), hid, "layer_in: w_down");
+    need_weight(at, in, s::w_down, s::w_down_scales, s::w_down_biases, act.shape(1), hid, "layer_in: w_down");
     need_vector(at, in, s::b_down, hid, "layer_in: b_down");
     shapes.push_back(h.shape());
   }
-  need_weight(at(in, s::w_qkv), hid, N, "layer_in: w_qkv");
+  need_weight(at, in, s::w_qkv, s::w_qkv_scales, s::w_qkv_biases, hid, N, "layer_in: w_qkv");
   need_vector(at, in, s::b_qkv, N, "layer_in: b_qkv");
   const size_t rows = size_t(B) * H;
   need(at(in, s::cos).size() == rows * D && at(in, s::sin).size() == rows * D && at(in, s::scale).size() == rows,
@@ -632,18 +710,19 @@ std::vector<array> layer_in(const Named& given, float eps, int nq, int nk, int D
   need_vector(at, in, s::q_norm, D, "layer_in: q_norm");
   need_vector(at, in, s::k_norm, D, "layer_in: k_norm");
   shapes.insert(shapes.end(), {{B, nk, nq / nk, D}, {B, nk, 1, D}, {B, nk, 1, D}});
-  return make<LayerIn>(std::move(shapes), std::move(in), at, eps, nq, nk, D, qk_eps);
+  return make<LayerIn>(std::move(shapes), std::move(in), at, eps, nq, nk, D, qk_eps, fast_contract(contract));
 }
 
 array cache_write(const array& buf, const array& upd, const array& col) {
   need(buf.ndim() == 4 && upd.ndim() == 4 && upd.shape(0) == buf.shape(0) && upd.shape(1) == buf.shape(1) &&
            upd.shape(2) == 1 && upd.shape(3) == buf.shape(3),
        "cache_write needs buf [B, H, S, D] and new [B, H, 1, D], got " + shape_of(buf) + " and " + shape_of(upd));
+  need(buf.dtype() == mx::float32 && upd.dtype() == mx::float32, "cache_write: buf and new must be float32");
   need(col.dtype() == mx::int32 && col.size() == 1, "cache_write: col must be int32 [1]");
   return make<CacheWrite>({buf.shape()}, {buf, upd, col})[0];
 }
 
-std::vector<array> layer_mid(const Named& given, float eps) {
+std::vector<array> layer_mid(const Named& given, float eps, const std::string& contract) {
   namespace s = mid_slot;
   std::vector<array> in;
   Inputs at(kLayerMidSlots, given, "layer_mid", in);
@@ -654,13 +733,12 @@ std::vector<array> layer_mid(const Named& given, float eps) {
   need(h.ndim() == 2 && h.shape(0) == B && at(in, s::norm).ndim() == 1 && at(in, s::norm).shape(0) == h.shape(1),
        "layer_mid needs h [B, hidden], norm [hidden]");
   const int hid = h.shape(1);
-  const array& wg = at(in, s::w_gu);
-  need_weight(at(in, s::w_o), nqD, hid, "layer_mid: w_o");
-  need(wg.ndim() == 2 && wg.shape(1) % 2 == 0, "layer_mid: w_gu must be [hidden, 2F]");
-  need_weight(wg, hid, wg.shape(1), "layer_mid: w_gu");
+  need_weight(at, in, s::w_o, s::w_o_scales, s::w_o_biases, nqD, hid, "layer_mid: w_o");
+  const int F2 = need_weight(at, in, s::w_gu, s::w_gu_scales, s::w_gu_biases, hid, -1, "layer_mid: w_gu");
+  need(F2 % 2 == 0, "layer_mid: w_gu must have 2F outputs (gate and up side by side)");
   need_vector(at, in, s::b_o, hid, "layer_mid: b_o");
-  need_vector(at, in, s::b_gu, wg.shape(1), "layer_mid: b_gu");
-  return make<LayerMid>({h.shape(), {B, wg.shape(1) / 2}}, std::move(in), at, eps);
+  need_vector(at, in, s::b_gu, F2, "layer_mid: b_gu");
+  return make<LayerMid>({h.shape(), {B, F2 / 2}}, std::move(in), at, eps, fast_contract(contract));
 }
 
 // A kernel's inputs as (name, required), in slot order: what its binding takes.
@@ -685,9 +763,9 @@ void register_qmm(nb::module_& m);  // qmm.cpp
 
 NB_MODULE(_mlx_tracer_kernels, m) {
   m.def("layer_in", &layer_in, nb::arg("inputs"), nb::arg("eps"), nb::arg("nq"), nb::arg("nk"), nb::arg("D"),
-        nb::arg("qk_eps") = 0.0f);
+        nb::arg("qk_eps") = 0.0f, nb::arg("contract") = "exact");
   m.def("cache_write", &cache_write, nb::arg("buf"), nb::arg("new"), nb::arg("col"));
-  m.def("layer_mid", &layer_mid, nb::arg("inputs"), nb::arg("eps"));
+  m.def("layer_mid", &layer_mid, nb::arg("inputs"), nb::arg("eps"), nb::arg("contract") = "exact");
   m.def("inputs", &inputs_of, nb::arg("kernel"));
   m.def("cache_writes", &cache_writes);
   register_qmm(m);

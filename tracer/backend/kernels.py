@@ -17,11 +17,13 @@ kernels; ``tests/test_kernels.py``):
 * ``layer_mid``: attention, the output projection and residual, the
   post-attention norm, gate/up and SwiGLU;
 
-together a layer is 4 graph nodes instead of 27 on MLX's ops. The
-projections are computed with the ``cblas_sgemm`` call MLX's CPU matmul
-makes for the same operands. They are float32 and CPU only; the lean forward
-plans them for decode steps where every projection is a float32 matrix
-(:mod:`mlx_tracer.adapters.lean.native`) and runs MLX's ops elsewhere.
+together a layer is 4 graph nodes instead of 27 on MLX's ops. A float32
+projection is computed with the ``cblas_sgemm`` call MLX's CPU matmul makes
+for the same operands; one given as MLX's packed 4-/8-bit blocks with
+``qmm`` (below), as the lean ops path computes it. Activations are float32,
+CPU only; the lean forward plans them for decode steps where every
+projection is one of the two (:mod:`mlx_tracer.adapters.lean.native`) and
+runs MLX's ops elsewhere.
 
 The same module holds ``qmm`` (``qmm.cpp``): ``x @ mx.dequantize(w, scales,
 biases, group_size, bits).T`` for MLX's affine 4- and 8-bit weights, read
@@ -29,7 +31,9 @@ packed, float32 out. Its contract is *exact*, not bit for bit: each weight is
 MLX's float32 dequantization (``scale * q + bias``, float16/bfloat16 scales
 widened to float32 first; ``mx.dequantize`` itself computes in the scales'
 type), products summed in float32, equal to the float32 matmul up to the
-order of summation (``tests/test_qmm.py``). Not yet used by the forward.
+order of summation (``tests/test_qmm.py``). The lean forward calls it for
+quantized projections: inside the layer kernels on decode steps, as a node
+of its own in windows and for the output head.
 
 Each kernel's inputs are described once, in ``kernels.cpp`` (one list per
 kernel that gives the slots, their names and which are optional): the
@@ -74,7 +78,7 @@ from ..home import cache_dir, check_kept, keep_built, writable_cache_dir
 ENV = "MLX_TRACER_KERNELS"
 SOURCES = [Path(__file__).with_name(name) for name in ("kernels.cpp", "qmm.cpp")]
 HEADERS = [Path(__file__).with_name(name)  # included by qmm.cpp
-           for name in ("qmm_isa.h", "qmm_pool.h", "qmm_fast.h", "qmm_ops_portable.h", "qmm_ops_x86.h")]
+           for name in ("qmm_api.h", "qmm_isa.h", "qmm_pool.h", "qmm_fast.h", "qmm_ops_portable.h", "qmm_ops_x86.h")]
 MODULE = "_mlx_tracer_kernels"
 # As MLX 0.32 builds its CPU kernels (`g++ -std=c++17 -O3`, no -march: no
 # contraction into fused multiply-adds), in C++20 for MLX's headers.
@@ -195,6 +199,6 @@ def status() -> str:
     """One line for ``mlx-tracer info``."""
     module = load()
     if module is not None:
-        return (f"active: decode layers in 4 graph nodes each on the CPU; quantized matmul ({module.qmm_isa()}, "
-                f"{module.qmm_threads()} threads) for --weights quantized ({Path(module.__file__).name})")
+        return (f"active: decode layers in 4 graph nodes each on the CPU (float32 or packed 4-/8-bit projections); "
+                f"quantized matmul {module.qmm_isa()}, {module.qmm_threads()} threads ({Path(module.__file__).name})")
     return f"not used: {_state['why']}"

@@ -78,6 +78,7 @@
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/primitives.h"
+#include "qmm_api.h"
 
 extern "C" void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha, const float* A,
                             int lda, const float* B, int ldb, float beta, float* C, int ldc);
@@ -444,6 +445,12 @@ std::string set_isa(const std::string& name) {
 }
 
 }  // namespace
+
+void tracer_qmm::matmul(const float* x, size_t ldx, int M, const Packed& w, float* out, bool fast) {
+  const Scale scale = w.scale == ScaleType::f16 ? Scale::f16 : w.scale == ScaleType::bf16 ? Scale::bf16 : Scale::f32;
+  run(QmmJob{x, ldx, w.w, w.scales, w.biases, scale, M, w.N, w.K, w.group, w.bits, out},
+      fast ? Contract::fast : Contract::exact);
+}
 
 void register_qmm(nb::module_& m) {
   m.def("qmm", &qmm, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"),

@@ -1,0 +1,28 @@
+// qmm's entry for the other kernels of the module (kernels.cpp's layer
+// kernels): the same matmul the qmm primitive runs, on raw pointers, called
+// from inside a kernel's task. See qmm.cpp for the contracts and the paths.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace tracer_qmm {
+
+enum class ScaleType { f32, f16, bf16 };
+
+// A matrix [N, K] in MLX's affine quantization, as mx.quantize packs it:
+// w [N, K * bits / 32] uint32, scales and biases [N, K / group] of `scale`.
+struct Packed {
+  const uint32_t* w;
+  const void* scales;
+  const void* biases;
+  ScaleType scale;
+  int N, K, group, bits;
+};
+
+// out [M, N] = x [M, K] (rows ldx floats apart) @ dequantize(w).T, in qmm's
+// exact contract (fast = false) or its fast one. Bits equal to the qmm
+// primitive's for the same operands.
+void matmul(const float* x, size_t ldx, int M, const Packed& w, float* out, bool fast);
+
+}  // namespace tracer_qmm
