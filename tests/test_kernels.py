@@ -16,6 +16,7 @@ import mlx.nn as nn
 import pytest
 
 from mlx_tracer.adapters.lean import HeadRotation, norm_of_sum, rope_tables
+from mlx_tracer.adapters.lean.ops import attention as lean_attention
 from mlx_tracer.backend import kernels
 from mlx_tracer.runtime.prefill import feed
 from mlx_tracer.runtime.step import CompiledModel
@@ -69,7 +70,7 @@ def test_the_kernels_list_their_inputs_once():
     names = dict(K.inputs("layer_in"))
     assert list(names)[:2] == ["h", "act"] and names["h"] and not names["act"] and not names["q_norm"]
     assert [n for n, required in K.inputs("layer_mid") if not required] == [
-        "w_o_scales", "w_o_biases", "b_o", "w_gu_scales", "w_gu_biases", "b_gu"]
+        "bias", "mask", "w_o_scales", "w_o_biases", "b_o", "w_gu_scales", "w_gu_biases", "b_gu"]
     with pytest.raises(ValueError, match="no kernel 'nope'"):
         K.inputs("nope")
 
@@ -189,6 +190,46 @@ def test_layer_kernels_on_packed_blocks_equal_the_lean_ops_on_qmm(B, bits, group
     assert same(h2, h1 + a) and same(act2, nn.silu(gate) * up)
 
 
+@pytest.mark.parametrize("B,L,nq,nk,D,S,packed", [(1, 5, 9, 3, 64, 40, False), (2, 3, 4, 2, 16, 9, True),
+                                                  (3, 8, 4, 4, 32, 20, False)])
+def test_window_layers_equal_the_lean_ops(B, L, nq, nk, D, S, packed):
+    """A window of L tokens a row (verify, prefill): layer_in writes q/k/v
+    heads first ([B, nk, R, L, D], [B, nk, L, D]) and layer_mid attends
+    under a boolean mask, both the bits of the lean ops' window path."""
+    mx.random.seed(B * L)
+    hid, F, R = 64, 96, nq // nk
+    qkv, o, gu = linear(hid, (nq + 2 * nk) * D, True), linear(nq * D, hid, False), linear(hid, 2 * F, True)
+    if packed:
+        qkv, o, gu = (Packed(m, 32, 4, mx.float16) for m in (qkv, o, gu))
+        slot = lambda name, m: m.slot(name)  # noqa: E731
+    else:
+        slot = lambda name, m: {name: m.weight.T}  # noqa: E731
+    proj = (lambda m, x: m(x)) if packed else (lambda m, x: mm(x, m))
+    bias = (lambda m: m.bias) if packed else (lambda m: m.get("bias"))
+    n_in, post = norm(hid, 1), norm(hid, 2)
+    h = mx.random.normal((B * L, hid))
+    offsets = list(range(4, 4 + 3 * B, 3))
+    cos, sin = rope_tables(mx.array(offsets), L, D, 10000.0, 1.0, mx.float32)
+    rot = HeadRotation(cos, sin, (nq, nk, nk), D, D**-0.5)
+    q, k, v = mx.split(rot(proj(qkv, n_in(h))), [nq, nq + nk], axis=2)  # [B, L, H, D] each
+    got = K.layer_in(dict(h=h, norm=n_in.weight, **slot("w_qkv", qkv), b_qkv=bias(qkv), cos=rot.C, sin=rot.S,
+                          scale=rot.F), eps=1e-5, nq=nq, nk=nk, D=D, L=L)
+    q5 = q.reshape(B, L, nk, R, D).transpose(0, 2, 3, 1, 4)
+    assert same(got[0], q5) and same(got[1], k.transpose(0, 2, 1, 3)) and same(got[2], v.transpose(0, 2, 1, 3))
+    keys, values = mx.random.normal((B, nk, S, D)), mx.random.normal((B, nk, S, D))
+    mask = mx.random.uniform(shape=(B, 1, 1, L, S)) > 0.4
+    mask[..., 0] = True  # every query sees a column
+    ops_o = lean_attention(q5, keys, values, mask).transpose(0, 3, 1, 2, 4).reshape(B * L, nq * D)
+    a = proj(o, ops_o)
+    gate, up = mx.split(proj(gu, norm_of_sum(h, a, post)), 2, axis=-1)
+    h2, act = K.layer_mid(dict(q=got[0], k=keys, v=values, mask=mask, **slot("w_o", o), b_o=bias(o), h=h,
+                               norm=post.weight, **slot("w_gu", gu), b_gu=bias(gu)), eps=1e-5)
+    assert same(h2, h + a) and same(act, nn.silu(gate) * up)
+    with pytest.raises(ValueError, match=r"needs mask \[B, 1, 1, L, S\], no bias"):
+        K.layer_mid(dict(q=got[0], k=keys, v=values, bias=mx.zeros((B, 1, 1, S)), **slot("w_o", o), h=h,
+                         norm=post.weight, **slot("w_gu", gu)), eps=1e-5)
+
+
 def test_packed_weights_are_checked_with_what_to_pass():
     nq, nk, D, hid = 2, 1, 8, 64
     rot = rotation(1, nq, nk, D, [3])
@@ -267,7 +308,7 @@ def decode_logits(cm, prompts, steps, native):
     ops (False), or MLX's ops around the kernels' qmm ("qmm")."""
     cm.lean.use_kernels(K if native else None)
     if native == "qmm":
-        cm.lean.decode_layers = cm.lean.window_layers
+        cm.lean.layers = cm.lean.ops_layers
     caches = cm.new_caches(4, rows=len(prompts))
     feed(cm, caches, [p[:-1] for p in prompts], lambda n: [n])
     y = mx.array([p[-1] for p in prompts] + [0] * (4 - len(prompts)), dtype=mx.int32)[:, None]

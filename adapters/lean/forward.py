@@ -1,11 +1,11 @@
 """The lean forward of one model: bind, plan, run, finish.
 
 :class:`LeanForward` binds the model's weights (:func:`~.weights.bind`),
-then *plans* once per binding which layer implementation serves each step
-kind — decode on the native kernels (:class:`~.native.NativeLayers`) where
-they apply, else, and for every window step, MLX's ops
-(:class:`~.ops.OpsLayers`) — and runs: embedding, the planned layers, then
-the final norm and output head (written once, here, for every path).
+then *plans* once per binding which layer implementation serves its steps —
+the native kernels (:class:`~.native.NativeLayers`) where they apply, else
+MLX's ops (:class:`~.ops.OpsLayers`), for decode and window steps alike —
+and runs: embedding, the planned layers, then the final norm and output
+head (written once, here, for every path).
 
 Before every step :meth:`LeanForward.refresh` checks the binding's watch
 list by identity: weights swapped or modules replaced rebind (the step then
@@ -42,8 +42,8 @@ class LeanForward:
         self.generation = 0  # bumped by every (re)bind and re-plan: the step drops its lean traces
         self.active = False
         self.binding: Optional[Binding] = None
-        self.decode_layers = self.window_layers = None
-        self.native_off: Optional[str] = None  # why decode steps do not run on the kernels
+        self.layers = self.ops_layers = None  # the planned layers; MLX's ops (the reference)
+        self.native_off: Optional[str] = None  # why the steps do not run on the kernels
         self._set_watch([])
         self.refresh(force=True)
 
@@ -68,9 +68,9 @@ class LeanForward:
 
     def _plan(self):
         b = self.binding
-        self.window_layers = OpsLayers(b.layers)
+        self.ops_layers = OpsLayers(b.layers)  # the reference
         self.native_off = why_not_native(b, self.native)
-        self.decode_layers = NativeLayers(b.layers, self.native) if self.native_off is None else self.window_layers
+        self.layers = NativeLayers(b.layers, self.native) if self.native_off is None else self.ops_layers
 
     def _set_watch(self, watch):
         # the per-step check runs as C-level map() loops over these three
@@ -94,8 +94,8 @@ class LeanForward:
         B, L = tokens.shape
         h = b.embed(tokens)  # [B, L, hidden]
         h = h.reshape(B * L, h.shape[-1])  # the residual stream, 2-D
-        tables = StepTables(caches[0].offset, L, masks, family_of)
-        h = (self.decode_layers if decode else self.window_layers)(h, caches, tables)
+        tables = StepTables(caches[0].offset, L, masks, family_of, decode)
+        h = self.layers(h, caches, tables)
         if want == "none":
             return None
         h = h.reshape(B, L, -1)

@@ -1,15 +1,19 @@
-"""The lean decode layers on the native kernels: 4 graph nodes a layer.
+"""The lean layers on the native kernels: 4 graph nodes a layer in decode.
 
-The same arithmetic as :class:`~.ops.OpsLayers` for a decode step (L = 1),
-bit for bit, on the primitives of ``mlx_tracer.backend.kernels`` (handed in
-by the runtime: adapters import nothing but caches):
+The same arithmetic as :class:`~.ops.OpsLayers`, bit for bit, on the
+primitives of ``mlx_tracer.backend.kernels`` (handed in by the runtime:
+adapters import nothing but caches), for decode steps (L = 1) and windows of
+L tokens a row (verify, prefill) alike:
 
 * ``layer_in``: the previous layer's down projection and residual, the input
   norm, q/k/v, qwen3's per-head norms and the rotation;
-* ``cache_write`` twice: the new key and value at the step's column, in place
-  (what the cache's ``update_and_fetch`` does with MLX's ops);
-* ``layer_mid``: attention, the output projection and residual, the
-  post-attention norm, gate/up and SwiGLU.
+* the cache write: in a decode step ``cache_write`` twice, the new key and
+  value at the step's column, in place (what the cache's ``update_and_fetch``
+  does with MLX's ops); in a window the cache's own ``update_and_fetch``
+  (its columns and, for a ring, what the window attends differ by cache);
+* ``layer_mid``: attention (a decode step's additive bias, a window's mask),
+  the output projection and residual, the post-attention norm, gate/up and
+  SwiGLU.
 
 The residual stream is carried as ``h`` plus the last MLP's activation; the
 last layer's down projection and residual are MLX ops. The kernels' inputs
@@ -59,7 +63,7 @@ def weight(slot: str, g: LinearGroup) -> Dict[str, mx.array]:
 
 
 class NativeLayers:
-    """The decoder layers of a decode step on the native layer kernels."""
+    """The decoder layers of a step on the native layer kernels."""
 
     name = "native"
 
@@ -68,8 +72,8 @@ class NativeLayers:
         self.K = kernels
 
     def __call__(self, h: mx.array, caches, t: StepTables) -> mx.array:
-        """``h [B, hidden]`` through every layer (writing each layer's cache)."""
-        K = self.K
+        """``h [B * L, hidden]`` through every layer (writing each layer's cache)."""
+        K, L = self.K, t.L
         act = None  # the previous layer's MLP activation
         for s, cache in zip(self.layers, caches):
             rot = t.rotation(s, h.dtype)
@@ -82,13 +86,19 @@ class NativeLayers:
             if s.qk_norms is not None:
                 inputs.update(q_norm=s.qk_norms[0].weight, k_norm=s.qk_norms[1].weight)
                 qk_eps = s.qk_norms[0].eps
-            outs = K.layer_in(inputs, eps=s.input_norm.eps, nq=s.nq, nk=s.nk, D=s.D, qk_eps=qk_eps)
+            outs = K.layer_in(inputs, eps=s.input_norm.eps, nq=s.nq, nk=s.nk, D=s.D, qk_eps=qk_eps, L=L)
             if act is not None:
                 h, *outs = outs  # h + down, to the bit
-            q, k, v = outs  # [B, nk, R, D], [B, nk, 1, D] x 2
-            keys, values = K.cache_write(cache.keys, k, cache.column), K.cache_write(cache.values, v, cache.column)
-            cache.written(keys, values)
-            h, act = K.layer_mid(dict(q=q, k=keys, v=values, bias=t.bias(s.index, h.dtype), **weight("w_o", s.o),
-                                      b_o=s.o.p.get("bias"), h=h, norm=s.post_norm.weight, **weight("w_gu", s.gu),
-                                      b_gu=s.gu.p.get("bias")), eps=s.post_norm.eps)  # h + a, silu(gate) * up
+            q, k, v = outs  # [B, nk, R, D] ([B, nk, R, L, D] in a window), [B, nk, L, D] x 2
+            if t.decode:
+                keys = K.cache_write(cache.keys, k, cache.column)
+                values = K.cache_write(cache.values, v, cache.column)
+                cache.written(keys, values)
+                seen = dict(bias=t.bias(s.index, h.dtype))  # [B, 1, 1, S]
+            else:
+                keys, values = cache.update_and_fetch(k, v)  # [B, nk, S, D]: what the window attends
+                seen = dict(bias=t.bias(s.index, h.dtype)) if L == 1 else dict(mask=t.mask(s.index))
+            h, act = K.layer_mid(dict(q=q, k=keys, v=values, **seen, **weight("w_o", s.o), b_o=s.o.p.get("bias"), h=h,
+                                      norm=s.post_norm.weight, **weight("w_gu", s.gu), b_gu=s.gu.p.get("bias")),
+                                 eps=s.post_norm.eps)  # h + a, silu(gate) * up
         return h + self.layers[-1].down(act)  # (h + a) + down, as the ops compute it

@@ -24,10 +24,12 @@ class StepTables:
         L: tokens per row in this step.
         masks: per cache family, its masks of this forward.
         family_of: per layer, its family's index into ``masks``.
+        decode: a decode step (L = 1; each cache writes the one column its
+            ``column`` names); else a window of L tokens per row.
     """
 
-    def __init__(self, offsets: mx.array, L: int, masks: Sequence, family_of: Sequence[int]):
-        self.offsets, self.L, self.masks, self.family_of = offsets, L, masks, family_of
+    def __init__(self, offsets: mx.array, L: int, masks: Sequence, family_of: Sequence[int], decode: bool = False):
+        self.offsets, self.L, self.masks, self.family_of, self.decode = offsets, L, masks, family_of, decode
         self._rotations: Dict[tuple, HeadRotation] = {}
         self._biases: Dict[tuple, mx.array] = {}
         self._masks: Dict[int, mx.array] = {}

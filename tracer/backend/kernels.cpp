@@ -181,22 +181,24 @@ void qk_norm_rows(float* y, const float* qw, const float* kw, float eps, size_t 
   }
 }
 
-// y [M, H * D] rotated head by head as ((x * C) + (x_swapped * S)) * F (x_swapped:
-// the head's halves exchanged; C/S [M * H, D], F [M * H, 1]: the lean
-// forward's tables, values with C = 1, S = 0, F = 1), written out as q
-// [M, nq, D] (= [M, nk, R, D]), k [M, nk, D], v [M, nk, D].
-void rope_rows(const float* y, const float* C, const float* S, const float* F, size_t M, int nq, int nk, int D,
+// y [M, H * D] (M = B L: L tokens a row) rotated head by head as
+// ((x * C) + (x_swapped * S)) * F (x_swapped: the head's halves exchanged;
+// C/S [M * H, D], F [M * H, 1]: the lean forward's tables, values with C = 1,
+// S = 0, F = 1), written out heads first: q [B, nq, L, D] (= [B, nk, R, L, D]),
+// k [B, nk, L, D], v [B, nk, L, D].
+void rope_rows(const float* y, const float* C, const float* S, const float* F, size_t M, int L, int nq, int nk, int D,
                float* q, float* k, float* v) {
   const int H = nq + 2 * nk, half = D / 2;
   for (size_t m = 0; m < M; ++m) {
+    const size_t b = m / L, l = m % L;
     for (int h = 0; h < H; ++h) {
       const size_t row = m * H + h;
       const float* x = y + row * D;
       const float* c = C + row * D;
       const float* s = S + row * D;
       const float f = F[row];
-      const size_t kv = (m * nk + (h < nq + nk ? h - nq : h - nq - nk)) * D;
-      float* o = h < nq ? q + (m * nq + h) * D : (h < nq + nk ? k + kv : v + kv);
+      const size_t kv = ((b * nk + (h < nq + nk ? h - nq : h - nq - nk)) * L + l) * D;
+      float* o = h < nq ? q + ((b * nq + h) * L + l) * D : (h < nq + nk ? k + kv : v + kv);
       for (int j = 0; j < D; ++j) {
         float tmp_F = Multiply()(x[j], c[j]);
         float tmp_G = Multiply()(x[j < half ? j + half : j - half], s[j]);
@@ -255,6 +257,39 @@ void attention_rows(const float* q, const View& k, const View& v, const float* b
   }
 }
 
+// Window attention: q [B, nk, R, L, D] (scaled), keys/values [B, nk, S, D]
+// blocks, mask [B, L, S] (nonzero: visible) -> o [B, L, nk * R * D]: the lean
+// forward's window attention on MLX's ops (scores by one sgemm per (row, key
+// head, query head), float32's lowest where masked, softmax, @ v), its
+// result transposed to tokens first. `scores` [L, S], `ov` [L, D]: scratch.
+void attention_window(const float* q, const View& k, const View& v, const bool* mask, int B, int nk, int R, int L,
+                      int D, float* scores, float* ov, float* o) {
+  const int S = k.dim(2), nqD = nk * R * D;
+  const float low = mx::numeric_limits<float>::lowest();
+  for (int b = 0; b < B; ++b) {
+    const bool* mb = mask + size_t(b) * L * S;
+    for (int h = 0; h < nk; ++h) {
+      const float* ki = k.p + b * k.strides[0] + h * k.strides[1];
+      const float* vi = v.p + b * v.strides[0] + h * v.strides[1];
+      for (int r = 0; r < R; ++r) {
+        const float* qi = q + ((size_t(b) * nk + h) * R + r) * L * D;
+        cblas_sgemm(kRowMajor, kNoTrans, kTrans, L, S, D, 1.0f, qi, D, ki, D, 0.0f, scores, S);
+        for (int l = 0; l < L; ++l) {
+          float* row = scores + size_t(l) * S;
+          for (int j = 0; j < S; ++j) {
+            row[j] = mb[size_t(l) * S + j] ? row[j] : low;
+          }
+          softmax_row(row, S);
+        }
+        cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, L, D, S, 1.0f, scores, S, vi, D, 0.0f, ov, D);
+        for (int l = 0; l < L; ++l) {
+          std::memcpy(o + (size_t(b) * L + l) * nqD + (size_t(h) * R + r) * D, ov + size_t(l) * D, sizeof(float) * D);
+        }
+      }
+    }
+  }
+}
+
 // gu [M, 2F] -> silu(gate) * up [M, F] (gate: the first F columns).
 void swiglu_rows(const float* gu, size_t M, int F, float* out) {
   for (size_t m = 0; m < M; ++m) {
@@ -283,16 +318,17 @@ void swiglu_rows(const float* gu, size_t M, int F, float* out) {
 struct Slot {
   const char* name;
   bool required;
-  char kind;  // 'f': float32; 'w': a weight (float32 or packed); 'q': a packed weight's scales or biases
+  char kind;  // 'f': float32; 'b': bool; 'w': a weight (float32 or packed); 'q': a packed weight's scales or biases
 };
 
 #define TRACER_SLOT_ENUM(name, required, kind) name,
 #define TRACER_SLOT_TABLE(name, required, kind) {#name, bool(required), kind},
 
-// layer_in: a decode step's layer up to attention.
+// layer_in: a layer up to attention, for L tokens a row (M = B L rows; a
+// decode step: L = 1).
 #define TRACER_LAYER_IN(X)                                                            \
-  X(h, 1, 'f')             /* [B, hidden] the residual stream */                      \
-  X(act, 0, 'f')           /* [B, F] the previous MLP's activation (not in layer 0) */ \
+  X(h, 1, 'f')             /* [M, hidden] the residual stream */                      \
+  X(act, 0, 'f')           /* [M, F] the previous MLP's activation (not in layer 0) */ \
   X(w_down, 0, 'w')        /* [F, hidden] its down projection (x @ w), with act */    \
   X(w_down_scales, 0, 'q') /* packed w_down only */                                   \
   X(w_down_biases, 0, 'q')                                                            \
@@ -302,23 +338,25 @@ struct Slot {
   X(w_qkv_scales, 0, 'q')                                                             \
   X(w_qkv_biases, 0, 'q')                                                             \
   X(b_qkv, 0, 'f')         /* [(nq + 2 nk) D] */                                      \
-  X(cos, 1, 'f')           /* C [B (nq + 2 nk), D] (the lean forward's tables) */     \
-  X(sin, 1, 'f')           /* S [B (nq + 2 nk), D] */                                 \
-  X(scale, 1, 'f')         /* F [B (nq + 2 nk), 1] */                                 \
+  X(cos, 1, 'f')           /* C [M (nq + 2 nk), D] (the lean forward's tables) */     \
+  X(sin, 1, 'f')           /* S [M (nq + 2 nk), D] */                                 \
+  X(scale, 1, 'f')         /* F [M (nq + 2 nk), 1] */                                 \
   X(q_norm, 0, 'f')        /* [D] qwen3's per-head norms, both or neither */          \
   X(k_norm, 0, 'f')        /* [D] */
 
-// layer_mid: attention to the MLP's activation.
+// layer_mid: attention to the MLP's activation; a decode step (q [B, nk, R,
+// D], with bias) or a window of L tokens a row (q [B, nk, R, L, D], with mask).
 #define TRACER_LAYER_MID(X)                                                        \
-  X(q, 1, 'f')           /* [B, nk, R, D] scaled queries */                        \
-  X(k, 1, 'f')           /* [B, nk, S, D] the cache buffers, this step written */  \
+  X(q, 1, 'f')           /* scaled queries */                                      \
+  X(k, 1, 'f')           /* [B, nk, S, D] what the step attends (cache written) */ \
   X(v, 1, 'f')           /* [B, nk, S, D] */                                       \
-  X(bias, 1, 'f')        /* [B, 1, 1, S] 0 where visible, float32's lowest else */ \
+  X(bias, 0, 'f')        /* decode: [B, 1, 1, S] 0 where visible, float32's lowest else */ \
+  X(mask, 0, 'b')        /* window: [B, 1, 1, L, S] true where visible */          \
   X(w_o, 1, 'w')         /* [nq D, hidden] */                                      \
   X(w_o_scales, 0, 'q')                                                            \
   X(w_o_biases, 0, 'q')                                                            \
   X(b_o, 0, 'f')         /* [hidden] */                                            \
-  X(h, 1, 'f')           /* [B, hidden] the residual stream */                     \
+  X(h, 1, 'f')           /* [B L, hidden] the residual stream */                   \
   X(norm, 1, 'f')        /* [hidden] the post-attention norm's weight */           \
   X(w_gu, 1, 'w')        /* [hidden, 2F] gate and up, side by side */              \
   X(w_gu_scales, 0, 'q')                                                           \
@@ -359,13 +397,16 @@ class Inputs {
       need(present || !slots[s].required, std::string(kernel) + " needs input '" + slots[s].name + "'");
       if (present) {
         const mx::Dtype t = it->second->dtype();
-        const bool ok = slots[s].kind == 'f'   ? t == mx::float32
-                        : slots[s].kind == 'w' ? t == mx::float32 || t == mx::uint32
-                                               : t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
+        const char kind = slots[s].kind;
+        const bool ok = kind == 'f'   ? t == mx::float32
+                        : kind == 'b' ? t == mx::bool_
+                        : kind == 'w' ? t == mx::float32 || t == mx::uint32
+                                      : t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
         need(ok, std::string(kernel) + ": input '" + slots[s].name + "' must be " +
-                     (slots[s].kind == 'f'   ? "float32"
-                      : slots[s].kind == 'w' ? "float32 (a matrix) or uint32 (packed blocks)"
-                                             : "float32, float16 or bfloat16"));
+                     (kind == 'f'   ? "float32"
+                      : kind == 'b' ? "bool"
+                      : kind == 'w' ? "float32 (a matrix) or uint32 (packed blocks)"
+                                    : "float32, float16 or bfloat16"));
         at_[s] = int(out.size());
         out.push_back(*it->second);
       }
@@ -479,8 +520,8 @@ const float* ptr(const std::optional<array>& a) {
 // inputs: TRACER_LAYER_IN; outputs: [h_new], q [B, nk, R, D], k, v [B, nk, 1, D]
 class LayerIn : public Kernel {
  public:
-  LayerIn(mx::Stream s, Inputs at, float eps, int nq, int nk, int D, float qk_eps, bool fast)
-      : Kernel(s), at_(std::move(at)), eps_(eps), qk_eps_(qk_eps), nq_(nq), nk_(nk), D_(D), fast_(fast) {}
+  LayerIn(mx::Stream s, Inputs at, float eps, int nq, int nk, int D, int L, float qk_eps, bool fast)
+      : Kernel(s), at_(std::move(at)), eps_(eps), qk_eps_(qk_eps), nq_(nq), nk_(nk), D_(D), L_(L), fast_(fast) {}
 
   void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
     namespace s = in_slot;
@@ -496,24 +537,24 @@ class LayerIn : public Kernel {
     const bool carry = act.has_value();
     const size_t o = carry ? 1 : 0;
     const float eps = eps_, qk_eps = qk_eps_;
-    const int nq = nq_, nk = nk_, D = D_;
+    const int nq = nq_, nk = nk_, D = D_, L = L_;
     run([h = View(h), act = act ? View(*act) : View(), wd, bd = ptr(bd), nw = View(nw), wq, bq = ptr(bq), C = View(C), S = View(S), F = View(F), qn = ptr(qn), kn = ptr(kn),
          h_new = carry ? outputs[0].data<float>() : nullptr, q = outputs[o].data<float>(),
-         k = outputs[o + 1].data<float>(), v = outputs[o + 2].data<float>(), eps, nq, nk, D, carry, qk_eps]() {
-      const int B = h.dim(0), hid = h.dim(1), N = (nq + 2 * nk) * D;
-      std::vector<float> x(size_t(B) * hid), y(size_t(B) * N);
+         k = outputs[o + 1].data<float>(), v = outputs[o + 2].data<float>(), eps, nq, nk, D, L, carry, qk_eps]() {
+      const int M = h.dim(0), hid = h.dim(1), N = (nq + 2 * nk) * D;
+      std::vector<float> x(size_t(M) * hid), y(size_t(M) * N);
       if (carry) {
-        std::vector<float> down(size_t(B) * hid);
-        matmul(act.p, B, act.dim(1), wd, hid, bd, down.data());
-        norm_rows(h.p, down.data(), nw.p, eps, B, hid, h_new, x.data());
+        std::vector<float> down(size_t(M) * hid);
+        matmul(act.p, M, act.dim(1), wd, hid, bd, down.data());
+        norm_rows(h.p, down.data(), nw.p, eps, M, hid, h_new, x.data());
       } else {
-        norm_rows(h.p, nullptr, nw.p, eps, B, hid, nullptr, x.data());
+        norm_rows(h.p, nullptr, nw.p, eps, M, hid, nullptr, x.data());
       }
-      matmul(x.data(), B, hid, wq, N, bq, y.data());
+      matmul(x.data(), M, hid, wq, N, bq, y.data());
       if (qn != nullptr) {
-        qk_norm_rows(y.data(), qn, kn, qk_eps, B, nq, nk, D);
+        qk_norm_rows(y.data(), qn, kn, qk_eps, M, nq, nk, D);
       }
-      rope_rows(y.data(), C.p, S.p, F.p, B, nq, nk, D, q, k, v);
+      rope_rows(y.data(), C.p, S.p, F.p, M, L, nq, nk, D, q, k, v);
     });
   }
   const char* name() const override {
@@ -523,7 +564,7 @@ class LayerIn : public Kernel {
  private:
   Inputs at_;
   float eps_, qk_eps_;
-  int nq_, nk_, D_;
+  int nq_, nk_, D_, L_;
   bool fast_;
 };
 
@@ -588,24 +629,32 @@ class LayerMid : public Kernel {
   void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
     namespace s = mid_slot;
     array q = dense(at_(in, s::q)), k = blocks_dense(at_(in, s::k)), v = blocks_dense(at_(in, s::v));
-    array bias = dense(at_(in, s::bias)), h = dense(at_(in, s::h)), nw = dense(at_(in, s::norm));
+    array h = dense(at_(in, s::h)), nw = dense(at_(in, s::norm));
+    std::optional<array> bias = dense_if(at_, in, s::bias), mask = dense_if(at_, in, s::mask);
     std::optional<array> bo = dense_if(at_, in, s::b_o), bg = dense_if(at_, in, s::b_gu);
-    const int nqD = q.shape(1) * q.shape(2) * q.shape(3);
+    const int nqD = q.shape(1) * q.shape(2) * q.shape(q.ndim() - 1);
     const WeightView wo = weight(at_, in, s::w_o, s::w_o_scales, s::w_o_biases, nqD, fast_);
     const WeightView wg = weight(at_, in, s::w_gu, s::w_gu_scales, s::w_gu_biases, h.shape(1), fast_);
     alloc(outputs);
     const float eps = eps_;
-    run([q = View(q), k = View(k), v = View(v), bias = View(bias), wo, bo = ptr(bo), h = View(h), nw = View(nw), wg,
-         bg = ptr(bg), h_mid = outputs[0].data<float>(), act = View(outputs[1]), eps]() {
-      const int B = q.dim(0), nk = q.dim(1), R = q.dim(2), D = q.dim(3), hid = h.dim(1), F = act.dim(1);
-      const int nqD = nk * R * D;
-      std::vector<float> scores(size_t(R) * k.dim(2)), o(size_t(B) * nqD), a(size_t(B) * hid), x(size_t(B) * hid),
-          gu(size_t(B) * 2 * F);
-      attention_rows(q.p, k, v, bias.p, B, nk, R, D, scores.data(), o.data());
-      matmul(o.data(), B, nqD, wo, hid, bo, a.data());
-      norm_rows(h.p, a.data(), nw.p, eps, B, hid, h_mid, x.data());
-      matmul(x.data(), B, hid, wg, 2 * F, bg, gu.data());
-      swiglu_rows(gu.data(), B, F, act.p);
+    run([q = View(q), k = View(k), v = View(v), bias = ptr(bias), mask = mask ? mask->data<bool>() : nullptr, wo,
+         bo = ptr(bo), h = View(h), nw = View(nw), wg, bg = ptr(bg), h_mid = outputs[0].data<float>(),
+         act = View(outputs[1]), eps]() {
+      const bool window = q.shape.size() == 5;
+      const int B = q.dim(0), nk = q.dim(1), R = q.dim(2), L = window ? q.dim(3) : 1, D = q.dim(-1);
+      const int M = h.dim(0), hid = h.dim(1), F = act.dim(1), nqD = nk * R * D, S = k.dim(2);
+      std::vector<float> scores(size_t(window ? L : R) * S), o(size_t(M) * nqD), a(size_t(M) * hid),
+          x(size_t(M) * hid), gu(size_t(M) * 2 * F);
+      if (window) {
+        std::vector<float> ov(size_t(L) * D);
+        attention_window(q.p, k, v, mask, B, nk, R, L, D, scores.data(), ov.data(), o.data());
+      } else {
+        attention_rows(q.p, k, v, bias, B, nk, R, D, scores.data(), o.data());
+      }
+      matmul(o.data(), M, nqD, wo, hid, bo, a.data());
+      norm_rows(h.p, a.data(), nw.p, eps, M, hid, h_mid, x.data());
+      matmul(x.data(), M, hid, wg, 2 * F, bg, gu.data());
+      swiglu_rows(gu.data(), M, F, act.p);
     });
   }
   const char* name() const override {
@@ -670,10 +719,22 @@ void need_vector(const Inputs& at, const std::vector<array>& in, int slot, size_
   }
 }
 
-void need_attention(const array& q, const array& k, const array& v, const array& bias) {
-  need(q.ndim() == 4 && k.ndim() == 4 && k.shape() == v.shape() && k.shape(0) == q.shape(0) &&
-           k.shape(1) == q.shape(1) && k.shape(3) == q.shape(3) && bias.shape() == mx::Shape{q.shape(0), 1, 1, k.shape(2)},
-       "decode attention needs q [B, nk, R, D], keys/values [B, nk, S, D], bias [B, 1, 1, S]");
+// A decode step's (q [B, nk, R, D], bias) or a window's (q [B, nk, R, L, D], mask) attention inputs.
+void need_attention(const Inputs& at, const std::vector<array>& in) {
+  namespace s = mid_slot;
+  const array &q = at(in, s::q), &k = at(in, s::k), &v = at(in, s::v);
+  const bool window = q.ndim() == 5;
+  need((q.ndim() == 4 || window) && k.ndim() == 4 && k.shape() == v.shape() && k.shape(0) == q.shape(0) &&
+           k.shape(1) == q.shape(1) && k.shape(3) == q.shape(-1),
+       "attention needs q [B, nk, R, D] (decode) or [B, nk, R, L, D] (window), keys/values [B, nk, S, D]");
+  const int B = q.shape(0), S = k.shape(2);
+  if (window) {
+    need(at.has(s::mask) && !at.has(s::bias) && at(in, s::mask).shape() == mx::Shape{B, 1, 1, q.shape(3), S},
+         "window attention (q [B, nk, R, L, D]) needs mask [B, 1, 1, L, S], no bias");
+  } else {
+    need(at.has(s::bias) && !at.has(s::mask) && at(in, s::bias).shape() == mx::Shape{B, 1, 1, S},
+         "decode attention (q [B, nk, R, D]) needs bias [B, 1, 1, S], no mask");
+  }
 }
 
 bool fast_contract(const std::string& contract) {
@@ -682,7 +743,7 @@ bool fast_contract(const std::string& contract) {
 }
 
 std::vector<array> layer_in(const Named& given, float eps, int nq, int nk, int D, float qk_eps,
-                            const std::string& contract) {
+                            const std::string& contract, int L) {
   namespace s = in_slot;
   std::vector<array> in;
   Inputs at(kLayerInSlots, given, "layer_in", in);
@@ -690,27 +751,30 @@ std::vector<array> layer_in(const Named& given, float eps, int nq, int nk, int D
   need(h.ndim() == 2 && at(in, s::norm).ndim() == 1 && at(in, s::norm).shape(0) == h.shape(1),
        "layer_in needs h [B, hidden], norm [hidden]");
   need(nk > 0 && nq % nk == 0 && D % 2 == 0, "layer_in needs nq a multiple of nk > 0 and an even D");
-  const int B = h.shape(0), hid = h.shape(1), H = nq + 2 * nk, N = H * D;
+  need(L >= 1 && h.shape(0) % L == 0, "layer_in: h must be [B L, hidden] (L tokens a row), got " + shape_of(h) +
+                                          " with L = " + std::to_string(L));
+  const int M = h.shape(0), B = M / L, hid = h.shape(1), H = nq + 2 * nk, N = H * D;
   need(at.has(s::act) == at.has(s::w_down) && (!at.has(s::b_down) || at.has(s::act)),
        "layer_in: act and w_down go together (b_down only with them)");
   std::vector<mx::Shape> shapes;
   if (at.has(s::act)) {
     const array& act = at(in, s::act);
-    need(act.ndim() == 2 && act.shape(0) == B, "layer_in: act must be [B, F]");
+    need(act.ndim() == 2 && act.shape(0) == M, "layer_in: act must be [B L, F]");
     need_weight(at, in, s::w_down, s::w_down_scales, s::w_down_biases, act.shape(1), hid, "layer_in: w_down");
     need_vector(at, in, s::b_down, hid, "layer_in: b_down");
     shapes.push_back(h.shape());
   }
   need_weight(at, in, s::w_qkv, s::w_qkv_scales, s::w_qkv_biases, hid, N, "layer_in: w_qkv");
   need_vector(at, in, s::b_qkv, N, "layer_in: b_qkv");
-  const size_t rows = size_t(B) * H;
+  const size_t rows = size_t(M) * H;
   need(at(in, s::cos).size() == rows * D && at(in, s::sin).size() == rows * D && at(in, s::scale).size() == rows,
-       "layer_in: rotation tables must be cos/sin [B (nq + 2 nk), D], scale [B (nq + 2 nk), 1]");
+       "layer_in: rotation tables must be cos/sin [B L (nq + 2 nk), D], scale [B L (nq + 2 nk), 1]");
   need(at.has(s::q_norm) == at.has(s::k_norm), "layer_in: q_norm and k_norm go together");
   need_vector(at, in, s::q_norm, D, "layer_in: q_norm");
   need_vector(at, in, s::k_norm, D, "layer_in: k_norm");
-  shapes.insert(shapes.end(), {{B, nk, nq / nk, D}, {B, nk, 1, D}, {B, nk, 1, D}});
-  return make<LayerIn>(std::move(shapes), std::move(in), at, eps, nq, nk, D, qk_eps, fast_contract(contract));
+  const mx::Shape qs = L == 1 ? mx::Shape{B, nk, nq / nk, D} : mx::Shape{B, nk, nq / nk, L, D};
+  shapes.insert(shapes.end(), {qs, {B, nk, L, D}, {B, nk, L, D}});
+  return make<LayerIn>(std::move(shapes), std::move(in), at, eps, nq, nk, D, L, qk_eps, fast_contract(contract));
 }
 
 array cache_write(const array& buf, const array& upd, const array& col) {
@@ -727,18 +791,18 @@ std::vector<array> layer_mid(const Named& given, float eps, const std::string& c
   std::vector<array> in;
   Inputs at(kLayerMidSlots, given, "layer_mid", in);
   const array& q = at(in, s::q);
-  need_attention(q, at(in, s::k), at(in, s::v), at(in, s::bias));
+  need_attention(at, in);
   const array& h = at(in, s::h);
-  const int B = q.shape(0), nqD = q.shape(1) * q.shape(2) * q.shape(3);
-  need(h.ndim() == 2 && h.shape(0) == B && at(in, s::norm).ndim() == 1 && at(in, s::norm).shape(0) == h.shape(1),
-       "layer_mid needs h [B, hidden], norm [hidden]");
+  const int M = q.shape(0) * (q.ndim() == 5 ? q.shape(3) : 1), nqD = q.shape(1) * q.shape(2) * q.shape(-1);
+  need(h.ndim() == 2 && h.shape(0) == M && at(in, s::norm).ndim() == 1 && at(in, s::norm).shape(0) == h.shape(1),
+       "layer_mid needs h [B L, hidden], norm [hidden]");
   const int hid = h.shape(1);
   need_weight(at, in, s::w_o, s::w_o_scales, s::w_o_biases, nqD, hid, "layer_mid: w_o");
   const int F2 = need_weight(at, in, s::w_gu, s::w_gu_scales, s::w_gu_biases, hid, -1, "layer_mid: w_gu");
   need(F2 % 2 == 0, "layer_mid: w_gu must have 2F outputs (gate and up side by side)");
   need_vector(at, in, s::b_o, hid, "layer_mid: b_o");
   need_vector(at, in, s::b_gu, F2, "layer_mid: b_gu");
-  return make<LayerMid>({h.shape(), {B, F2 / 2}}, std::move(in), at, eps, fast_contract(contract));
+  return make<LayerMid>({h.shape(), {M, F2 / 2}}, std::move(in), at, eps, fast_contract(contract));
 }
 
 // A kernel's inputs as (name, required), in slot order: what its binding takes.
@@ -763,7 +827,7 @@ void register_qmm(nb::module_& m);  // qmm.cpp
 
 NB_MODULE(_mlx_tracer_kernels, m) {
   m.def("layer_in", &layer_in, nb::arg("inputs"), nb::arg("eps"), nb::arg("nq"), nb::arg("nk"), nb::arg("D"),
-        nb::arg("qk_eps") = 0.0f, nb::arg("contract") = "exact");
+        nb::arg("qk_eps") = 0.0f, nb::arg("contract") = "exact", nb::arg("L") = 1);
   m.def("cache_write", &cache_write, nb::arg("buf"), nb::arg("new"), nb::arg("col"));
   m.def("layer_mid", &layer_mid, nb::arg("inputs"), nb::arg("eps"), nb::arg("contract") = "exact");
   m.def("inputs", &inputs_of, nb::arg("kernel"));
