@@ -60,6 +60,23 @@ def test_the_format_keeps_the_blocks_and_makes_the_rest_float32():
     assert model.model.embed_tokens(mx.array([[1, 2]])).dtype == mx.float32
 
 
+def test_the_fast_format_runs_every_quantized_matmul_in_the_fast_contract(tmp_path):
+    """``quantized-fast``: the same blocks, qmm's fast contract in the layer
+    kernels and for the head (int8 activations: its own values, close to
+    exact; their KL is measured by benchmarks/qmm_kl.py, not asserted here)."""
+    model = tiny_model("llama")
+    nn.quantize(model, group_size=32, bits=4)
+    apply_format(model, "quantized-fast")
+    cm = CompiledModel(model)
+    graph = cm.export_decode_graph(str(tmp_path / "g.dot"))
+    assert cm.lean.binding.contract == "fast" and cm.lean.native_off is None
+    assert graph["TracerLayerIn"] == len(model.layers) and graph["TracerQmmFast"] == 2 and "TracerQmm" not in graph
+    fast = engine_tokens(Engine(cm, buckets=(2,)), PROMPTS[:2], 6)
+    apply_format(model, "quantized")  # back to exact: rebinds, same blocks
+    exact = CompiledModel(model)
+    assert exact.lean.binding.contract == "exact" and [len(t) for t in fast] == [6, 6]
+
+
 @pytest.mark.parametrize("family,group_size,bits", [("llama", 32, 4), ("llama", 64, 8), ("qwen3", 32, 4),
                                                     ("llama_mixed", 64, 4)])
 def test_greedy_tokens_equal_mlx_lm_eager_on_the_quantized_model(family, group_size, bits):

@@ -70,7 +70,7 @@ class LeanForward:
         b = self.binding
         self.ops_layers = OpsLayers(b.layers)  # the reference
         self.native_off = why_not_native(b, self.native)
-        self.layers = NativeLayers(b.layers, self.native) if self.native_off is None else self.ops_layers
+        self.layers = NativeLayers(b.layers, self.native, b.contract) if self.native_off is None else self.ops_layers
 
     def _set_watch(self, watch):
         # the per-step check runs as C-level map() loops over these three

@@ -22,7 +22,7 @@ are passed by name (the names the kernels module lists in ``inputs(kernel)``).
 A projection is a float32 matrix (the group's ``wt``) or the file's packed
 4-/8-bit blocks (``weight``, ``scales``, ``biases``), which the kernels
 multiply with the quantized matmul the ops path calls for the same group
-(``qmm``, its exact contract): the same bits either way.
+(``qmm``, under the binding's contract): the same bits either way.
 """
 
 from __future__ import annotations
@@ -67,9 +67,10 @@ class NativeLayers:
 
     name = "native"
 
-    def __init__(self, layers: List[LayerSpec], kernels):
+    def __init__(self, layers: List[LayerSpec], kernels, contract: str = "exact"):
         self.layers = layers
         self.K = kernels
+        self.contract = contract  # qmm's, for packed projections
 
     def __call__(self, h: mx.array, caches, t: StepTables) -> mx.array:
         """``h [B * L, hidden]`` through every layer (writing each layer's cache)."""
@@ -86,7 +87,8 @@ class NativeLayers:
             if s.qk_norms is not None:
                 inputs.update(q_norm=s.qk_norms[0].weight, k_norm=s.qk_norms[1].weight)
                 qk_eps = s.qk_norms[0].eps
-            outs = K.layer_in(inputs, eps=s.input_norm.eps, nq=s.nq, nk=s.nk, D=s.D, qk_eps=qk_eps, L=L)
+            outs = K.layer_in(inputs, eps=s.input_norm.eps, nq=s.nq, nk=s.nk, D=s.D, qk_eps=qk_eps, L=L,
+                              contract=self.contract)
             if act is not None:
                 h, *outs = outs  # h + down, to the bit
             q, k, v = outs  # [B, nk, R, D] ([B, nk, R, L, D] in a window), [B, nk, L, D] x 2
@@ -100,5 +102,5 @@ class NativeLayers:
                 seen = dict(bias=t.bias(s.index, h.dtype)) if L == 1 else dict(mask=t.mask(s.index))
             h, act = K.layer_mid(dict(q=q, k=keys, v=values, **seen, **weight("w_o", s.o), b_o=s.o.p.get("bias"), h=h,
                                       norm=s.post_norm.weight, **weight("w_gu", s.gu), b_gu=s.gu.p.get("bias")),
-                                 eps=s.post_norm.eps)  # h + a, silu(gate) * up
+                                 eps=s.post_norm.eps, contract=self.contract)  # h + a, silu(gate) * up
         return h + self.layers[-1].down(act)  # (h + a) + down, as the ops compute it

@@ -17,7 +17,9 @@ Quantized groups run on the native quantized matmul (``qmm``, handed in by
 the runtime) where the residual stream is float32 and the quantization is
 one it takes (affine, 4 or 8 bits, groups of 32/64/128): the file's blocks
 are read as they are, never expanded to float32. Elsewhere they run on
-``mx.quantized_matmul``, as mlx-lm does.
+``mx.quantized_matmul``, as mlx-lm does. qmm's contract is *exact* unless
+the model carries ``CONTRACT_ATTR = "fast"`` (the ``quantized-fast`` weight
+format sets it: activations in int8 per 32-block, integer dot products).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from .qualify import ARRAYS, table_rope
 QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
 QMM_BITS, QMM_GROUPS = (4, 8), (32, 64, 128)
 QMM_SCALES = (mx.float16, mx.bfloat16, mx.float32)
+CONTRACT_ATTR = "mlx_tracer_qmm_contract"  # a model attribute: qmm's contract ("exact" when absent, or "fast")
+QMM_CONTRACTS = ("exact", "fast")
 
 
 class LinearGroup:
@@ -42,11 +46,13 @@ class LinearGroup:
     transposed view ``wt`` (the matmul reads the same memory the same way as
     ``x @ weight.T``, with no transpose node), quantized ones as they are.
     ``qmm``: the native quantized matmul, used where it takes the group's
-    quantization (:attr:`kernel`), else ``mx.quantized_matmul``.
+    quantization (:attr:`kernel`), else ``mx.quantized_matmul``; under
+    ``contract`` ("exact" or "fast").
     """
 
-    def __init__(self, mods, qmm=None):
+    def __init__(self, mods, qmm=None, contract: str = "exact"):
         self.mods = list(mods)
+        self.contract = contract
         m0 = self.mods[0]
         self.quant = (m0.group_size, m0.bits, m0.mode) if type(m0) in QUANTIZED else None
         self.keys = [k for k in ARRAYS if k in m0]
@@ -99,7 +105,7 @@ class LinearGroup:
         group_size, bits, mode = self.quant
         if self.kernel is not None:  # 2-D in and out (the head gets [B, L, hidden])
             y = self.kernel(x.reshape(-1, x.shape[-1]), p["weight"], p["scales"], p["biases"], group_size=group_size,
-                            bits=bits).reshape(*x.shape[:-1], -1)
+                            bits=bits, contract=self.contract).reshape(*x.shape[:-1], -1)
             return y + p["bias"] if "bias" in p else y
         y = mx.quantized_matmul(x, p["weight"], scales=p["scales"], biases=p.get("biases"), transpose=True,
                                 group_size=group_size, bits=bits, mode=mode)
@@ -144,6 +150,7 @@ class Binding:
     tied: bool
     embed: nn.Module
     watch: List[tuple] = field(default_factory=list)
+    contract: str = "exact"  # qmm's, for every quantized group
 
     @property
     def activation_dtype(self):
@@ -170,7 +177,11 @@ def _embedding_dtype(e):
 
 def bind(model, qmm=None) -> Binding:
     """The binding of a qualifying model (:func:`~.qualify.why_not` is None).
-    ``qmm``: the native quantized matmul (float32 activations only)."""
+    ``qmm``: the native quantized matmul (float32 activations only), under
+    the model's ``CONTRACT_ATTR`` ("exact" if it has none)."""
+    contract = getattr(model, CONTRACT_ATTR, "exact")
+    if contract not in QMM_CONTRACTS:
+        raise ValueError(f"{CONTRACT_ATTR} must be one of {QMM_CONTRACTS}, got {contract!r}")
     inner = model.model
     tied = bool(model.args.tie_word_embeddings)
     norms = [inner.norm] + [n for layer in inner.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
@@ -184,7 +195,7 @@ def bind(model, qmm=None) -> Binding:
         groups = {}
         for name, parent, keys in (("qkv", attn, ("q_proj", "k_proj", "v_proj")), ("o", attn, ("o_proj",)),
                                    ("gu", mlp, ("gate_proj", "up_proj")), ("down", mlp, ("down_proj",))):
-            group = groups[name] = LinearGroup([parent[k] for k in keys], qmm)
+            group = groups[name] = LinearGroup([parent[k] for k in keys], qmm, contract)
             watch += [(parent, k, m) for k, m in zip(keys, group.mods)] + group.watch()
         nq, nk = attn.n_heads, attn.n_kv_heads
         qk = (attn.q_norm, attn.k_norm) if "q_norm" in attn else None
@@ -195,10 +206,10 @@ def bind(model, qmm=None) -> Binding:
         watch += [(attn, k, attn[k]) for k in ("q_norm", "k_norm") if k in attn]
     head_module = inner.embed_tokens if tied else model.lm_head
     head_types = (nn.Linear, nn.Embedding) + (QUANTIZED if qmm is not None else ())
-    head = LinearGroup([head_module], qmm) if type(head_module) in head_types else None
+    head = LinearGroup([head_module], qmm, contract) if type(head_module) in head_types else None
     watch += [(inner, "embed_tokens", inner.embed_tokens), (inner, "norm", inner.norm)]
     if not tied:
         watch.append((model, "lm_head", model.lm_head))
     if head is not None:
         watch += head.watch()
-    return Binding(specs, inner.norm, head, head_module, tied, inner.embed_tokens, watch)
+    return Binding(specs, inner.norm, head, head_module, tied, inner.embed_tokens, watch, contract)

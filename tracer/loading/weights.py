@@ -4,9 +4,14 @@ Formats: ``as-is`` (as loaded: a GGUF's 4/8-bit blocks stay quantized),
 ``quantized`` (the quantized linears' blocks as loaded, everything else
 float32, so the activations are float32: with the native kernels the lean
 forward's matmuls read the blocks themselves, :mod:`mlx_tracer.backend.kernels`),
-``float32`` (every quantized layer dequantized, scales and biases cast to
-fp32 first), ``float32-blocks`` (transformer blocks dequantized, the
-quantized embedding/head kept). ``auto``:
+``quantized-fast`` (the same, with the kernels' *fast* arithmetic:
+activations quantized to int8 per block of 32 and integer dot products, as
+llama.cpp computes; faster where the matmuls are compute-bound, not equal
+to mlx-lm's values: the KL of its next-token distributions is measured by
+``benchmarks/qmm_kl.py``; ``auto`` never picks it), ``float32`` (every
+quantized layer dequantized, scales and biases cast to fp32 first),
+``float32-blocks`` (transformer blocks dequantized, the quantized
+embedding/head kept). ``auto``:
 
 * on a GPU backend: ``as-is``;
 * on the CPU: ``as-is``, ``quantized`` (where the native quantized matmul
@@ -46,10 +51,11 @@ import mlx.core as mx
 
 from . import format_cache
 from .format_cache import FormatChoice, Setup, Timings
+from ..adapters.lean.weights import CONTRACT_ATTR
 from .quant import dequantize_model, float32_activations, float32_bytes, is_quantized
 
-FORMATS = ("auto", "as-is", "quantized", "float32", "float32-blocks")
-BLOCKS = ("as-is", "quantized")  # the formats that keep the file's quantized blocks (its memory)
+FORMATS = ("auto", "as-is", "quantized", "quantized-fast", "float32", "float32-blocks")
+BLOCKS = ("as-is", "quantized", "quantized-fast")  # the formats that keep the file's quantized blocks (its memory)
 MARGIN = 1.1  # a larger format must be this much faster than as-is (ms per token)
 BATCHES = (1, 4)  # batch widths timed per format
 
@@ -63,8 +69,9 @@ def check_format(fmt: str) -> str:
 def apply_format(model, fmt: str):
     """Convert ``model`` in place to ``fmt`` (not ``auto``); returns it."""
     check_format(fmt)
-    if fmt == "quantized":
+    if fmt in ("quantized", "quantized-fast"):
         float32_activations(model)
+        setattr(model, CONTRACT_ATTR, "fast" if fmt == "quantized-fast" else "exact")
     elif fmt == "float32":
         dequantize_model(model, mx.float32)
     elif fmt == "float32-blocks":
