@@ -4,11 +4,10 @@ at each position of a text of --tokens tokens.
 
     python benchmarks/qmm_kl.py [--tokens 2048] [--seed 0]
 
-Two Generators load the default model's quantized weights
-(``weights="quantized"``: SmolLM2-135M-Instruct Q4_1, the projections on the
-native qmm); in one, every quantized ``LinearGroup`` of the lean forward
-(each layer's groups and the head) gets ``qmm(..., contract="fast")`` as its
-kernel before its first step traces. Both run the same tokens in lockstep
+Two Generators load the default model (SmolLM2-135M-Instruct Q4_1), one in
+the ``quantized`` weight format (the layer kernels and the head on qmm's
+exact contract), one in ``quantized-fast`` (the same on its fast contract).
+Both run the same tokens in lockstep
 through their compiled steps at bucket 1: a window step over a fixed prompt,
 then one decode step per token (``return_logits=True``), teacher-forced. The
 text is drawn from the exact model's own distribution (temperature 1, a numpy
@@ -21,7 +20,6 @@ KL, and how often the two argmax tokens differ.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import time
 
@@ -41,18 +39,6 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return z - np.log(np.exp(z).sum())
 
 
-def fast_kernels(gen: Generator, K) -> int:
-    """Gives every quantized group of gen's lean forward the fast contract; returns how many."""
-    binding = gen.engine.compiled.lean.binding
-    groups = [g for layer in binding.layers for g in layer.groups().values()] + [binding.head]
-    fast = 0
-    for g in groups:
-        if g is not None and g.kernel is not None:
-            g.kernel = functools.partial(K.qmm, contract="fast")
-            fast += 1
-    return fast
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=2048, help="positions scored (after the prompt)")
@@ -61,14 +47,14 @@ def main() -> None:
     K = kernels.load()
     if K is None:
         raise SystemExit(f"the native kernels are off: {kernels.status()}")
-    exact, fast = Generator.load(weights="quantized"), Generator.load(weights="quantized")
-    patched = fast_kernels(fast, K)
-    if patched == 0:
-        raise SystemExit("no quantized group runs on qmm: nothing to compare")
+    exact, fast = Generator.load(weights="quantized"), Generator.load(weights="quantized-fast")
+    lean = fast.engine.compiled.lean
+    if lean.binding is None or lean.binding.contract != "fast" or lean.native_off is not None:
+        raise SystemExit(f"the fast contract does not run here (kernels: {lean.native_off})")
     prompt = exact.tokenizer.encode(PROMPT)
     cap = len(prompt) + args.tokens + 1
     steps = [(g.engine.compiled, g.engine.compiled.new_caches(1, rows=1, capacity=cap)) for g in (exact, fast)]
-    print(f"qmm {K.qmm_isa()}, {K.qmm_threads()} threads; {patched} groups on the fast contract; "
+    print(f"qmm {K.qmm_isa()}, {K.qmm_threads()} threads; layer kernels and head on the fast contract; "
           f"prompt {len(prompt)} tokens, {args.tokens} scored; load average {os.getloadavg()[0]:.2f}")
     logits = [cm.step(c, mx.array([prompt]), return_logits=True).logits for cm, c in steps]
     rng = np.random.default_rng(args.seed)
