@@ -17,7 +17,9 @@ kernels; ``tests/test_kernels.py``):
 * ``layer_mid``: attention, the output projection and residual, the
   post-attention norm, gate/up and SwiGLU;
 
-together a layer is 4 graph nodes instead of 27 on MLX's ops. A float32
+together a decode layer is 4 graph nodes instead of 27 on MLX's ops. Both
+layer kernels also take a window of L tokens a row (verify and prefill
+steps; the cache then written by the cache's own ``update_and_fetch``). A float32
 projection is computed with the ``cblas_sgemm`` call MLX's CPU matmul makes
 for the same operands; one given as MLX's packed 4-/8-bit blocks with
 ``qmm`` (below), as the lean ops path computes it. Activations are float32,
@@ -199,6 +201,7 @@ def status() -> str:
     """One line for ``mlx-tracer info``."""
     module = load()
     if module is not None:
-        return (f"active: decode layers in 4 graph nodes each on the CPU (float32 or packed 4-/8-bit projections); "
-                f"quantized matmul {module.qmm_isa()}, {module.qmm_threads()} threads ({Path(module.__file__).name})")
+        return (f"active: the lean layers on the CPU, decode and windows (4 graph nodes a decode layer; float32 or "
+                f"packed 4-/8-bit projections); quantized matmul {module.qmm_isa()}, {module.qmm_threads()} threads "
+                f"({Path(module.__file__).name})")
     return f"not used: {_state['why']}"
