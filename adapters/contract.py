@@ -19,10 +19,12 @@ from functools import partial
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from ..caches import DEFAULT_CAPACITIES, FullCache, RingCache
 from ..caches.batch import StaticKVCache
+from ..caches.ring import QuantizedRingRow
+from ..caches.storage import KVFormat
 from .traced import FamilyMasks, TracedCache
 
 
@@ -33,13 +35,15 @@ class UnsupportedModel(ValueError):
 @dataclass(frozen=True)
 class LayerLayout:
     """The static cache one attention layer needs: its kind (full attention, or
-    a ring of ``window`` columns) and its KV shapes (known after the probe)."""
+    a ring of ``window`` columns), its KV shapes (known after the probe) and
+    how its cache stores them."""
 
     window: Optional[int]  # None: full attention; else the ring's window
     kv_heads: int = 0
     k_dim: int = 0
     v_dim: int = 0
-    dtype: mx.Dtype = mx.float32
+    dtype: mx.Dtype = mx.float32  # the model's K/V dtype
+    storage: KVFormat = KVFormat()
 
     @property
     def cache_class(self) -> type:
@@ -65,9 +69,9 @@ class LayerLayout:
         (zeroed buffers unless ``allocate=False`` or the shapes are unknown)."""
         pad = [0] * rows
         if self.window is None:
-            cache = FullCache(pad, width=width, capacities=capacities, capacity=capacity)
+            cache = FullCache(pad, width=width, capacities=capacities, capacity=capacity, storage=self.storage)
         else:
-            cache = RingCache(self.window, pad, width=width)
+            cache = RingCache(self.window, pad, width=width, storage=self.storage)
         if allocate and self.kv_heads:
             cache.allocate(self.kv_heads, self.k_dim, self.v_dim, self.dtype)
         return cache
@@ -79,22 +83,22 @@ class LayerLayout:
         cls = self.cache_class
         apply = cls.verify_apply if kind == "verify" else partial(cls.apply, kind == "decode")
         column = cls.decode_column(writes) if kind == "decode" else None
-        return TracedCache(apply, keys, values, offset, writes, masks, layer, column)
+        return TracedCache(apply, keys, values, offset, writes, masks, layer, column, self.storage)
 
     def check_serial(self, cache, layer: int):
         """Raise a clear error unless ``cache`` is this layer's serial mlx-lm cache."""
         if self.window is None:
-            ok = type(cache) is KVCache
+            ok = type(cache) in (KVCache, QuantizedKVCache)
         else:
-            ok = type(cache) is RotatingKVCache and cache.max_size == self.window
+            ok = type(cache) in (RotatingKVCache, QuantizedRingRow) and cache.max_size == self.window
         if not ok:
-            want = "KVCache" if self.window is None else f"RotatingKVCache(max_size={self.window})"
+            want = "KVCache or QuantizedKVCache" if self.window is None else f"RotatingKVCache(max_size={self.window})"
             raise ValueError(f"cache layer {layer}: expected {want}, got {type(cache).__name__}")
 
     def from_serial(self, cache, width: int, capacities: Sequence[int] = DEFAULT_CAPACITIES) -> StaticKVCache:
         """A static cache of bucket ``width`` whose one row continues the serial
         mlx-lm cache ``cache`` (read, never modified)."""
-        out = self.cache_class.join([cache], width=width, capacities=capacities)
+        out = self.cache_class.join([cache], width=width, capacities=capacities, storage=self.storage)
         if out.keys is None:
             out.allocate(self.kv_heads, self.k_dim, self.v_dim, self.dtype)
         return out
@@ -175,10 +179,11 @@ def layer_windows(model) -> List[Optional[int]]:
     return windows
 
 
-def probe_layout(model, capacities: Sequence[int] = DEFAULT_CAPACITIES) -> ModelLayout:
+def probe_layout(model, capacities: Sequence[int] = DEFAULT_CAPACITIES, storage: KVFormat = KVFormat()) -> ModelLayout:
     """One eager forward of a single token through static caches: checks the
     contract and records each layer's KV shape and dtype, and the vocabulary
-    size (the logits' last dimension)."""
+    size (the logits' last dimension). Every layer's cache then stores its
+    K/V in ``storage`` (checked against the head dimensions)."""
     protos = [LayerLayout(w) for w in layer_windows(model)]
     caches = [p.new_cache(1, capacities=capacities, allocate=False) for p in protos]
     calls = [0] * len(caches)
@@ -196,7 +201,9 @@ def probe_layout(model, capacities: Sequence[int] = DEFAULT_CAPACITIES) -> Model
                 f"layer {i}: its cache ({type(c).__name__}) was updated {n} times in one forward; mlx-tracer needs "
                 "each attention layer to call update_and_fetch on its own cache exactly once"
             )
-        layers.append(replace(p, kv_heads=c.keys.shape[1], k_dim=c.keys.shape[3], v_dim=c.values.shape[3], dtype=c.keys.dtype))
+        storage.check_dims(c.keys.shape[3], c.values.shape[3], layer=i)
+        layers.append(replace(p, kv_heads=c.keys.shape[1], k_dim=c.keys.shape[3], v_dim=c.values.shape[3], dtype=c.keys.dtype,
+                              storage=storage))
     return ModelLayout(layers, out.shape[-1])
 
 

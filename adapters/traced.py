@@ -19,6 +19,7 @@ from typing import Callable, Dict, Optional
 import mlx.core as mx
 
 from ..caches.masks import MaskGeometry
+from ..caches.storage import KVFormat, first
 
 
 class FamilyMasks:
@@ -43,15 +44,20 @@ class TracedCache:
 
     ``apply`` is the cache kind's pure step (``FullCache.apply`` /
     ``RingCache.apply`` with the step's ``decode`` flag bound) and ``writes``
-    its inputs from the family plan. Truthy, and without ``bits`` (mlx-lm
-    would pick quantized attention).
+    its inputs from the family plan. Truthy; it has ``bits`` and
+    ``group_size`` exactly when its K/V are quantized (mlx-lm's attention
+    then reads them with ``quantized_matmul``), and writes new K/V in its
+    ``storage`` format.
     """
 
-    def __init__(self, apply: Callable, keys: mx.array, values: mx.array, offset: mx.array, writes: tuple, masks: FamilyMasks,
-                 layer: int, column: Optional[mx.array] = None):
+    def __init__(self, apply: Callable, keys, values, offset: mx.array, writes: tuple, masks: FamilyMasks,
+                 layer: int, column: Optional[mx.array] = None, storage: KVFormat = KVFormat()):
         self.apply = apply
         self.column = column  # a decode step: the int32 [1] column it writes in every row (else None)
-        self.keys = keys  # [Bk, H, S, Dk]
+        self.storage = storage
+        if storage.quantized:
+            self.bits, self.group_size = storage.bits, storage.group_size
+        self.keys = keys  # [Bk, H, S, Dk] (quantized: (packed, scales, biases))
         self.values = values  # [Bk, H, S, Dv]
         self.offset = offset  # [Bk] int32: the row's RoPE position
         self.writes = writes
@@ -63,12 +69,14 @@ class TracedCache:
         return True
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
-        if keys.shape[0] != self.keys.shape[0] or keys.shape[1] != self.keys.shape[1]:
+        buf = first(self.keys)
+        if keys.shape[0] != buf.shape[0] or keys.shape[1] != buf.shape[1]:
             raise ValueError(
                 f"layer {self.layer}: update of shape {tuple(keys.shape)} does not fit its cache "
-                f"{tuple(self.keys.shape)} ([bucket, kv_heads, S, head_dim])"
+                f"{tuple(buf.shape)} ([bucket, kv_heads, S, head_dim])"
             )
         self.updates += 1
+        keys, values = self.storage.encode(keys), self.storage.encode(values)  # [Bk, H, L, D] as stored
         k_att, v_att, self.keys, self.values = self.apply(self.keys, self.values, keys, values, self.writes)
         return k_att, v_att
 

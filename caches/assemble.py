@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 
 from .rows import RowBook
+from .storage import Buffer, each, first, zeros_rows
 
 if TYPE_CHECKING:
     from .batch import StaticKVCache
@@ -23,8 +24,8 @@ if TYPE_CHECKING:
 class RowSource:
     """Rows of one join source, seen on that source's own timeline."""
 
-    keys: Optional[mx.array]  # [n, H, S_src, Dk] or None when empty
-    values: Optional[mx.array]  # [n, H, S_src, Dv]
+    keys: Optional[Buffer]  # [n, H, S_src, Dk] or None when empty, in the target's format
+    values: Optional[Buffer]  # [n, H, S_src, Dv]
     rows: RowBook  # left_padding already clamped to what the buffer retains
     col_of_time: Callable[[np.ndarray], np.ndarray]  # source time -> source column
     batch: Optional["StaticKVCache"] = None  # the running batch it came from
@@ -50,15 +51,14 @@ def assemble(target: "StaticKVCache", sources: List[RowSource], width: Optional[
         if proto is None or s.rows.n == 0:
             continue
         if s.keys is None:
-            H, Dk, Dv, dt = proto.keys.shape[1], proto.keys.shape[3], proto.values.shape[3], proto.keys.dtype
-            parts_k.append(mx.zeros((s.rows.n, H, target.S, Dk), dt))
-            parts_v.append(mx.zeros((s.rows.n, H, target.S, Dv), dt))
+            parts_k.append(zeros_rows(proto.keys, s.rows.n, target.S))
+            parts_v.append(zeros_rows(proto.values, s.rows.n, target.S))
             continue
         src_cols = s.col_of_time(col_times - delta)
-        src_cols = np.clip(src_cols, 0, s.keys.shape[2] - 1).astype(np.int32)
+        src_cols = np.clip(src_cols, 0, first(s.keys).shape[2] - 1).astype(np.int32)
         idx = mx.array(src_cols)
-        parts_k.append(mx.take(s.keys, idx, axis=2))
-        parts_v.append(mx.take(s.values, idx, axis=2))
+        parts_k.append(each(lambda a: mx.take(a, idx, axis=2), s.keys))
+        parts_v.append(each(lambda a: mx.take(a, idx, axis=2), s.values))
     target.rows = RowBook.concat(books) if books else target.rows.select([])
     target.rows.time = time
     if proto is None:
@@ -66,12 +66,11 @@ def assemble(target: "StaticKVCache", sources: List[RowSource], width: Optional[
         target._width = width
         return
     if width > n:
-        H, Dk, Dv, dt = proto.keys.shape[1], proto.keys.shape[3], proto.values.shape[3], proto.keys.dtype
-        parts_k.append(mx.zeros((width - n, H, target.S, Dk), dt))
-        parts_v.append(mx.zeros((width - n, H, target.S, Dv), dt))
+        parts_k.append(zeros_rows(proto.keys, width - n, target.S))
+        parts_v.append(zeros_rows(proto.values, width - n, target.S))
     # Row-major buffers: mx.take lays its output out gathered-axis-first, and
     # a buffer in that layout is copied by every later attention (measured:
     # +40% per decode step at 1024 columns); in-place writes keep the layout.
-    target.keys = mx.contiguous(mx.concatenate(parts_k, axis=0) if len(parts_k) > 1 else parts_k[0])
-    target.values = mx.contiguous(mx.concatenate(parts_v, axis=0) if len(parts_v) > 1 else parts_v[0])
+    target.keys = each(lambda *a: mx.contiguous(mx.concatenate(a, axis=0) if len(a) > 1 else a[0]), *parts_k)
+    target.values = each(lambda *a: mx.contiguous(mx.concatenate(a, axis=0) if len(a) > 1 else a[0]), *parts_v)
     target._width = width

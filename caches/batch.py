@@ -4,7 +4,10 @@ rows, the mlx-lm cache protocol, and moving rows between batches.
 A cache owns ``keys [Bk, H, S, Dk]`` and ``values [Bk, H, S, Dv]`` whose shape
 does not change while it decodes: ``Bk`` is the batch-width bucket (rows
 ``n..Bk-1`` are inert padding rows), ``S`` the capacity (full) or the window
-(ring). Row positions live in a :class:`~mlx_tracer.caches.rows.RowBook`.
+(ring); in a float dtype or quantized (the cache's :class:`~.storage.KVFormat`:
+then each is mlx-lm's ``(packed, scales, biases)`` tuple, and the cache has
+``bits`` and ``group_size``, so mlx-lm's attention reads it quantized).
+Row positions live in a :class:`~mlx_tracer.caches.rows.RowBook`.
 The two kinds differ only in how column-times map to physical columns; they
 implement the hooks at the bottom of :class:`StaticKVCache`.
 """
@@ -19,6 +22,8 @@ import numpy as np
 from .assemble import RowSource, assemble
 from .plan import StepPlan
 from .rows import RowBook
+from .storage import Buffer, KVFormat, column_bytes, each, first, serial_format, shapes
+from .storage import nbytes as buffer_bytes
 
 
 class StaticKVCache:
@@ -26,17 +31,20 @@ class StaticKVCache:
 
     kind = "static"
 
-    def __init__(self, rows: RowBook, width: Optional[int] = None):
+    def __init__(self, rows: RowBook, width: Optional[int] = None, storage: KVFormat = KVFormat()):
         self.rows = rows
-        self.keys: Optional[mx.array] = None
-        self.values: Optional[mx.array] = None
+        self.storage = storage
+        if storage.quantized:  # mlx-lm's scaled_dot_product_attention asks for these
+            self.bits, self.group_size = storage.bits, storage.group_size
+        self.keys: Optional[Buffer] = None
+        self.values: Optional[Buffer] = None
         self._width = max(width or 0, rows.n)
 
     # ------------------------------------------------------------------ shape
     @property
     def width(self) -> int:
         """Batch-width bucket: rows in the buffers (live + padding)."""
-        return self.keys.shape[0] if self.keys is not None else self._width
+        return first(self.keys).shape[0] if self.keys is not None else self._width
 
     @property
     def n(self) -> int:
@@ -48,10 +56,12 @@ class StaticKVCache:
         raise NotImplementedError
 
     def allocate(self, heads: int, k_dim: int, v_dim: Optional[int] = None, dtype=mx.float32):
-        """Create the zeroed buffers now (a compiled step needs them before its first trace)."""
+        """Create the zeroed buffers now (a compiled step needs them before its
+        first trace); ``dtype``: the model's (the storage format may differ)."""
         v_dim = k_dim if v_dim is None else v_dim
-        self.keys = mx.zeros((self.width, heads, self.S, k_dim), dtype=dtype)
-        self.values = mx.zeros((self.width, heads, self.S, v_dim), dtype=dtype)
+        self.storage.check_dims(k_dim, v_dim)
+        self.keys = self.storage.allocate(self.width, heads, self.S, k_dim, dtype)
+        self.values = self.storage.allocate(self.width, heads, self.S, v_dim, dtype)
         return self
 
     def _check_update(self, keys: mx.array, values: mx.array):
@@ -68,14 +78,15 @@ class StaticKVCache:
                 "pass one row per bucket row"
             )
         if self.keys is not None:
-            want = (self.keys.shape[1], self.keys.shape[3], self.values.shape[3])
+            want = (first(self.keys).shape[1], self.storage.dim(self.keys), self.storage.dim(self.values))
             got = (H, keys.shape[3], values.shape[3])
             if want != got:
                 raise ValueError(
                     f"update has (kv_heads, k_dim, v_dim) = {got}, the cache was built for {want}: "
                     "one cache per attention layer"
                 )
-            if keys.dtype != self.keys.dtype or values.dtype != self.values.dtype:
+            stored = first(self.keys).dtype if self.storage == KVFormat() else keys.dtype  # a format casts on write
+            if keys.dtype != stored or values.dtype != stored:
                 raise ValueError(
                     f"update dtype {keys.dtype}/{values.dtype} differs from the cache's {self.keys.dtype}: "
                     "cast the model or allocate the cache with the model's dtype"
@@ -110,13 +121,13 @@ class StaticKVCache:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.keys is None else self.keys.nbytes + self.values.nbytes
+        return buffer_bytes(self.keys) + buffer_bytes(self.values)
 
     def bytes_for(self, tokens: int) -> int:
         """Bytes one row holds for ``tokens`` more positions (capped at the window for rings)."""
         if self.keys is None:
             return 0
-        per_col = self.keys.shape[1] * (self.keys.shape[3] * self.keys.itemsize + self.values.shape[3] * self.values.itemsize)
+        per_col = column_bytes(self.keys) + column_bytes(self.values)
         return per_col * self._cap_tokens(int(tokens))
 
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False, **kwargs):
@@ -130,6 +141,7 @@ class StaticKVCache:
             self.allocate(keys.shape[1], keys.shape[3], values.shape[3], keys.dtype)
         plan = self.plan(L)
         kbuf, vbuf = self.fit(plan)
+        keys, values = self.storage.encode(keys), self.storage.encode(values)  # [Bk, H, L, D] as stored
         k_att, v_att, kbuf, vbuf = self.apply(plan.decode, kbuf, vbuf, keys, values, plan.writes)
         self.commit(plan, kbuf, vbuf)
         return k_att, v_att
@@ -184,11 +196,11 @@ class StaticKVCache:
     # ------------------------------------------------------------- adopt / views
     def adopt(self, keys: mx.array, values: mx.array):
         """Take ownership of buffers a compiled step returned (same shapes, no column moves)."""
-        if self.keys is None or keys.shape != self.keys.shape or values.shape != self.values.shape:
-            have = None if self.keys is None else (tuple(self.keys.shape), tuple(self.values.shape))
-            raise ValueError(f"adopt needs buffers shaped {have}, got {tuple(keys.shape)} / {tuple(values.shape)}")
-        if keys.dtype != self.keys.dtype:
-            raise ValueError(f"adopt needs dtype {self.keys.dtype}, got {keys.dtype}")
+        have = None if self.keys is None else (shapes(self.keys), shapes(self.values))
+        if have is None or (shapes(keys), shapes(values)) != have:
+            raise ValueError(f"adopt needs buffers shaped {have}, got {shapes(keys)} / {shapes(values)}")
+        if first(keys).dtype != first(self.keys).dtype:
+            raise ValueError(f"adopt needs dtype {first(self.keys).dtype}, got {first(keys).dtype}")
         self.keys, self.values = keys, values
 
     def temporal_view(self, i: int) -> Tuple[mx.array, mx.array]:
@@ -199,7 +211,7 @@ class StaticKVCache:
         if self.keys is None or stop <= start:
             return None, None
         cols = mx.array(self._col_mapper()(np.arange(start, stop)).astype(np.int32))
-        return mx.take(self.keys[i : i + 1], cols, axis=2), mx.take(self.values[i : i + 1], cols, axis=2)
+        return tuple(each(lambda a: mx.take(a[i : i + 1], cols, axis=2), buf) for buf in (self.keys, self.values))
 
     def extract(self, i: int):
         """Row ``i`` as a fresh, owned serial mlx-lm cache."""
@@ -207,16 +219,23 @@ class StaticKVCache:
         if self.rows.pending is not None:
             raise ValueError("cannot extract a row while a prepared prompt is pending: call finalize() first")
         k, v = self.temporal_view(i)
-        return self._serial(k if k is None else mx.contiguous(k), v if v is None else mx.contiguous(v), int(self.rows.offsets[i]))
+        if k is not None:
+            k, v = each(mx.contiguous, k), each(mx.contiguous, v)
+        return self._serial(k, v, int(self.rows.offsets[i]))
 
     # ------------------------------------------------------------ moving rows
     def filter(self, keep: Sequence[int], width: Optional[int] = None):
         """Keep only rows ``keep`` (in that order), in place."""
         keep = [self.rows.check_row(int(k)) for k in keep]
         src = self._as_source()
+        idx = mx.array(keep, dtype=mx.int32)
+
+        def rows(a):
+            return a[idx] if keep else a[:0]
+
         src = RowSource(
-            None if src.keys is None else src.keys[mx.array(keep, dtype=mx.int32)] if keep else src.keys[:0],
-            None if src.values is None else src.values[mx.array(keep, dtype=mx.int32)] if keep else src.values[:0],
+            None if src.keys is None else each(rows, src.keys),
+            None if src.values is None else each(rows, src.values),
             src.rows.select(keep),
             src.col_of_time,
             self,
@@ -243,20 +262,33 @@ class StaticKVCache:
         return cls.join(caches, width=width, **kwargs)
 
     def _source_of(self, other) -> RowSource:
+        """``other``'s rows as a source, in this cache's storage format."""
         if isinstance(other, StaticKVCache):
             if type(other) is not type(self):
                 raise ValueError(f"cannot join a {type(other).__name__} into a {type(self).__name__}")
             self._check_compatible(other)
             if other.rows.pending is not None:
                 raise ValueError("cannot join a batch with a prepared prompt pending: call finalize() first")
-            return other._as_source()
-        return self._serial_source(other)
+            src, fmt = other._as_source(), other.storage
+        else:
+            src, fmt = self._serial_source(other), serial_format(other)
+        if fmt != self.storage:
+            src.keys, src.values = self.storage.convert(src.keys, fmt), self.storage.convert(src.values, fmt)
+        return src
+
+    @staticmethod
+    def _storage_of(sources: Sequence, storage: Optional[KVFormat]) -> KVFormat:
+        """A join's storage format: ``storage``, else its first batch's, else its first serial cache's."""
+        if storage is not None:
+            return storage
+        batch = next((s for s in sources if isinstance(s, StaticKVCache)), None)
+        return batch.storage if batch is not None else serial_format(sources[0])
 
     def _as_source(self) -> RowSource:
         rows = self.rows.copy()
         rows.left_padding = np.maximum(rows.left_padding, self._retained_start())
-        keys = None if self.keys is None else self.keys[: self.n]
-        values = None if self.values is None else self.values[: self.n]
+        keys = None if self.keys is None else each(lambda a: a[: self.n], self.keys)
+        values = None if self.values is None else each(lambda a: a[: self.n], self.values)
         return RowSource(keys, values, rows, self._col_mapper(), self)
 
     def _assemble(self, sources: List[RowSource], width: Optional[int], **target):

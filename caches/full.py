@@ -14,12 +14,13 @@ from typing import List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from .batch import RowSource, StaticKVCache
 from .masks import MaskGeometry, full_columns
 from .plan import StepPlan
 from .rows import RowBook
+from .storage import KVFormat, each, first
 from .writes import realign_rows, write_columns
 
 
@@ -71,8 +72,9 @@ class FullCache(StaticKVCache):
         width: Optional[int] = None,
         capacity: Optional[int] = None,
         capacities: Sequence[int] = DEFAULT_CAPACITIES,
+        storage: KVFormat = KVFormat(),
     ):
-        super().__init__(RowBook.padded(left_padding), width)
+        super().__init__(RowBook.padded(left_padding), width, storage)
         self.capacities = tuple(sorted(capacities))
         self.capacity = capacity or self.capacities[0]
         self.regrows = 0
@@ -98,7 +100,7 @@ class FullCache(StaticKVCache):
     def _grow(self, new: int):
         if self.keys is not None:
             pad = [(0, 0), (0, 0), (0, new - self.capacity), (0, 0)]
-            self.keys, self.values = mx.pad(self.keys, pad), mx.pad(self.values, pad)
+            self.keys, self.values = (each(lambda a: mx.pad(a, pad), buf) for buf in (self.keys, self.values))
         self.capacity = new
         self.regrows += 1
 
@@ -156,8 +158,8 @@ class FullCache(StaticKVCache):
             shift[: self.n] = rp - strip
             cols = (np.arange(self.capacity)[None, :] - shift[:, None]) % self.capacity  # [Bk, C]
             idx = mx.array(cols.astype(np.int32))[:, None, :, None]
-            self.keys = mx.contiguous(mx.take_along_axis(self.keys, idx, axis=2))  # row-major: see batch._assemble
-            self.values = mx.contiguous(mx.take_along_axis(self.values, idx, axis=2))
+            roll = lambda a: mx.contiguous(mx.take_along_axis(a, idx, axis=2))  # noqa: E731  row-major: see assemble
+            self.keys, self.values = each(roll, self.keys), each(roll, self.values)
         self.rows.left_padding = lp + rp - strip
         self.rows.time -= strip
         self.rows.right_padding = np.zeros_like(rp)
@@ -187,30 +189,35 @@ class FullCache(StaticKVCache):
         return time
 
     def _serial(self, keys, values, offset):
-        cache = KVCache()
+        """mlx-lm's serial cache of one row: ``KVCache``, or ``QuantizedKVCache`` when quantized."""
+        s = self.storage
+        cache = QuantizedKVCache(group_size=s.group_size, bits=s.bits) if s.quantized else KVCache()
         if keys is not None:
             cache.keys, cache.values = keys, values
-            cache.offset = keys.shape[2]
+            cache.offset = first(keys).shape[2]
         return cache
 
     def _serial_source(self, cache) -> RowSource:
-        if not isinstance(cache, KVCache):
+        if not isinstance(cache, (KVCache, QuantizedKVCache)):
             raise ValueError(
-                f"FullCache can join FullCache batches or mlx-lm KVCache, not {type(cache).__name__}"
+                f"FullCache can join FullCache batches or mlx-lm KVCache / QuantizedKVCache, not {type(cache).__name__}"
             )
         n = cache.offset if cache.keys is not None else 0
-        keys = None if cache.keys is None else cache.keys[..., :n, :]
-        values = None if cache.values is None else cache.values[..., :n, :]
-        if keys is not None and keys.shape[0] != 1:
-            raise ValueError(f"a serial KVCache must hold one row, this one holds {keys.shape[0]}")
+        keys, values = (None if buf is None else each(lambda a: a[..., :n, :], buf) for buf in (cache.keys, cache.values))
+        if isinstance(cache, QuantizedKVCache) and keys is not None:
+            keys, values = tuple(keys), tuple(values)
+        rows = None if keys is None else first(keys).shape[0]
+        if rows not in (None, 1):
+            raise ValueError(f"a serial {type(cache).__name__} must hold one row, this one holds {rows}")
         return RowSource(keys, values, RowBook([n], [0], n), _identity)
 
     @classmethod
-    def _prototype(cls, sources, capacities: Sequence[int] = DEFAULT_CAPACITIES, **_):
+    def _prototype(cls, sources, capacities: Sequence[int] = DEFAULT_CAPACITIES, storage: Optional[KVFormat] = None, **_):
+        storage = cls._storage_of(sources, storage)
         for s in sources:
             if isinstance(s, FullCache):
-                return cls(capacities=s.capacities)
-        return cls(capacities=capacities)
+                return cls(capacities=s.capacities, storage=storage)
+        return cls(capacities=capacities, storage=storage)
 
 
 def _identity(times):

@@ -24,6 +24,8 @@ from .full import _identity
 from .masks import MaskGeometry, ring_decode_columns, ring_window_columns
 from .plan import StepPlan
 from .rows import RowBook
+from .storage import KVFormat, each, first
+from .storage import nbytes as buffer_bytes
 from .writes import ring_attend, ring_commit, ring_window, write_columns
 
 
@@ -42,10 +44,11 @@ class RingCache(StaticKVCache):
 
     kind = "ring"
 
-    def __init__(self, max_size: int, left_padding: Sequence[int] = (), *, width: Optional[int] = None):
+    def __init__(self, max_size: int, left_padding: Sequence[int] = (), *, width: Optional[int] = None,
+                 storage: KVFormat = KVFormat()):
         if max_size < 1:
             raise ValueError(f"ring window must be >= 1, got {max_size}")
-        super().__init__(RowBook.padded(left_padding), width)
+        super().__init__(RowBook.padded(left_padding), width, storage)
         self.max_size = int(max_size)
         self.head = 0
 
@@ -174,10 +177,11 @@ class RingCache(StaticKVCache):
             raise ValueError(f"cannot join rings of different windows ({self.max_size} and {other.max_size})")
 
     def _serial(self, keys, values, offset):
-        cache = RotatingKVCache(max_size=self.max_size)
+        s = self.storage
+        cache = QuantizedRingRow(self.max_size, s.group_size, s.bits) if s.quantized else RotatingKVCache(max_size=self.max_size)
         if keys is not None:
             cache.keys, cache.values = keys, values
-            cache._idx = keys.shape[2]  # temporal order: the write head sits at the end
+            cache._idx = first(keys).shape[2]  # temporal order: the write head sits at the end
         cache.offset = offset
         return cache
 
@@ -199,14 +203,15 @@ class RingCache(StaticKVCache):
         n = min(cache.offset, cache.max_size) if cache.keys is not None else 0
         keys = values = None
         if cache.keys is not None:
-            if cache.keys.shape[0] != 1:
-                raise ValueError(f"a serial RotatingKVCache must hold one row, this one holds {cache.keys.shape[0]}")
-            keys = _serial_temporal(cache, cache.keys)[..., -n:, :] if n else cache.keys[..., :0, :]
-            values = _serial_temporal(cache, cache.values)[..., -n:, :] if n else cache.values[..., :0, :]
+            if first(cache.keys).shape[0] != 1:
+                raise ValueError(f"a serial RotatingKVCache must hold one row, this one holds {first(cache.keys).shape[0]}")
+            newest = (lambda a: a[..., -n:, :]) if n else (lambda a: a[..., :0, :])
+            keys = each(newest, _serial_temporal(cache, cache.keys))
+            values = each(newest, _serial_temporal(cache, cache.values))
         return RowSource(keys, values, RowBook([cache.offset], [0], n), _identity)
 
     @classmethod
-    def _prototype(cls, sources, max_size: Optional[int] = None, **_):
+    def _prototype(cls, sources, max_size: Optional[int] = None, storage: Optional[KVFormat] = None, **_):
         sizes = {s.max_size for s in sources if hasattr(s, "max_size")}
         if max_size is not None:
             sizes.add(max_size)
@@ -216,15 +221,46 @@ class RingCache(StaticKVCache):
                 if sizes
                 else "RingCache.merge needs ring sources (or max_size=)"
             )
-        return cls(sizes.pop())
+        return cls(sizes.pop(), storage=cls._storage_of(sources, storage))
 
 
-def _serial_temporal(cache: RotatingKVCache, v: mx.array) -> mx.array:
+def _serial_temporal(cache: RotatingKVCache, v):
     """A serial mlx-lm ring's buffer in temporal order (keep=0). Reads mlx-lm
     0.32's ``_idx`` (its write head): the one private field this needs."""
     idx = cache._idx
-    if idx == v.shape[2]:
-        return v
+    if idx == first(v).shape[2]:
+        return tuple(v) if isinstance(v, list) else v
     if idx < cache.offset:
-        return mx.concatenate([v[..., idx:, :], v[..., :idx, :]], axis=2)
-    return v[..., :idx, :]
+        return each(lambda a: mx.concatenate([a[..., idx:, :], a[..., :idx, :]], axis=2), tuple(v) if isinstance(v, list) else v)
+    return each(lambda a: a[..., :idx, :], v)
+
+
+class QuantizedRingRow(RotatingKVCache):
+    """One row of a quantized :class:`RingCache` as a serial cache (what
+    ``extract`` returns): its newest ``max_size`` tokens in temporal order,
+    keys and values as ``(packed, scales, biases)``. mlx-lm has no quantized
+    rotating cache, so this one carries a row between batches (a prefix
+    cache, ``join``, ``trim``) but does not decode on its own."""
+
+    def __init__(self, max_size: int, group_size: int, bits: int):
+        super().__init__(max_size)
+        self.group_size, self.bits = group_size, bits
+
+    @property
+    def state(self):
+        return self.keys, self.values, self.offset, self.max_size, self._idx, self.group_size, self.bits
+
+    @state.setter
+    def state(self, v):
+        self.keys, self.values, self.offset, self.max_size, self._idx, self.group_size, self.bits = v
+        self.keep = 0
+
+    def update_and_fetch(self, keys, values):
+        raise NotImplementedError(
+            "a quantized ring row decodes only inside a batch: join it into one "
+            "(RingCache.merge([row]) or an Engine with the same kv_bits)"
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return buffer_bytes(self.keys) + buffer_bytes(self.values)

@@ -279,3 +279,134 @@ def merged_pair(rng, window: Optional[int], lengths: List[int], first_uid: int, 
     pair = Pair(ours, theirs, window, uids, hist, rng)
     pair.check_rows("merge")
     return pair
+
+
+# ------------------------------------------------------ other storage formats
+class TypedPair(Pair):
+    """A :class:`Pair` (ours in float32 against mlx-lm) with a third cache,
+    ``typed``, that stores its K/V in ``fmt`` (half precision or quantized)
+    and gets every operation the other two get. Quantization and casts work
+    column by column, so after every operation ``typed`` must hold exactly
+    ``fmt.encode`` of what the float32 cache holds: compared bit for bit on
+    each row's tokens, through attention (mlx-lm's ``scaled_dot_product_attention``,
+    which reads a cache with ``bits`` quantized) and on ``extract`` (against
+    mlx-lm's own ``KVCache.to_quantized`` for full caches). The float32 cache
+    itself is checked against mlx-lm as in :class:`Pair`."""
+
+    typed: object = None
+    fmt: object = None
+
+    def update(self, L: int, valid: Optional[List[int]] = None, op: str = "update"):
+        from mlx_lm.models.base import scaled_dot_product_attention
+
+        mask = self.ours.make_mask(L)
+        assert np.array_equal(np.array(self.typed.make_mask(L)), np.array(mask)), f"{op}: typed mask differs"
+        seen = {}
+        plain = self.ours.update_and_fetch
+
+        def spy(k, v):
+            seen["in"], seen["out"] = (k, v), plain(k, v)
+            return seen["out"]
+
+        self.ours.update_and_fetch = spy
+        try:
+            super().update(L, valid, op)
+        finally:
+            del self.ours.update_and_fetch
+        k_t, v_t = self.typed.update_and_fetch(*seen["in"])
+        k_o, v_o = seen["out"]
+        q = self.rng.standard_normal((self.ours.width, HQ, L, D)).astype(np.float32)
+        # one query array each: mlx-lm's quantized attention scales its queries in place
+        out_t = scaled_dot_product_attention(mx.array(q), k_t, v_t, self.typed, scale=D**-0.5, mask=mask)
+        out_r = scaled_dot_product_attention(mx.array(q), self.fmt.encode(k_o), self.fmt.encode(v_o), self.typed,
+                                             scale=D**-0.5, mask=mask)
+        # equal_nan: the identity channel's ids overflow float16 (inf), never real keys and values
+        assert np.array_equal(np.array(out_t), np.array(out_r), equal_nan=True), (
+            f"{op}: typed attention differs from the encoded float32 cache's")
+
+    def prompt(self, lengths: List[int], chunk: int):
+        self.typed.prepare(lengths=lengths, right_padding=[max(lengths) - x for x in lengths])
+        super().prompt(lengths, chunk)
+
+    def filter(self, keep: List[int], width: Optional[int] = None):
+        self.typed.filter(keep, width=width)
+        super().filter(keep, width)
+
+    def extend(self, other: "TypedPair", width: Optional[int] = None):
+        self.typed.extend(other.typed, width=width)
+        super().extend(other, width)
+
+    def trim(self, n: int):
+        if self.ours.is_trimmable():
+            self.typed.trim(n)
+        return super().trim(n)
+
+    def check_rows(self, op: str):
+        if op == "finalize":
+            self.typed.finalize()
+        super().check_rows(op)
+        t, o = self.typed.rows, self.ours.rows
+        assert t.time == o.time and np.array_equal(t.offsets, o.offsets) and np.array_equal(t.left_padding, o.left_padding)
+        for r in range(self.ours.n):
+            want, got = self.ours.temporal_view(r), self.typed.temporal_view(r)
+            for w, g in zip(want, got):
+                assert (w is None) == (g is None), f"{op}: row {r}: typed emptiness differs"
+                if w is not None:
+                    _assert_same(g, self.fmt.encode(w), f"{op}: row {r}")
+
+    def extract_check(self, i: int):
+        mine = super().extract_check(i)
+        typed = self.typed.extract(i)
+        assert typed.offset == mine.offset and getattr(typed, "bits", None) == self.fmt.bits
+        if mine.keys is None:
+            assert typed.keys is None
+            return mine
+        if isinstance(mine, KVCache) and self.fmt.quantized:  # mlx-lm's own conversion of the float32 row
+            want = mine.to_quantized(group_size=self.fmt.group_size, bits=self.fmt.bits)
+            assert want.offset == typed.offset
+            _assert_same(typed.keys, want.keys, f"extract({i}) keys vs mlx-lm")
+            _assert_same(typed.values, want.values, f"extract({i}) values vs mlx-lm")
+        _assert_same(typed.keys, self.fmt.encode(mine.keys), f"extract({i}) keys")
+        return mine
+
+
+def _assert_same(got, want, what: str):
+    got = list(got) if isinstance(got, (tuple, list)) else [got]
+    want = list(want) if isinstance(want, (tuple, list)) else [want]
+    assert len(got) == len(want), f"{what}: {len(got)} arrays vs {len(want)}"
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape, f"{what}: {g.dtype}{g.shape} vs {w.dtype}{w.shape}"
+        assert np.array_equal(np.array(g.astype(mx.float32) if g.dtype == mx.bfloat16 else g),
+                              np.array(w.astype(mx.float32) if w.dtype == mx.bfloat16 else w)), f"{what} differs"
+
+
+def serial_in_format(cache, fmt):
+    """A serial mlx-lm cache's row as a user would hand it in ``fmt``: mlx-lm's
+    ``to_quantized`` for a quantized full cache, the float16/bfloat16 arrays in
+    a ``KVCache``; rings stay float32 (mlx-lm has no quantized rotating cache:
+    the join quantizes them)."""
+    if isinstance(cache, RotatingKVCache) or cache.keys is None:
+        return cache
+    if fmt.quantized:
+        return cache.to_quantized(group_size=fmt.group_size, bits=fmt.bits)
+    out = KVCache()
+    out.keys, out.values = fmt.encode(cache.keys), fmt.encode(cache.values)
+    out.offset = cache.offset
+    return out
+
+
+def typed_pair_maker(fmt):
+    """``make_pair`` for test_caches_oracle.run_random_ops: merged pairs with a typed twin."""
+
+    def make(rng, window: Optional[int], lengths: List[int], first_uid: int, width: Optional[int] = None) -> TypedPair:
+        hist: dict = {}
+        uids = list(range(first_uid, first_uid + len(lengths)))
+        solos = [serial_cache(rng, window, n, u, hist) for n, u in zip(lengths, uids)]
+        cls, batch = (FullCache, BatchKVCache) if window is None else (RingCache, BatchRotatingKVCache)
+        pair = TypedPair(cls.merge(solos, width=width), batch.merge(solos), window, uids, hist, rng)
+        pair.fmt = fmt
+        pair.typed = cls.merge([serial_in_format(s, fmt) for s in solos], width=width, storage=fmt)
+        pair.check_rows("merge")
+        return pair
+
+    return make

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import pytest
 
 from mlx_tracer import bench
 from mlx_tracer.cli import main
@@ -25,18 +26,35 @@ def test_steady_state_adds_no_traces():
     assert r["tps_early"] > 0 and r["tps_late"] > 0
 
 
+def python_without_llama_cpp(tmp_path) -> Path:
+    """A Python that cannot import llama_cpp, whatever this venv holds: this one without site-packages."""
+    fake = tmp_path / "python-without-llama-cpp"
+    fake.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')
+    fake.chmod(0o755)
+    return fake
+
+
 def test_bench_command_writes_table_json_and_plot(tmp_path, capsys):
     out_json, out_png = tmp_path / "b.json", tmp_path / "b.png"
     rc = main([
         "bench", "--models", "llama-h32", "--buckets", "1,2", "--contexts", "16", "--tokens", "3", "--runs", "1",
         "--steady-steps", "60", "--json", str(out_json), "--plot", str(out_png),
+        "--peer-python", str(python_without_llama_cpp(tmp_path)),
     ])
     assert rc == 0
     table = capsys.readouterr().out
     assert "as-run" in table and "tracer" in table and "llama 4x32" in table and "steady state" in table
+    # the llama.cpp column: skipped, with a one-line note in the table and the JSON
+    skip = [line for line in table.splitlines() if line.startswith("llama.cpp: skipped")]
+    assert len(skip) == 1 and "llama_cpp is not importable" in skip[0] and "--peer-python" in skip[0]
     data = json.loads(out_json.read_text())
     assert [r["bucket"] for r in data["rows"]] == [1, 2]
     assert all(r["stock_tps"] > 0 and r["tracer_tps"] > 0 and r["baseline_tps"] > 0 and r["traces"] == 1 for r in data["rows"])
+    assert not data["meta"]["peer"]["ran"] and data["meta"]["peer"]["note"] == skip[0]
+    assert all(r["peer_tps"] is None and r["peer_note"] == skip[0] for r in data["rows"])
+    # peak memory per system, each measured apart, and how
+    assert all(r["stock_peak_mb"] > 0 and r["peak_mb"] > 0 and r["baseline_peak_mb"] > 0 for r in data["rows"])
+    assert {"stock_peak_mb", "peak_mb", "baseline_peak_mb", "peer_peak_mb"} <= set(data["meta"]["peak_memory"])
     assert data["steady_state"]["step_early"] < data["steady_state"]["step_late"] == 60
     assert out_png.stat().st_size > 1000
     cond = data["meta"]["conditions"]
@@ -113,6 +131,103 @@ def test_pytest_benchmark_suite_runs_in_smoke_mode():
     )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert "4 passed" in r.stdout
+
+
+def test_the_peer_is_skipped_with_a_note_when_its_python_cannot_run_it(tmp_path):
+    worker, note = bench.start_peer(str(python_without_llama_cpp(tmp_path)))
+    assert worker is None and note.startswith("llama.cpp: skipped") and "No module named 'llama_cpp'" in note
+    worker, note = bench.start_peer(str(tmp_path / "no-such-python"))
+    assert worker is None and note.startswith("llama.cpp: skipped (cannot run")
+    assert bench.gguf_file("llama-h64", None) is None  # random models: no file for the peer
+
+
+def test_run_peak_counts_one_system_apart_from_what_else_is_live():
+    """A system's peak is what it owns plus what its run allocated, not the
+    other systems' arrays that happen to be live in the process."""
+    other = mx.zeros((4 << 20,))  # 16 MB of another system's
+    mx.eval(other)
+
+    def run():
+        a = mx.ones((1 << 20,))  # 4 MB
+        mx.eval(a)
+        return 7
+
+    out, peak = bench.run_peak(run, owned_bytes=1e6)
+    assert out == 7 and 5 <= peak < 9, peak
+
+
+def _llama(tied: bool, fmt):
+    """A 2-layer random llama (hidden 128) in a weight format: a dtype name or (bits, group size)."""
+    import mlx.nn as nn
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=512,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512,
+                           tie_word_embeddings=tied)
+    model = llama.Model(args)
+    if isinstance(fmt, str):
+        model.set_dtype(getattr(mx, fmt))
+    else:
+        nn.quantize(model, group_size=fmt[1], bits=fmt[0])
+    mx.eval(model.parameters())
+    return model, args
+
+
+FORMATS = ["float32", "float16", "bfloat16", (4, 32), (4, 64), (4, 128), (8, 32), (8, 64), (8, 128)]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_the_roofline_counts_weights_as_stored_and_cannot_exceed_one(fmt, tied):
+    """Per format: the bytes a step reads are the weights as stored (a 4-bit
+    layer's blocks, scales and biases, never float32; an untied embedding
+    table is not read), the FLOPs each matmul weight once; so a system doing
+    the least work physically possible, at the machine's rates, reads at most
+    100 % of the ceiling, whether bandwidth- or compute-bound, with float32
+    arithmetic or int8 dot products on the quantized layers."""
+    from types import SimpleNamespace
+
+    from mlx_tracer.bench.machine import Machine, model_costs, roofline_tps
+
+    model, a = _llama(tied, fmt)
+    hd = a.hidden_size // a.num_attention_heads
+    shapes = [(a.num_attention_heads * hd, a.hidden_size), (a.num_key_value_heads * hd, a.hidden_size),
+              (a.num_key_value_heads * hd, a.hidden_size), (a.hidden_size, a.num_attention_heads * hd),
+              (a.intermediate_size, a.hidden_size), (a.intermediate_size, a.hidden_size),
+              (a.hidden_size, a.intermediate_size)] * a.num_hidden_layers + [(a.vocab_size, a.hidden_size)]  # the head
+    itemsize = 4 if fmt == "float32" or not isinstance(fmt, str) else 2  # nn.quantize keeps float32 scales here
+
+    def stored(out, inp):
+        if isinstance(fmt, str):
+            return out * inp * itemsize
+        bits, group = fmt
+        return out * inp * bits // 8 + 2 * out * (inp // group) * itemsize
+
+    norms = (2 * a.num_hidden_layers + 1) * a.hidden_size * itemsize
+    expected_bytes = sum(stored(o, i) for o, i in shapes) + norms
+    params = sum(o * i for o, i in shapes)
+    layouts = [SimpleNamespace(window=None, kv_heads=a.num_key_value_heads, k_dim=hd, v_dim=hd, dtype=mx.float32)
+               for _ in range(a.num_hidden_layers)]
+    costs = model_costs(model, layouts)
+    assert costs["weight_bytes"] == expected_bytes
+    assert costs["params"] == params
+    assert costs["quantized_params"] == (0 if isinstance(fmt, str) else params)
+    if not isinstance(fmt, str):  # the blocks, not their float32 expansion
+        assert costs["weight_bytes"] < 0.45 * (4 * params + norms)
+
+    for machine in (Machine({1 << 20: 20.0, 1 << 28: 10.0}, 30.0, 300.0),  # bandwidth-bound
+                    Machine({1 << 20: 2000.0, 1 << 28: 1000.0}, 0.5, 1.0)):  # compute-bound
+        for B in (1, 8):
+            for C in (16, 1024):
+                kv = B * C * a.num_hidden_layers * 2 * a.num_key_value_heads * hd * 4
+                read = expected_bytes + kv
+                attn = B * a.num_hidden_layers * 4 * C * a.num_attention_heads * hd
+                fp32 = B * 2 * params + attn  # the exact contract: float32 arithmetic
+                best = [read / (machine.bandwidth(read) * 1e9), fp32 / (machine.float_rate * 1e9)]
+                if not isinstance(fmt, str):  # the fast contract: int8 dot products on the blocks
+                    best[1] = min(best[1], B * 2 * params / (machine.int8_rate * 1e9) + attn / (machine.float_rate * 1e9))
+                ideal_tps = B / max(best)
+                assert ideal_tps <= roofline_tps(costs, layouts, machine, B, C) * (1 + 1e-9)
 
 
 def test_the_roofline_divides_by_the_cores_peak_not_one_gemms_rate():

@@ -14,16 +14,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from .cache_oracle import merged_pair
+from mlx_tracer.caches.storage import KVFormat
+
+from . import cache_oracle
+from .cache_oracle import merged_pair, typed_pair_maker
 
 SEEDS = range(60)
 
 
-def run_random_ops(seed: int, window):
+def run_random_ops(seed: int, window, make_pair=merged_pair):
+    """``make_pair(rng, window, lengths, first_uid)``: the pair (or a subclass,
+    as tests/test_kv_dtypes.py's) every operation runs on."""
     rng = np.random.default_rng(seed)
     W = window
     span = 3 * (W or 12)
-    pair = merged_pair(rng, W, [int(x) for x in rng.integers(0, span, size=int(rng.integers(1, 5)))], first_uid=1)
+    pair = make_pair(rng, W, [int(x) for x in rng.integers(0, span, size=int(rng.integers(1, 5)))], first_uid=1)
     next_uid = 100
     ops = []
     for _ in range(int(rng.integers(8, 16))):
@@ -44,7 +49,7 @@ def run_random_ops(seed: int, window):
             keep = sorted(rng.choice(n, size=int(rng.integers(1, n)), replace=False).tolist())
             pair.filter(keep, width=len(keep) + int(rng.integers(0, 3)))
         elif op == "extend":
-            other = merged_pair(rng, W, [int(x) for x in rng.integers(0, span, size=int(rng.integers(1, 4)))], first_uid=next_uid)
+            other = make_pair(rng, W, [int(x) for x in rng.integers(0, span, size=int(rng.integers(1, 4)))], first_uid=next_uid)
             next_uid += 100
             if rng.random() < 0.5:  # the other batch decodes a little first, as in BatchGenerator
                 for _ in range(int(rng.integers(1, 4))):
@@ -77,3 +82,20 @@ def test_ring_cache_matches_batch_rotating_kv_cache(seed, window):
         assert d.op.startswith(("window", "prompt")) and d.rotated and d.left_padded and d.missing == [d.oldest] and not d.extra, (
             f"unexpected mlx-lm deviation {d} in ops {ops}"
         )
+
+
+KV_FORMATS = [KVFormat(bits=8, group_size=64), KVFormat(bits=4, group_size=32), KVFormat(dtype="float16"),
+              KVFormat(dtype="bfloat16")]
+
+
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("fmt", KV_FORMATS, ids=lambda f: f.describe().replace(" ", ""))
+def test_caches_in_every_kv_format_hold_what_float32_holds(fmt, seed, window, monkeypatch):
+    """Merge, extract, filter, extend, trim, prompts and ring wraps with a
+    quantized or half-precision twin of the float32 cache (see TypedPair):
+    merged from mlx-lm's QuantizedKVCache / float16 KVCache rows, extracted
+    back equal to mlx-lm's conversion of the float32 row."""
+    monkeypatch.setattr(cache_oracle, "D", 64)  # quantization groups run along D: a head of 64
+    pair, ops = run_random_ops(seed, window, typed_pair_maker(fmt))
+    assert pair.checks > 0 and pair.typed.storage == fmt

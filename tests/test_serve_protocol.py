@@ -38,7 +38,14 @@ def test_completion_prompts():
     ({"messages": [{"role": "user", "content": "x"}], "temperature": True}, "temperature"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
     ({"messages": [{"role": "user", "content": "x"}], "top_k": 1.5}, "top_k"),
-    ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5}, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "x"}], "logit_bias": [5]}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0}, "repetition_penalty"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),  # without logprobs
+    ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 129}, "n"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
 ])

@@ -62,8 +62,9 @@ def _ring_only_class():
     return RingOnlyLlama
 
 
-def tiny_model(family: str, seed: int = 0, head_scale: float = 6.0):
-    cfg = _config(family)
+def tiny_model(family: str, seed: int = 0, head_scale: float = 6.0, **config):
+    """A tiny random ``family`` model; ``config`` overrides its settings (e.g. ``head_dim=64``)."""
+    cfg = dict(_config(family), **config)
     module = importlib.import_module(f"mlx_lm.models.{cfg['model_type']}")
     args = module.ModelArgs.from_dict(cfg)
     mx.random.seed(seed)

@@ -42,12 +42,13 @@ def load(path: Optional[Union[str, Path]] = None, progress: bool = True, weights
 
 
 # --------------------------------------------------- mlx-lm-style functions
-_LOOP_OPTIONS = ("speculative", "draft_tokens", "spec_policy")  # options of the loop, not of a request
+# options of the loop, not of a request (kv_*: mlx-lm's names for the caches' K/V storage)
+_LOOP_OPTIONS = ("speculative", "draft_tokens", "spec_policy", "kv_bits", "kv_group_size", "kv_dtype")
 
 
 def _generator_for(model, tokenizer, **loop) -> Generator:
     """The compiled loop kept for ``model`` (one per tokenizer and loop options:
-    ``speculative``, ``draft_tokens``, ``spec_policy``): stored on the model
+    ``speculative``, ``draft_tokens``, ``spec_policy``, ``kv_bits``, ...): stored on the model
     itself, so it lives exactly as long as the model does."""
     loops = getattr(model, "_mlx_tracer_generators", None)
     if loops is None:

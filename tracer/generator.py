@@ -12,7 +12,7 @@ from __future__ import annotations
 from functools import partial
 from operator import methodcaller
 from pathlib import Path
-from typing import Iterator, List, Optional, Sequence, Union
+from typing import Iterator, List, Mapping, Optional, Sequence, Union
 
 import mlx.core as mx
 import numpy as np
@@ -21,7 +21,7 @@ from .caches import DEFAULT_CAPACITIES
 from .runtime.distributed import Lockstep, init_group, load_sharded, shard_model
 from .runtime.engine import Engine, RetireHook
 from .runtime.options import (
-    DEFAULT_BUCKETS, DEFAULT_DRAFT_TOKENS, DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNKS, DEFAULT_PREFILL_STEP_TOKENS,
+    DEFAULT_BUCKETS, DEFAULT_DRAFT_TOKENS, DEFAULT_KV_GROUP_SIZE, DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNKS, DEFAULT_PREFILL_STEP_TOKENS,
     DEFAULT_SPEC_POLICY,
     GeneratorOptions, OptionError, check_capacities, check_generator_options, check_max_tokens, check_stop_strings,
     check_system, check_token_ids, is_draft_path,
@@ -61,6 +61,8 @@ class Generator:
             :attr:`is_primary` (rank 0) should print.
         on_retire, prefix_cache: as on :class:`~mlx_tracer.runtime.engine.Engine`
             (a prefix cache serves string and token prompts alike).
+        kv_bits, kv_group_size, kv_dtype: the caches' K/V storage, as on
+            :class:`~mlx_tracer.runtime.engine.Engine` (e.g. ``kv_bits=8``).
 
     Options are checked once, before anything runs
     (:func:`~mlx_tracer.runtime.options.check_generator_options`).
@@ -82,9 +84,12 @@ class Generator:
         on_retire: Optional[RetireHook] = None,
         prefix_cache: Optional[PrefixCache] = None,
         prefill_step_tokens: int = DEFAULT_PREFILL_STEP_TOKENS,
+        kv_bits: Optional[int] = None,
+        kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
+        kv_dtype: Optional[str] = None,
     ):
         options = check_generator_options(buckets, prefill_chunks, chat, system, speculative, draft_tokens, spec_policy,
-                                          prefill_step_tokens)
+                                          prefill_step_tokens, kv_bits, kv_group_size, kv_dtype)
         capacities = check_capacities(capacities)
         if is_draft_path(speculative):
             from .loading import load_model
@@ -208,20 +213,63 @@ class Generator:
         chat: Optional[bool] = None,
         system: Optional[str] = None,
         cache: Optional[Sequence] = None,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: Optional[Mapping[int, float]] = None,
+        top_logprobs: int = 0,
         _streamed: bool = False,
     ) -> int:
         """Queue a request (it joins the running batch at the next step).
         ``stop``: a string or a list of strings that end the text.
         ``cache``: serial mlx-lm caches holding the context before ``prompt``
-        (see :meth:`Engine.add <mlx_tracer.runtime.engine.Engine.add>`)."""
-        sampling = SamplingParams(temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed)
+        (see :meth:`Engine.add <mlx_tracer.runtime.engine.Engine.add>`).
+        ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``,
+        ``logit_bias`` ``{token id: bias}``: mlx-lm's logits processors (see
+        :class:`~mlx_tracer.runtime.sampling.SamplingParams`); ``top_logprobs``:
+        alternatives per token in the events and the completion (0 .. 20)."""
+        return self.submit_choices(
+            prompt, 1, max_tokens=max_tokens, temp=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed, stop=stop,
+            stop_tokens=stop_tokens, chat=chat, system=system, cache=cache, repetition_penalty=repetition_penalty,
+            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty, logit_bias=logit_bias,
+            top_logprobs=top_logprobs, _streamed=_streamed)[0]
+
+    def submit_choices(
+        self,
+        prompt: Prompt,
+        n: int,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        temp: float = 0.0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        top_k: int = 0,
+        seed: Optional[int] = None,
+        stop: Union[str, Sequence[str], None] = (),
+        stop_tokens: Optional[Sequence[int]] = None,
+        chat: Optional[bool] = None,
+        system: Optional[str] = None,
+        cache: Optional[Sequence] = None,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        logit_bias: Optional[Mapping[int, float]] = None,
+        top_logprobs: int = 0,
+        _streamed: bool = False,
+    ) -> List[int]:
+        """Queue ``n`` completions of one prompt (as :meth:`submit`; prefilled
+        once, see :meth:`Engine.add_choices <mlx_tracer.runtime.engine.Engine.add_choices>`);
+        returns their uids, choice 0 first. Choice ``i`` samples with ``seed + i``."""
+        sampling = SamplingParams(temperature=temp, top_p=top_p, min_p=min_p, top_k=top_k, seed=seed,
+                                  repetition_penalty=repetition_penalty, presence_penalty=presence_penalty,
+                                  frequency_penalty=frequency_penalty, logit_bias=logit_bias, top_logprobs=top_logprobs)
         stop = check_stop_strings(stop)
         # token prompts and max_tokens are checked by engine.add, before it changes anything
         tokens = self.encode(prompt, chat, check_system(system)) if isinstance(prompt, str) else prompt
         stops = self.tokenizer.eos_token_ids if stop_tokens is None else stop_tokens
-        uid = self.engine.add(tokens, max_tokens, sampling, stops, cache=cache)
-        self.router.track(uid, len(tokens), TextStream(self.tokenizer, stop), streamed=_streamed)
-        return uid
+        uids = self.engine.add_choices(tokens, n, max_tokens, sampling, stops, cache=cache)
+        for uid in uids:
+            self.router.track(uid, len(tokens), TextStream(self.tokenizer, stop), streamed=_streamed)
+        return uids
 
     def cancel(self, uid: int):
         """End a queued or running request: its row is freed at the next step

@@ -34,6 +34,7 @@ class _Live:
     cancelled: bool = False  # cancel() was called: it finishes as "cancelled" at the next step
     tokens: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
+    top_logprobs: List[list] = field(default_factory=list)
 
 
 class EventRouter:
@@ -74,13 +75,16 @@ class EventRouter:
             if not stop_token:  # a stop token ends the request and is not part of it
                 live.tokens.append(ev.token)
                 live.logprobs.append(ev.logprob)
+                if ev.top_logprobs is not None:
+                    live.top_logprobs.append(ev.top_logprobs)
         if reason is not None:
-            live.completion = Completion(ev.uid, live.text.text, live.tokens, live.logprobs, reason, live.prompt_tokens)
+            live.completion = Completion(ev.uid, live.text.text, live.tokens, live.logprobs, reason, live.prompt_tokens,
+                                         live.top_logprobs)
         if live.discard:
             if reason is not None:
                 del self.live[ev.uid]
             return
-        event = GenerationEvent(ev.uid, ev.token, delta, ev.logprob, reason)
+        event = GenerationEvent(ev.uid, ev.token, delta, ev.logprob, reason, ev.top_logprobs)
         (live.pending if live.streamed else self.outbox).append(event)
 
     def next_event(self, uid: int) -> GenerationEvent:

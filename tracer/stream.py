@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 if TYPE_CHECKING:
     from .router import EventRouter
@@ -19,6 +19,7 @@ class GenerationEvent:
     text: str
     logprob: Optional[float]
     finish_reason: Optional[str] = None  # None, "stop", "length" or "cancelled"
+    top_logprobs: Optional[List[Tuple[int, float]]] = None  # (token id, log-probability), when asked for
 
 
 @dataclass
@@ -31,6 +32,7 @@ class Completion:
     logprobs: List[float]
     finish_reason: str
     prompt_tokens: int
+    top_logprobs: List[List[Tuple[int, float]]] = field(default_factory=list)  # per token, when asked for
 
 
 class TokenStream:

@@ -20,6 +20,7 @@ from typing import Dict, Optional
 
 import mlx.core as mx
 
+from ...caches.storage import KVFormat
 from .native import NativeLayers, why_not_native
 from .ops import OpsLayers
 from .qualify import why_not
@@ -34,11 +35,13 @@ class LeanForward:
         model: an mlx-lm model (:func:`~.qualify.why_not` is None).
         native: the native kernels module (``mlx_tracer.backend.kernels.load()``),
             or None for MLX's ops everywhere.
+        kv: the caches' K/V storage format (the kernels read float32 caches only).
     """
 
-    def __init__(self, model, native=None):
+    def __init__(self, model, native=None, kv: KVFormat = KVFormat()):
         self.model = model
         self.native = native
+        self.kv = kv
         self.generation = 0  # bumped by every (re)bind and re-plan: the step drops its lean traces
         self.active = False
         self.binding: Optional[Binding] = None
@@ -70,6 +73,8 @@ class LeanForward:
         b = self.binding
         self.ops_layers = OpsLayers(b.layers)  # the reference
         self.native_off = why_not_native(b, self.native)
+        if self.native_off is None and not self.kv.native:  # the kernels read float32 caches only: decode on the ops
+            self.native_off = f"K/V stored as {self.kv.describe()} (the kernels read float32 caches)"
         self.layers = NativeLayers(b.layers, self.native, b.contract) if self.native_off is None else self.ops_layers
 
     def _set_watch(self, watch):

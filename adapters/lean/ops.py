@@ -9,6 +9,11 @@ flatten/unflatten around each matmul):
   as the rows, with the additive mask added by the matmul (``addmm``);
   **windows** (L > 1): the matmuls of ``mx.fast.scaled_dot_product_attention``'s
   fallback (one row per query head) without its reshapes;
+* quantized caches (the cache has ``bits``, as mlx-lm asks): both attention
+  matmuls are ``mx.quantized_matmul`` on the stored columns, as in mlx-lm's
+  quantized attention; no float copy of the cache is made. float16/bfloat16
+  caches are read by the same matmuls as float32 ones (promoted to the
+  activations' dtype, as ``mx.fast.scaled_dot_product_attention`` does);
 * the post-attention norm with the residual sum formed inside it
   (:func:`norm_of_sum`); gate/up in one matmul; SwiGLU; down; residual.
 
@@ -27,14 +32,35 @@ from .step_tables import StepTables
 from .weights import LayerSpec
 
 
-def attention(q: mx.array, k: mx.array, v: mx.array, mask: mx.array) -> mx.array:
+def attention(q: mx.array, k, v, mask: mx.array, quant=None) -> mx.array:
     """Grouped-query attention: ``q [B, Hk, R, L, D]`` (already scaled; the R
     query heads of each key head), ``k``/``v [B, Hk, S, D]``, ``mask``
     boolean ``[B, 1, 1, L, S]``; returns ``[B, Hk, R, L, D]``: the matmuls of
-    ``mx.fast.scaled_dot_product_attention``'s fallback, without its reshapes."""
-    scores = q @ mx.expand_dims(k, 2).swapaxes(-1, -2)  # [B, Hk, R, L, S]
+    ``mx.fast.scaled_dot_product_attention``'s fallback, without its reshapes
+    (``quant = (bits, group_size)``: k/v are quantized buffers, read as mlx-lm's
+    quantized attention reads them)."""
+    if quant is None:
+        scores = q @ mx.expand_dims(k, 2).swapaxes(-1, -2)  # [B, Hk, R, L, S]
+    else:
+        k = tuple(mx.expand_dims(a, 2) for a in k)  # [B, Hk, 1, S, D*bits/32], 2x [B, Hk, 1, S, D/group]
+        scores = quantized_mm(q, k, True, quant)  # [B, Hk, R, L, S]
     scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
-    return mx.softmax(scores, axis=-1, precise=True) @ mx.expand_dims(v, 2)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    if quant is None:
+        return probs @ mx.expand_dims(v, 2)
+    return quantized_mm(probs, tuple(mx.expand_dims(a, 2) for a in v), False, quant)  # [B, Hk, R, L, D]
+
+
+def quantized_mm(x: mx.array, buf, transpose: bool, quant) -> mx.array:
+    """``x @ buf.T`` (``transpose``) or ``x @ buf`` for a quantized buffer ``(packed, scales, biases)``."""
+    bits, group_size = quant
+    return mx.quantized_matmul(x, *buf, transpose=transpose, group_size=group_size, bits=bits)
+
+
+def stored_quantization(cache):
+    """``(bits, group_size)`` of a cache whose K/V are quantized, else None
+    (mlx-lm's rule: a cache with ``bits`` is quantized)."""
+    return (cache.bits, cache.group_size) if hasattr(cache, "bits") else None
 
 
 def norm_of_sum(h: mx.array, a: mx.array, norm) -> mx.array:
@@ -79,13 +105,18 @@ class OpsLayers:
                 # decode: k/v are [B, nk, 1, D] already; the R query heads of each
                 # key head as the rows of one matmul, the mask added by it
                 k, v = cache.update_and_fetch(k, v)
-                scores = mx.addmm(t.bias(s.index, y.dtype, (nk, R)), q.reshape(B, nk, R, D), k.swapaxes(-1, -2))
-                o = (mx.softmax(scores, axis=-1, precise=True) @ v).reshape(B, nq * D)
+                quant, bias = stored_quantization(cache), t.bias(s.index, y.dtype, (nk, R))
+                if quant is None:
+                    scores = mx.addmm(bias, q.reshape(B, nk, R, D), k.swapaxes(-1, -2))  # [B, nk, R, S]
+                    o = (mx.softmax(scores, axis=-1, precise=True) @ v).reshape(B, nq * D)
+                else:  # the stored columns as they are: [B, nk, R, S], then [B, nk, R, D]
+                    scores = quantized_mm(q.reshape(B, nk, R, D), k, True, quant) + bias
+                    o = quantized_mm(mx.softmax(scores, axis=-1, precise=True), v, False, quant).reshape(B, nq * D)
             else:
                 # heads first: q [B, nk, R, L, D] (R query heads per key head), k/v [B, nk, L, D]
                 q = q.reshape(B, L, nk, R, D).transpose(0, 2, 3, 1, 4)
                 k, v = cache.update_and_fetch(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
-                o = attention(q, k, v, t.mask(s.index))  # [B, nk, R, L, D]
+                o = attention(q, k, v, t.mask(s.index), stored_quantization(cache))  # [B, nk, R, L, D]
                 o = o.transpose(0, 3, 1, 2, 4).reshape(B * L, nq * D)
             a = s.o(o)
             gate, up = mx.split(s.gu(norm_of_sum(h, a, s.post_norm)), 2, axis=-1)

@@ -10,7 +10,20 @@ FMA units, 64; AVX2 with FMA: two 8-lane units, 32; else 16) x the clock the
 kernel reports (a VM reports its nominal clock; boost clocks above it are
 covered by counting two FMA units where some cores have one). A row can
 therefore never read above 100 %; dividing by one plain GEMM's measured rate
-did (123 % at bucket 8), since the step's kernels beat that GEMM.
+did (123 % at bucket 8), since the step's kernels beat that GEMM. A quantized
+layer's matmul may run as int8 dot products (the *fast* contract, as
+llama.cpp does): its multiply-adds count against the cores' int8 rate, four
+times the float32 one (a 32-bit lane holds four int8 products per
+instruction: VNNI's ``vpdpbusd``, AVX2's ``vpmaddubsw``). Float and int8
+work share the same vector units, so their times add.
+
+The bytes a step reads are the weights as stored (a quantized layer's
+packed blocks, scales and biases, never their float32 expansion; an untied
+embedding table is not read, only a row per token, so it is not counted)
+plus the live K/V; the FLOPs are 2 per matmul weight per token (each weight
+once: a tied embedding counts once, as the head) plus attention's over the
+live positions. Both are what any implementation must at least do, so the
+bound is one no system can beat.
 
 The bandwidth is the machine's, not one library's: per working-set size the
 fastest of a STREAM-like read with every core (numpy sums over one slice per
@@ -52,11 +65,25 @@ def peak_gflops() -> float:
     return cores * per_cycle * (mhz or 4000.0) / 1e3  # no clock known: 4 GHz, a generous one
 
 
+INT8_PER_FP32 = 4  # int8 multiply-adds per float32 FMA lane and instruction (module docstring)
+
+
 @dataclass
 class Machine:
     copy_gbps: Dict[int, float]  # memory bandwidth by working-set bytes (cache .. DRAM), see measure()
     gemm_gflops: float  # fp32 GEMM rate (8 x 4096 x 4096), measured: what one plain GEMM reaches
     peak_gflops: float = 0.0  # the cores' peak float32 rate (peak_gflops()): the roofline's FLOP ceiling
+    int8_gops: float = 0.0  # the cores' peak int8 rate (ops/s; 0: INT8_PER_FP32 x peak_gflops), quantized layers' ceiling
+
+    @property
+    def float_rate(self) -> float:
+        """GFLOP/s the roofline divides float work by: the cores' peak (or a measured rate above it)."""
+        return max(self.peak_gflops, self.gemm_gflops)
+
+    @property
+    def int8_rate(self) -> float:
+        """G int8 ops/s the roofline divides quantized layers' work by."""
+        return max(self.int8_gops, INT8_PER_FP32 * self.float_rate)
 
     @staticmethod
     def _best_s(fn, reps):
@@ -88,7 +115,8 @@ class Machine:
         a, b = mx.random.normal((8, 4096)), mx.random.normal((4096, 4096))
         mx.eval(a, b, a @ b)
         gemm = 2 * 8 * 4096 * 4096 / cls._best_s(lambda: mx.eval(a @ b), 5) / 1e9
-        return cls(bw, gemm, max(gemm, peak_gflops()))
+        peak = max(gemm, peak_gflops())
+        return cls(bw, gemm, peak, INT8_PER_FP32 * peak)
 
     @classmethod
     def _stream_read(cls, nbytes: int) -> float:
@@ -114,34 +142,60 @@ class Machine:
         return float(np.interp(x, np.log2(sizes), [self.copy_gbps[s] for s in sizes]))
 
 
+def _is_embedding(m) -> bool:
+    return isinstance(m, (nn.Embedding, nn.QuantizedEmbedding))
+
+
 def model_costs(model, layouts) -> Dict[str, float]:
-    """Weight bytes and matmul parameters of one token's forward."""
+    """What one token's decode step must at least read and compute (module docstring):
+
+    * ``weight_bytes``: the parameters as stored, less an untied embedding
+      table (``untied_embed_bytes``, which a step reads a row of);
+    * ``params``: matmul weights, each once (a tied embedding as the head),
+      of which ``quantized_params`` are a quantized layer's (int8-able);
+    * ``kv_bytes_per_pos``: K/V bytes per position over all layers."""
     from mlx.utils import tree_flatten
 
-    weight_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
-    params = 0
-    for _, m in model.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            params += m.scales.size * m.group_size
+    all_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    params = quantized = 0
+    head = False
+    for name, m in model.named_modules():
+        if isinstance(m, nn.QuantizedLinear):
+            n = m.scales.size * m.group_size
+            params, quantized = params + n, quantized + n
         elif isinstance(m, nn.Linear):
             params += m.weight.size
-    if not any(isinstance(m, (nn.Linear, nn.QuantizedLinear)) and "lm_head" in n for n, m in model.named_modules()):
-        emb = model.model.embed_tokens if hasattr(model, "model") else None
-        if emb is not None:  # tied head: the embedding is the output matmul too
-            params += emb.scales.size * emb.group_size if isinstance(emb, nn.QuantizedEmbedding) else emb.weight.size
+        else:
+            continue
+        head = head or name.split(".")[-1] == "lm_head"
+    emb = next((m for n, m in model.named_modules() if _is_embedding(m) and n.split(".")[-1] == "embed_tokens"), None)
+    if emb is None:
+        emb = next((m for _, m in model.named_modules() if _is_embedding(m)), None)
+    untied = 0
+    if emb is not None:
+        if head:  # untied: the step reads B rows of the table, not the table
+            untied = sum(v.nbytes for _, v in tree_flatten(emb.parameters()))
+        else:  # tied: the embedding is the output matmul too
+            n = emb.scales.size * emb.group_size if isinstance(emb, nn.QuantizedEmbedding) else emb.weight.size
+            params += n
+            quantized += n if isinstance(emb, nn.QuantizedEmbedding) else 0
     kv_per_pos = sum(l.kv_heads * (l.k_dim + l.v_dim) * np.dtype(str(l.dtype).split(".")[-1]).itemsize for l in layouts)
-    return {"weight_bytes": weight_bytes, "params": params, "kv_bytes_per_pos": kv_per_pos}
+    return {"weight_bytes": all_bytes - untied, "untied_embed_bytes": untied, "params": params,
+            "quantized_params": quantized, "kv_bytes_per_pos": kv_per_pos}
 
 
 def roofline_tps(costs, layouts, machine: Machine, B: int, context: int, weight_bytes: Optional[float] = None) -> float:
     """The machine's best tokens/s for one decode step of ``B`` rows over
     ``context`` positions, reading ``weight_bytes`` of weights (default: the
-    format the model is in)."""
+    format the model is in): ``B`` over the slower of the step's bytes over
+    the bandwidth and its arithmetic over the cores' peak (module docstring)."""
     live = sum(min(context, l.window or context) for l in layouts) / len(layouts)
     weights = costs["weight_bytes"] if weight_bytes is None else weight_bytes
     bytes_step = weights + B * live * costs["kv_bytes_per_pos"]
     attn_flops = sum(4 * min(context, l.window or context) * l.kv_heads * l.k_dim for l in layouts)
-    flops_step = B * (2 * costs["params"] + attn_flops)
-    flops = max(machine.peak_gflops, machine.gemm_gflops)
-    t = max(bytes_step / (machine.bandwidth(bytes_step) * 1e9), flops_step / (flops * 1e9))
+    quantized = costs.get("quantized_params", 0)
+    float_flops = B * (2 * (costs["params"] - quantized) + attn_flops)
+    int8_ops = B * 2 * quantized
+    compute_s = float_flops / (machine.float_rate * 1e9) + int8_ops / (machine.int8_rate * 1e9)
+    t = max(bytes_step / (machine.bandwidth(bytes_step) * 1e9), compute_s)
     return B / t

@@ -11,19 +11,37 @@ from .run import BenchRow
 
 
 HEADER = (
-    f"{'model':<26} {'B':>2} {'ctx':>5} {'as-run':>7} {'stock':>7} {'tracer':>7} {'vs as-run':>9} {'vs stock':>8} "
-    f"{'host ms s/t':>11} {'traces':>6} {'trace ms':>8} {'peak MB':>7} {'roof file':>9} {'roof fmt':>8}"
+    f"{'model':<26} {'B':>2} {'ctx':>5} {'as-run':>7} {'stock':>7} {'tracer':>7} {'llama':>7} {'vs as-run':>9} "
+    f"{'vs stock':>8} {'vs llama':>8} {'host ms s/t':>11} {'traces':>6} {'trace ms':>8} {'peak MB s/t':>11} "
+    f"{'llama MB':>8} {'roof file':>9} {'roof fmt':>8}"
 )
-UNITS = "(tok/s: as-run = stock mlx-lm with MLX's reference BLAS and weights as loaded; stock = same process and weights as tracer)"
+UNITS = ("(tok/s: as-run = stock mlx-lm with MLX's reference BLAS and weights as loaded; stock = same process and weights "
+         "as tracer; llama = llama.cpp on the same GGUF file, same threads. peak MB s/t: MLX's peak memory of stock / "
+         "tracer, each counted apart; llama MB: the llama.cpp worker's resident-set high-water mark, VmHWM)")
+# How each system's peak memory is measured (the JSON's meta)
+PEAK_MEMORY = {
+    "stock_peak_mb": "MLX peak memory over a run, counted apart from the other systems in the process "
+                     "(weights + the most the run allocated above what was live; bench contexts excluded)",
+    "peak_mb": "the tracer's, measured as stock_peak_mb is (its traces' and engine's arrays included)",
+    "baseline_peak_mb": "as stock_peak_mb, in the as-run baseline's own process",
+    "peer_peak_mb": "the llama.cpp worker process's resident-set high-water mark (VmHWM of /proc/self/status, "
+                    "reset per run through /proc/self/clear_refs; peer_peak_kind says when ru_maxrss was used "
+                    "instead): the mapped file's pages, KV, buffers and the worker's Python",
+}
+
+
+def _cell(x: Optional[float], width: int, fmt: str = ".1f", suffix: str = "") -> str:
+    return f"{format(x, fmt) + suffix:>{width}}" if x else f"{'-':>{width}}"
 
 
 def format_row(r: BenchRow) -> str:
-    base = f"{r.baseline_tps:>7.1f}" if r.baseline_tps else f"{'-':>7}"
-    up = f"{r.speedup:>8.2f}x" if r.speedup else f"{'-':>9}"
+    peaks = f"{_cell(r.stock_peak_mb, 0, '.0f')}/{_cell(r.peak_mb, 0, '.0f')}"
+    roof_file = f"{r.tracer_roofline_pct:>8.1f}%" + ("!" if r.tracer_roofline_pct > 100 else "")
     return (
-        f"{r.model:<26} {r.bucket:>2} {r.context:>5} {base} {r.stock_tps:>7.1f} {r.tracer_tps:>7.1f} {up} {r.ratio:>7.2f}x "
-        f"{r.stock_host_ms:>5.1f}/{r.tracer_host_ms:<5.2f} {r.traces:>6} {r.first_trace_ms:>8.0f} {r.peak_mb:>7.0f} "
-        f"{r.tracer_roofline_pct:>8.1f}% {r.format_roofline_pct:>7.1f}%"
+        f"{r.model:<26} {r.bucket:>2} {r.context:>5} {_cell(r.baseline_tps, 7)} {r.stock_tps:>7.1f} {r.tracer_tps:>7.1f} "
+        f"{_cell(r.peer_tps, 7)} {_cell(r.speedup, 9, '.2f', 'x')} {r.ratio:>7.2f}x {_cell(r.vs_peer, 8, '.2f', 'x')} "
+        f"{r.stock_host_ms:>5.1f}/{r.tracer_host_ms:<5.2f} {r.traces:>6} {r.first_trace_ms:>8.0f} {peaks:>11} "
+        f"{_cell(r.peer_peak_mb, 8, '.0f')} {roof_file} {r.format_roofline_pct:>7.1f}%"
     )
 
 
@@ -47,6 +65,8 @@ def plot(path: str, rows: List[BenchRow]):
             ax.plot(b, [r.baseline_tps or float("nan") for r in rs], "^:", color="gray", label="stock mlx-lm, as run")
         ax.plot(b, [r.stock_tps for r in rs], "o-", label="stock mlx-lm")
         ax.plot(b, [r.tracer_tps for r in rs], "s-", label="mlx-tracer")
+        if any(r.peer_tps for r in rs):
+            ax.plot(b, [r.peer_tps or float("nan") for r in rs], "d--", label="llama.cpp")
         ax.set_xscale("log", base=2)
         ax.set_xticks(b, [str(x) for x in b])
         ax.set_title(f"{m}\ncontext {c}", fontsize=9)

@@ -2,6 +2,10 @@
 and the compiled loop in the same process, runs interleaved, the median of
 ``runs`` runs after a warm-up run of each (which keeps tracing and MLX's
 kernel JIT out of the timings); and the steady-state check of a long decode.
+Two systems take their turns from worker processes: stock mlx-lm as run
+(:mod:`.baseline`) and llama.cpp on the same GGUF file (:mod:`.peer`).
+Each system's peak memory is its own (:func:`~.systems.run_peak`; llama.cpp's
+is its worker's resident-set high-water mark).
 """
 
 from __future__ import annotations
@@ -11,13 +15,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
 
-import mlx.core as mx
-
+from ..caches import capacity_bucket
 from ..runtime.engine import Engine
 from ..runtime.step import CompiledModel
 from .machine import Machine, model_costs, roofline_tps
 from .models import random_llama, synthetic_context
-from .systems import host_ms, stock_decode, tracer_decode
+from .systems import host_ms, live_bytes, param_bytes, run_peak, stock_decode, tracer_decode
 
 
 @dataclass
@@ -45,22 +48,47 @@ class BenchRow:
     baseline_tps: Optional[float] = None  # stock mlx-lm as a user runs it: reference BLAS, weights as loaded
     baseline_runs: List[float] = field(default_factory=list)
     engine_host_ms: Optional[float] = None  # the engine's own host ms per step (its loop around the step included)
+    kv: str = "the model's dtype"  # how the tracer's caches stored K/V
+    kv_mb: float = 0.0  # the tracer's K/V buffers at this bucket and context (from their shapes)
+    # peak memory per system, each measured apart (``peak_mb`` is the tracer's): MLX's peak over the run
+    # (run_peak) for stock and as-run, llama.cpp's worker's resident-set high-water mark (peer_peak_kind)
+    stock_peak_mb: Optional[float] = None
+    baseline_peak_mb: Optional[float] = None
+    peer_tps: Optional[float] = None  # llama.cpp on the same GGUF file, same threads (None: skipped, see peer_note)
+    peer_runs: List[float] = field(default_factory=list)
+    peer_peak_mb: Optional[float] = None
+    peer_peak_kind: Optional[str] = None
+    peer_note: Optional[str] = None
+
+    @property
+    def vs_peer(self) -> Optional[float]:
+        return None if not self.peer_tps else self.tracer_tps / self.peer_tps
 
     @property
     def speedup(self) -> Optional[float]:
         return None if not self.baseline_tps else self.tracer_tps / self.baseline_tps
 
 
-def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[int], tokens: int, runs: int, machine: Machine, on_row: Callable[["BenchRow"], None] = lambda r: None, baseline=None) -> List[BenchRow]:
+def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[int], tokens: int, runs: int, machine: Machine, on_row: Callable[["BenchRow"], None] = lambda r: None, baseline=None, kv=None, peer=None, peer_note: Optional[str] = None) -> List[BenchRow]:
     """Time every (context, bucket) of one model; ``on_row`` sees each row as it is done.
     ``baseline``: a :class:`~.baseline.BaselineWorker` with this model loaded: its
-    as-run decode runs take turns with the stock and tracer runs of each row."""
-    compiled = CompiledModel(model)
+    as-run decode runs take turns with the stock and tracer runs of each row.
+    ``kv``: the tracer caches' :class:`~mlx_tracer.caches.storage.KVFormat` (None: as the model computes).
+    ``peer``: a :class:`~.peer.PeerWorker` with this model's GGUF file loaded, its runs in turn with the
+    others' (None: skipped, ``peer_note`` saying why)."""
+    compiled = CompiledModel(model, kv=kv)
     costs = model_costs(model, compiled.layout)
-    file_bytes = getattr(model, "mlx_tracer_file_bytes", costs["weight_bytes"])  # as loaded, before a format change
+    # the file's bytes as loaded (before a format change) a step reads: less an untied embedding table, at
+    # least its size as loaded (a format only widens), so the bound stays one that no system can beat
+    file_bytes = getattr(model, "mlx_tracer_file_bytes", None)
+    file_bytes = costs["weight_bytes"] if file_bytes is None else max(0, file_bytes - costs["untied_embed_bytes"])
+    stock_owned = param_bytes(model)  # stock keeps nothing else between runs
     rows = []
     for C in contexts:
+        ctx = None
+        held = live_bytes()
         ctx = synthetic_context(model, compiled.layout, C)
+        ctx_bytes = live_bytes() - held  # the bench's, not a system's: each copies it into caches of its own
         for B in buckets:
             contexts_b = [ctx] * B
             first = [(7 * i + 3) % compiled.vocab_size for i in range(B)]
@@ -70,18 +98,29 @@ def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[in
                 baseline.decode(B, C, 4)
             stock_decode(model, contexts_b, first, 4)  # warm-up runs: tracing and kernel JIT
             tracer_decode(engine, contexts_b, first, 4)
+            if peer is not None:
+                peer.decode(B, C, 4, first)  # and llama.cpp's context for this row, prefilled
             warm = {k: ms for k, ms in compiled.trace_ms.items() if k not in known and k.kind == "decode"}
             traces_before = sum(compiled.traces.values())
-            b_runs, s_runs, t_runs, t_host, peak = [], [], [], [], 0.0
+            tracer_owned = live_bytes() - ctx_bytes  # weights, traces, engine: all that is live but the contexts
+            b_runs, s_runs, t_runs, t_host, p_runs = [], [], [], [], []
+            peak = s_peak = b_peak = p_peak = 0.0
+            p_kind = None
             for _ in range(runs):  # the systems in turns, so that drift weighs on each alike
                 if baseline is not None:
                     b_runs.append(baseline.decode(B, C, tokens))
-                s_runs.append(stock_decode(model, contexts_b, first, tokens))
-                mx.reset_peak_memory()
-                st = tracer_decode(engine, contexts_b, first, tokens)
-                peak = max(peak, mx.get_peak_memory() / 1e6)
+                    b_peak = max(b_peak, baseline.last_peak_mb or 0.0)
+                tps, pk = run_peak(lambda: stock_decode(model, contexts_b, first, tokens), stock_owned)
+                s_runs.append(tps)
+                s_peak = max(s_peak, pk)
+                st, pk = run_peak(lambda: tracer_decode(engine, contexts_b, first, tokens), tracer_owned)
+                peak = max(peak, pk)
                 t_runs.append(st.decode_tps)
                 t_host.append(st.host_ms_per_step)
+                if peer is not None:
+                    r = peer.decode(B, C, tokens, first)
+                    p_runs.append(r["tps"])
+                    p_peak, p_kind = max(p_peak, r["peak_mb"]), r["peak_kind"]
             traces = sum(compiled.traces.values())
             assert traces == traces_before, "the timed runs retraced"
             s, t = statistics.median(s_runs), statistics.median(t_runs)
@@ -94,8 +133,17 @@ def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[in
                 max(warm.values(), default=float("nan")), peak, roof, 100 * t / roof, fmt_roof, 100 * t / fmt_roof,
                 s_runs, t_runs, engine_host_ms=statistics.median(t_host),
             )
+            row.stock_peak_mb = s_peak
             if b_runs:
                 row.baseline_runs, row.baseline_tps = b_runs, statistics.median(b_runs)
+                row.baseline_peak_mb = b_peak
+            if p_runs:
+                row.peer_runs, row.peer_tps, row.peer_peak_mb, row.peer_peak_kind = p_runs, statistics.median(p_runs), p_peak, p_kind
+            else:
+                row.peer_note = peer_note
+            row.kv = compiled.kv.describe()
+            capacity = capacity_bucket(C + tokens + 1, compiled.capacities)  # shapes only: nothing is allocated
+            row.kv_mb = sum(c.nbytes for c in compiled.layout.new_caches(B, B, compiled.capacities, capacity)) / 1e6
             on_row(row)
             rows.append(row)
     return rows

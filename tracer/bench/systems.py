@@ -15,19 +15,55 @@ untimed: in a process where ``mx.clear_cache()`` has run (mlx-lm's decode
 loops call it), that step pays for merging the small heap chunks the other
 system's evaluation freed (about 1.5x for the tracer's step; a user runs one
 system per process).
+
+Peak memory is measured per system, so that one system's peak does not
+include another's (:func:`run_peak`): MLX's peak counter is reset before each
+run, and what was live then but is not the system's (the other system's
+arrays, the bench's contexts) is taken off; the system's own (its weights,
+and for the tracer its traces' and engine's arrays) is added back.
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
-from typing import List
+from typing import Callable, List, Tuple, TypeVar
 
 import mlx.core as mx
 
 from ..interop import batch_serial_caches
 from ..runtime.engine import Engine, EngineStats
 from .models import copy_caches
+
+T = TypeVar("T")
+
+
+def param_bytes(model) -> int:
+    """Bytes of a model's parameters as held (a quantized layer's blocks, scales and biases)."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+def live_bytes() -> int:
+    """MLX memory held by live arrays now, after a garbage collection (the
+    arrays of dropped objects in reference cycles are freed first)."""
+    gc.collect()
+    return mx.get_active_memory()
+
+
+def run_peak(run: Callable[[], T], owned_bytes: float) -> Tuple[T, float]:
+    """``(run(), peak MB)``: the system's peak memory over one run, counted
+    apart from any other system in the process: ``owned_bytes`` (what the
+    system holds between runs, live before the run starts) plus the most
+    that MLX's active memory rose above what was live when the run started
+    (MLX's peak counter, reset then). Buffers MLX keeps cached for reuse are
+    not counted (they are not active)."""
+    before = live_bytes()
+    mx.reset_peak_memory()
+    out = run()
+    return out, (owned_bytes + max(mx.get_peak_memory(), before) - before) / 1e6
 
 
 def stock_decode(model, contexts: list, first: List[int], tokens: int) -> float:
@@ -67,7 +103,8 @@ def _tracer_steps(compiled, contexts: list):
     the step's plan, the compiled call that replays its graph, the caches' bookkeeping)."""
     serial = [copy_caches(c) for c in contexts]
     caches = [
-        layout.cache_class.join([s[i] for s in serial], width=len(contexts), capacities=compiled.capacities)
+        layout.cache_class.join([s[i] for s in serial], width=len(contexts), capacities=compiled.capacities,
+                                storage=layout.storage)
         for i, layout in enumerate(compiled.layout)
     ]
     y = mx.zeros((len(contexts), 1), dtype=mx.int32)

@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--buckets", type=opt.buckets, help=f"batch-width buckets, e.g. 1,2,4,8 (each <= {MAX_BUCKET})")
         q.add_argument("--weights", default="auto", choices=WEIGHTS,
                        help="weight format (auto: the fastest on this machine, measured once and cached)")
+        opt.add_kv_args(q)
 
     g = sub.add_parser("generate", help="generate text with the compiled decode loop")
     g.add_argument("prompts", nargs="+", help="one or more prompts (several run as one batch)")
@@ -56,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=opt.non_negative_int, default=0)
     g.add_argument("--min-p", type=opt.min_p, default=0.0)
     g.add_argument("--seed", type=opt.seed, default=None, help=f"0 to {opt.MAX_SEED}; prompt i of a batch uses seed + i")
+    g.add_argument("--repetition-penalty", type=opt.repetition_penalty, default=1.0,
+                   help="mlx-lm's repetition penalty over the last 20 tokens (1: off)")
+    g.add_argument("--presence-penalty", type=opt.penalty, default=0.0, help="-2 to 2, over the last 20 tokens (0: off)")
+    g.add_argument("--frequency-penalty", type=opt.penalty, default=0.0, help="-2 to 2, over the last 20 tokens (0: off)")
+    g.add_argument("--logit-bias", type=opt.logit_bias, default=None,
+                   help='a JSON object of token ids to biases in [-100, 100] added to the logits, e.g. \'{"123": -100}\'')
     g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: when the model has one)")
     g.add_argument("--system", default=DEFAULT_SYSTEM, help="system message of chat prompts")
     g.add_argument("--no-warmup", dest="warmup", action="store_false", help="do not trace before generating")
@@ -94,8 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steady-steps", type=opt.non_negative_int, default=2000, help="steady-state check length (0: skip)")
     b.add_argument("--weights", default="auto", choices=WEIGHTS,
                    help="weight format of the stock and tracer systems (the as-run baseline keeps them as loaded)")
+    opt.add_kv_args(b)
     b.add_argument("--no-baseline", dest="baseline", action="store_false",
                    help="skip the as-run baseline (a subprocess on MLX's reference BLAS)")
+    b.add_argument("--peer-python", metavar="PATH",
+                   help="a Python that has llama_cpp (llama-cpp-python built for this CPU), for the llama.cpp column "
+                        "(default: this Python if it has it, e.g. the 'peer' extra; else the column is skipped)")
+    b.add_argument("--no-peer", dest="peer", action="store_false", help="skip the llama.cpp column")
     b.add_argument("--busy", type=opt.non_negative_int, default=0,
                    help="start N busy processes beside the run (the contended-machine scenario)")
     b.add_argument("--json", help="write the results as JSON")
@@ -113,7 +125,7 @@ def main(argv=None) -> int:
         what = f"byte 0x{byte:02x}" if byte is not None else "a lone surrogate"
         parser.error(f"argument {i + 1} ({argv[i]!a}) is not valid UTF-8 text ({what}); pass text encoded as UTF-8")
     args = parser.parse_args(argv)
-    orphan = opt.spec_option_without_spec(args)
+    orphan = opt.spec_option_without_spec(args) or opt.kv_conflict(args)
     if orphan is not None:
         parser.error(orphan)
     from ..backend.jit import CompilerUnavailable

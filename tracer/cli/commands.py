@@ -23,9 +23,11 @@ def load_generator(args, **extra):
     options, such as a prefix cache), timed, with progress on stderr."""
     from ..api import Generator
     from ..runtime.options import DEFAULT_DRAFT_TOKENS, DEFAULT_SPEC_POLICY
+    from . import options as opt
 
     log = globals()["log"] if _primary(args) else (lambda msg: None)
     kwargs = {"buckets": args.buckets} if getattr(args, "buckets", None) else {}
+    kwargs.update(opt.kv_options(args))
     speculative = getattr(args, "draft_model", None) or getattr(args, "spec", None)
     if speculative:
         kwargs.update(speculative=speculative, draft_tokens=args.draft_tokens or DEFAULT_DRAFT_TOKENS,
@@ -72,7 +74,9 @@ def generate(args) -> int:
     if args.warmup:
         # decode traces now, so that decode tokens/s excludes tracing; prefill traces on first use
         warm(gen, [bucket_for(min(len(args.prompts), gen.engine.buckets[-1]), gen.engine.buckets)], prefill=False)
-    opts = dict(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k)
+    opts = dict(max_tokens=args.max_tokens, temp=args.temp, top_p=args.top_p, min_p=args.min_p, top_k=args.top_k,
+                repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, logit_bias=args.logit_bias)
     uids = [gen.submit(p, seed=None if args.seed is None else args.seed + i, **opts) for i, p in enumerate(prompts)]
     single, partial, show = len(uids) == 1, False, gen.is_primary  # every rank runs the loop; rank 0 prints
     try:

@@ -8,9 +8,10 @@ import argparse
 from typing import Optional, Sequence, Tuple
 
 from ..runtime.options import (
-    DEFAULT_PREFILL_CHUNKS, MAX_CAPACITY, OptionError, check_buckets, check_cache_bytes, check_draft_tokens,
+    DEFAULT_KV_GROUP_SIZE, DEFAULT_PREFILL_CHUNKS, KV_BITS, KV_DTYPES, KV_GROUP_SIZES, MAX_CAPACITY, OptionError, check_buckets, check_cache_bytes, check_draft_tokens,
     check_max_tokens, check_prefill_step_tokens, check_queue_size,
 )
+from ..runtime.options import MAX_PENALTY, check_logit_bias
 
 MAX_SEED = 2**63 - 1  # mx.random.key takes a uint64; prompt i of a batch uses seed + i
 
@@ -72,6 +73,34 @@ def min_p(text: str) -> float:
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"min-p is a probability in [0, 1], got {text}")
     return value
+
+
+def repetition_penalty(text: str) -> float:
+    value = _float(text, "a repetition penalty > 0 (1: off)")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"a repetition penalty is a finite number > 0 (1: off), got {text}")
+    return value
+
+
+def penalty(text: str) -> float:
+    """``--presence-penalty`` / ``--frequency-penalty``: OpenAI's [-2, 2]."""
+    value = _float(text, f"a penalty in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0: off)")
+    if not -MAX_PENALTY <= value <= MAX_PENALTY:
+        raise argparse.ArgumentTypeError(f"a penalty is in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0: off), got {text}")
+    return value
+
+
+def logit_bias(text: str) -> dict:
+    """``--logit-bias '{"123": -100}'``: a JSON object of token ids to biases in [-100, 100]."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object of token ids to biases, e.g. '{{\"123\": -100}}', got {text!r}")
+    return dict(_checked(check_logit_bias, value))
 
 
 def _int_list(text: str, lowest: int, what: str) -> Tuple[int, ...]:
@@ -145,6 +174,33 @@ def cache_mib(text: str) -> int:
     value = non_negative_int(text)
     _checked(lambda n: check_cache_bytes(n, "the prefix cache"), value << 20)
     return value
+
+
+def add_kv_args(parser) -> None:
+    """``--kv-bits`` / ``--kv-group-size`` / ``--kv-dtype``: how the caches store keys and values."""
+    parser.add_argument("--kv-bits", type=int, choices=KV_BITS,
+                        help="store keys and values quantized to this many bits (mlx-lm's QuantizedKVCache layout)")
+    parser.add_argument("--kv-group-size", type=int, choices=KV_GROUP_SIZES, default=DEFAULT_KV_GROUP_SIZE,
+                        help=f"values per quantization group with --kv-bits (default {DEFAULT_KV_GROUP_SIZE})")
+    parser.add_argument("--kv-dtype", choices=KV_DTYPES,
+                        help="store keys and values in this float dtype (default: the model's)")
+
+
+def kv_options(args) -> dict:
+    """The K/V storage options of ``args`` as Generator/Engine keywords (checked there, before the model loads)."""
+    return dict(kv_bits=getattr(args, "kv_bits", None), kv_group_size=getattr(args, "kv_group_size", DEFAULT_KV_GROUP_SIZE),
+                kv_dtype=getattr(args, "kv_dtype", None))
+
+
+def kv_conflict(args) -> Optional[str]:
+    """The complaint about K/V storage flags that do not go together (None: they do)."""
+    o = kv_options(args)
+    if o["kv_bits"] is not None and o["kv_dtype"] is not None:
+        return (f"--kv-bits {o['kv_bits']} and --kv-dtype {o['kv_dtype']} exclude each other (quantized keys and values "
+                "keep their scales in the model's dtype): pass one of them")
+    if o["kv_bits"] is None and o["kv_group_size"] != DEFAULT_KV_GROUP_SIZE:
+        return f"--kv-group-size {o['kv_group_size']} needs --kv-bits 4 or 8 (it sizes the quantization groups)"
+    return None
 
 
 def spec_option_without_spec(args) -> Optional[str]:

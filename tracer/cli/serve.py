@@ -89,6 +89,9 @@ def add_parser(sub, model_args):
     s.add_argument("--api-key", type=api_key, default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV} if set; "
                         "/health and /metrics stay open)")
+    s.add_argument("--distributed", action="store_true",
+                   help="serve a model sharded over the processes mlx.launch started, e.g. mlx.launch --backend ring "
+                        "-n 2 -- mlx-tracer serve --distributed ...; rank 0 serves HTTP (signal it to stop every rank)")
     s.add_argument("--no-warmup", dest="warmup", action="store_false", help="do not trace the buckets before serving")
     s.add_argument("--log-level", choices=LOG_LEVELS, default="warning", help="uvicorn's log level (info: access log too)")
     s.set_defaults(func=serve)
@@ -98,16 +101,22 @@ def serve(args) -> int:
     try:
         from ..serve.app import create_app
         from ..serve.server import address, bind, model_id, run
+        from ..serve.ranks import Leader
         from ..serve.worker import EngineWorker
         from ..runtime.prefix_cache import PrefixCache
     except ImportError as e:
         log(f"mlx-tracer: error: the server needs the serve extra: pip install 'mlx-tracer[serve]' ({e})")
         return 1
-    sock = bind(args.host, args.port)  # before the slow load: a busy port fails now
+    # only rank 0 of a --distributed run serves HTTP (mlx.launch sets MLX_RANK; the group starts with the load)
+    primary = not args.distributed or os.environ.get("MLX_RANK", "0") == "0"
+    sock = bind(args.host, args.port) if primary else None  # before the slow load: a busy port fails now
     try:
         prefix_cache = PrefixCache(args.prefix_cache_mb << 20) if args.prefix_cache_mb else None
         gen = load_generator(args, prefix_cache=prefix_cache, prefill_step_tokens=args.prefill_step_tokens)
-        worker = EngineWorker(gen, model_id(args.model), max_queue=args.max_queue)
+        if not gen.is_primary:
+            return _follow(gen)
+        leader = Leader(gen) if args.distributed else None
+        worker = EngineWorker(leader or gen, model_id(args.model), max_queue=args.max_queue)
         if args.warmup:
             log(f"tracing buckets {list(gen.engine.buckets)} ...")
         worker.start(warmup=gen.engine.buckets if args.warmup else None)
@@ -116,11 +125,32 @@ def serve(args) -> int:
         key = args.api_key or os.environ.get(API_KEY_ENV) or None
         try:
             app = create_app(worker, timeout=args.timeout, max_request_bytes=args.max_request_bytes, api_key=key)
+            ranks = f"; rank 0 of {gen.world_size}, pid {os.getpid()}: signal it to stop every rank" if args.distributed else ""
             log(f"serving {worker.model_id} at {address(sock)}/v1 (also /health, /metrics)"
-                + ("; /v1 needs the API key" if key else "") + "; Ctrl-C stops")
-            run(app, sock, args.log_level, grace=args.shutdown_grace)
+                + ("; /v1 needs the API key" if key else "") + "; Ctrl-C stops" + ranks)
+            failed = (lambda: leader.stalled() or worker.error and "the engine stopped") if leader else None
+            run(app, sock, args.log_level, grace=args.shutdown_grace, stop_when=failed)
         finally:
+            stuck = leader and leader.stalled()
+            if stuck:  # the engine thread waits inside MLX on a peer that is gone: nothing can end it but exiting
+                log(f"mlx-tracer: error: the sharded server stopped: {stuck}")
+                os._exit(1)
             worker.stop()
     finally:
-        sock.close()
+        if sock is not None:
+            sock.close()
+    if leader and worker.error is not None:  # a rank died (or could not be stopped): exit 1
+        log(f"mlx-tracer: error: the sharded server stopped: {worker.error}")
+        return 1
+    return 0
+
+
+def _follow(gen) -> int:
+    """A rank other than 0 of ``serve --distributed``: rank 0's steps until it stops the group."""
+    from ..serve.ranks import follow
+
+    me = f"rank {gen.rank}/{gen.world_size}"
+    log(f"mlx-tracer serve: {me}: following rank 0 (it serves HTTP; this rank's pid {os.getpid()})")
+    done = follow(gen, log=log)  # a failed peer raises DistributedError: main() reports it, exit 1
+    log(f"mlx-tracer serve: {me}: stopped by rank 0 after {done}")
     return 0

@@ -27,6 +27,8 @@ def benchmark(args) -> int:
 
 def _bench_tables(args, conditions) -> dict:
     from .. import bench
+    from ..runtime.options import check_kv
+    from . import options as opt
     from ..backend import blas
 
     log(f"BLAS: {blas.status().note}")
@@ -35,20 +37,37 @@ def _bench_tables(args, conditions) -> dict:
     machine = bench.Machine.measure()
     bw = ", ".join(f"{size >> 20} MB {gbps:.1f}" for size, gbps in sorted(machine.copy_gbps.items()))
     log(f"  bandwidth GB/s by size: {bw}; fp32 GEMM {machine.gemm_gflops:.1f} GFLOP/s; "
-        f"cores' peak {machine.peak_gflops:.0f} GFLOP/s (the roofline's FLOP ceiling)")
+        f"cores' peak {machine.peak_gflops:.0f} GFLOP/s float32, {machine.int8_rate:.0f} G int8 ops/s "
+        "(the roofline's compute ceilings)")
     if args.baseline:
         log("stock mlx-lm as a user runs it (reference BLAS, weights as loaded): a subprocess, runs in turn with the others")
+    peer, peer_note = bench.start_peer(args.peer_python) if args.peer else (None, "llama.cpp: skipped (--no-peer)")
+    print(peer_note)
+    peer_meta = {"ran": False, "note": peer_note, "threads": bench.peer_threads(), "models": {}}
+    if peer is not None:
+        peer_meta.update(version=peer.info.get("version"), python=peer.info.get("python"),
+                         system_info=peer.info.get("system_info"))
     print(bench.UNITS)
     print(bench.HEADER, flush=True)
     rows = []
-    with (bench.BaselineWorker() if args.baseline else contextlib.nullcontext()) as worker:
+    with contextlib.ExitStack() as workers:
+        if peer is not None:
+            workers.enter_context(peer)
+        worker = workers.enter_context(bench.BaselineWorker()) if args.baseline else None
         for name in args.models:
             model, label = bench.load_bench_model(name, args.model, weights=args.weights, log=log)
             log(f"{label}: buckets {list(args.buckets)}, contexts {list(args.contexts)}, {args.tokens} tokens x {args.runs} runs")
             if worker is not None:
                 worker.load(name, args.model)
+            model_peer, note = _peer_for(bench, peer, name, args.model, label)
+            if note and peer is not None:
+                print(note, flush=True)
+            if peer is not None:
+                peer_meta["models"][label] = note or "ran"
             rows += bench.bench_model(model, label, args.buckets, args.contexts, args.tokens, args.runs, machine,
-                                      on_row=lambda row: print(bench.format_row(row), flush=True), baseline=worker)
+                                      on_row=lambda row: print(bench.format_row(row), flush=True), baseline=worker,
+                                      kv=check_kv(**opt.kv_options(args)), peer=model_peer, peer_note=note or peer_note)
+            peer_meta["ran"] = peer_meta["ran"] or model_peer is not None
             del model  # freed before the next model loads
     steady = None
     if args.steady_steps:
@@ -59,8 +78,24 @@ def _bench_tables(args, conditions) -> dict:
             f"step {steady['step_late']}: {steady['tps_late']:.1f} tok/s ({steady['late_over_early']:.3f}x), "
             f"traces {steady['traces_at_early']} -> {steady['traces_at_end']}"
         )
-    meta = {"tokens": args.tokens, "runs": args.runs, "blas": blas.status().note}
+    meta = {"tokens": args.tokens, "runs": args.runs, "blas": blas.status().note, "peer": peer_meta,
+            "peak_memory": bench.PEAK_MEMORY}
     return {"machine": machine, "rows": rows, "steady": steady, "meta": meta}
+
+
+def _peer_for(bench, peer, name: str, path, label: str):
+    """``(peer, None)`` with the GGUF file of bench model ``name`` loaded in
+    llama.cpp, or ``(None, why not)`` (no peer: its own note says why)."""
+    if peer is None:
+        return None, None
+    gguf = bench.gguf_file(name, path)
+    if gguf is None:
+        return None, f"llama.cpp: skipped for {label} (not a GGUF file; the peer runs the same file as the others)"
+    try:
+        peer.load(gguf, bench.peer_threads())
+    except bench.WorkerError as e:
+        return None, f"llama.cpp: skipped for {label} ({e})"
+    return peer, None
 
 
 def info(args) -> int:

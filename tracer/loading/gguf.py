@@ -2,9 +2,14 @@
 
 ``mx.load`` reads GGUF natively: Q4_0/Q4_1/Q8_0 tensors come back as MLX
 affine-quantized triples (``weight`` packed in uint32, ``scales``, ``biases``;
-group size 32), other tensors as plain arrays. It opens the file for writing,
-so a file that cannot be written is read by :mod:`.gguf_readonly` instead,
-which builds the same arrays. This module
+group size 32), other tensors as plain arrays: other quantized types cast to
+float16. Q4_K tensors (most of a Q4_K_M file) are then replaced by exact
+affine 4-bit triples too (group 32, float32 scales and biases:
+:func:`.gguf_readonly.q4_k_affine`), read from the file's own bytes; Q6_K,
+Q5_K and the rest stay MLX's float16 (their 6-/5-bit values, sub-blocks of
+16 with int8 scales for Q6_K, have no exact 4-/8-bit affine form). MLX's
+reader opens the file for writing, so a file that cannot be written is read
+by :mod:`.gguf_readonly` instead, which builds the same arrays. This module
 
 * maps llama.cpp tensor names onto mlx-lm's llama module tree, quantizing each
   layer with the bits / group size read off its triple, so the model runs on
@@ -27,7 +32,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .gguf_readonly import load as readonly_load
-from .gguf_readonly import opens_for_writing, scan
+from .gguf_readonly import opens_for_writing, scan, with_q4_k
 
 __all__ = [
     "read_gguf", "meta_value", "build_model", "convert_weights", "mlx_name",
@@ -77,7 +82,8 @@ def read_gguf(path: Union[str, Path]) -> Tuple[Dict[str, mx.array], dict]:
         )
     try:
         if opens_for_writing(p):
-            return mx.load(str(p), return_metadata=True)
+            weights, meta = mx.load(str(p), return_metadata=True)
+            return with_q4_k(weights, p), meta  # Q4_K as 4-bit blocks, not MLX's float16
         return readonly_load(p)  # MLX's reader would open it for writing (gguf_readonly)
     except Exception as e:  # MLX raises RuntimeError/ValueError on bad data
         cause = _damage(p) or str(e)
@@ -88,14 +94,22 @@ def read_gguf(path: Union[str, Path]) -> Tuple[Dict[str, mx.array], dict]:
         ) from e
 
 
+# tensor types MLX 0.32's GGUF reader cannot convert ("gguf_tensor_to_f16 failed")
+_MLX_CANNOT = {6: "Q5_0", 7: "Q5_1", 11: "Q3_K", 13: "Q5_K"}
+
+
 def _damage(p: Path):
     """What is wrong with a file MLX could not read, when the layout shows it (else None)."""
     import numpy as np
 
     try:
-        scan(np.memmap(p, dtype=np.uint8, mode="r"))
+        _, tensors = scan(np.memmap(p, dtype=np.uint8, mode="r"))
     except Exception as e:
         return str(e)
+    cannot = sorted({_MLX_CANNOT[t] for _, _, t, _, _ in tensors if t in _MLX_CANNOT})
+    if cannot:
+        return (f"it holds {', '.join(cannot)} tensors, which MLX's GGUF reader cannot load; a file "
+                f"quantized to Q4_0, Q4_1, Q8_0, Q4_K (with Q6_K), Q2_K or float loads")
     return None
 
 

@@ -16,8 +16,14 @@ for the tensor types llama GGUF files use here:
   scale`` (its int8 weights become ``x ^ 0x80``), Q4_1 stores its bias
   (the block's min) after the scale.
 
-A file holding any other tensor type is loaded by ``mx.load`` from a
-temporary copy instead, said once on stderr. Metadata follows MLX too:
+One type differs from ``mx.load`` on purpose: **Q4_K**, which MLX casts to
+float16, becomes an affine 4-bit triple too (:func:`q4_k_affine`: group 32,
+float32 scales and biases, exactly ggml's values), here and, through
+:func:`with_q4_k`, after ``mx.load`` (:func:`mlx_tracer.loading.gguf.read_gguf`).
+
+A file holding any other tensor type (Q6_K, Q5_K, ...) is loaded by
+``mx.load`` from a temporary copy instead, said once on stderr, its Q4_K
+tensors then replaced by their triples. Metadata follows MLX too:
 scalars as 0-d arrays of their type, strings as ``str``, arrays as 1-d
 arrays or lists of ``str``; float64 values become float32, as MLX's code
 means them to (MLX 0.32 itself crashes on them).
@@ -41,10 +47,13 @@ STRING, ARRAY = 8, 9
 # metadata value type -> numpy type of its bytes
 _VALUES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
 BOOL, FLOAT64 = 7, 12
-F32, F16, Q4_0, Q4_1, Q8_0 = 0, 1, 2, 3, 8
+F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 0, 1, 2, 3, 8, 12, 14
 _FLOATS = {F32: "<f4", F16: "<f2"}
 _BLOCKS = {Q4_0: (18, 4), Q4_1: (20, 4), Q8_0: (34, 8)}  # bytes per block of 32 weights, bits
 GROUP = 32
+QK_K = 256  # weights per k-quant superblock
+_SUPER = {10: 84, 11: 110, Q4_K: 144, 13: 176, Q6_K: 210}  # bytes per superblock (Q2_K..Q6_K): sizes, bounds
+_BUILT = {Q4_K}  # the k-quants built here (the others: mx.load's float16, or MLX cannot read them)
 TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
               11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 30: "BF16"}
 
@@ -144,10 +153,15 @@ def scan(buf: np.ndarray) -> Tuple[dict, List[tuple]]:
             if shape[-1] % GROUP:
                 raise ValueError(f"tensor {name}: last dimension {shape[-1]} is not a multiple of {GROUP}")
             size = count // GROUP * _BLOCKS[ttype][0]
+        elif ttype in _SUPER:
+            if not shape or shape[-1] % QK_K:
+                raise ValueError(f"tensor {name} ({TYPE_NAMES[ttype]}): its rows ({shape[-1] if shape else 0} "
+                                 f"weights) are not whole superblocks of {QK_K}; the file is corrupt")
+            size = count // QK_K * _SUPER[ttype]
         else:
             size = count * np.dtype(_FLOATS.get(ttype, "u1")).itemsize  # other types: checked by the caller
         start = data + offset
-        if ttype in _FLOATS or ttype in _BLOCKS:
+        if ttype in _FLOATS or ttype in _BLOCKS or ttype in _SUPER:
             if start + size > buf.size:
                 raise ValueError(f"tensor {name} ends at byte {start + size}, past the end of the file "
                                  f"({buf.size} bytes): it is truncated")
@@ -175,13 +189,77 @@ def _quantized(raw: np.ndarray, shape: tuple, ttype: int):
     return mx.array(weight), mx.array(scales), mx.array(biases)
 
 
+def q4_k_affine(raw: np.ndarray, shape: tuple) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """MLX affine 4-bit triple (packed uint32, float32 scales, float32 biases;
+    group 32) of one Q4_K tensor's bytes ``raw``, equal to ggml's dequantization.
+
+    A Q4_K superblock (144 bytes, 256 weights) is fp16 ``d``, fp16 ``dmin``,
+    12 bytes of 6-bit scales ``sc`` and mins ``m`` of its 8 sub-blocks of 32
+    (ggml's ``get_scale_min_k4``: sub-blocks 0-3 in the low 6 bits of bytes
+    0-3 / 4-7; 4-7 in the nibbles of bytes 8-11, high 2 bits in the top bits of
+    bytes 0-3 / 4-7), then 128 bytes of quants: each 32-byte chunk ``c`` holds
+    sub-block ``2c`` in its low nibbles and ``2c + 1`` in its high ones. Weight
+    ``d*sc * q - dmin*m`` is the affine group's ``scale * q + bias`` with
+    ``scale = d*sc`` and ``bias = -(dmin*m)``, both exact in float32 (an fp16
+    times a 6-bit integer). MLX packs weight ``i`` of a row at bits
+    ``4*(i%8)`` of word ``i/8``: byte ``k`` holds weights ``2k`` (low nibble)
+    and ``2k+1``.
+    """
+    if not shape or shape[-1] % QK_K:
+        raise ValueError(f"a Q4_K tensor's rows must be whole superblocks of {QK_K} weights, not {shape[-1] if shape else 0}")
+    b = np.asarray(raw, dtype=np.uint8).reshape(-1, _SUPER[Q4_K])  # (n superblocks, 144)
+    n = b.shape[0]
+    d = np.ascontiguousarray(b[:, 0:2]).view("<f2").astype(np.float32)  # (n, 1)
+    dmin = np.ascontiguousarray(b[:, 2:4]).view("<f2").astype(np.float32)
+    lo, mid, hi = b[:, 4:8], b[:, 8:12], b[:, 12:16]  # scale bytes 0-3, 4-7, 8-11
+    sc = np.concatenate([lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)], axis=1)  # (n, 8) sub-block scales
+    m = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=1)  # (n, 8) sub-block mins
+    scales = d * sc.astype(np.float32)
+    biases = -(dmin * m.astype(np.float32))
+    qs = b[:, 16:].reshape(n, 4, 16, 2)  # chunk, pair of bytes
+    even, odd = qs[..., 0], qs[..., 1]  # quants 2k and 2k+1 of both sub-blocks of a chunk
+    first = (even & 0x0F) | (odd << 4)  # sub-block 2c: low nibbles (uint8: the shift drops odd's high one)
+    second = (even >> 4) | (odd & 0xF0)  # sub-block 2c+1: high nibbles
+    packed = np.stack([first, second], axis=2).reshape(n, QK_K // 2)
+    groups = tuple(shape[:-1]) + (shape[-1] // GROUP,)
+    weight = np.ascontiguousarray(packed).view("<u4").reshape(tuple(shape[:-1]) + (shape[-1] // 8,))
+    return weight, scales.reshape(groups), biases.reshape(groups)
+
+
+def _put_triple(weights: dict, name: str, triple) -> None:
+    prefix = name[: -len(".weight")]  # as MLX: the name less 7 characters
+    for key, value in zip((name, f"{prefix}.scales", f"{prefix}.biases"), triple):
+        if key in weights:
+            raise ValueError(f"tensor {key} appears twice")
+        weights[key] = mx.array(value)
+
+
+def with_q4_k(weights: Dict[str, mx.array], path: Path) -> Dict[str, mx.array]:
+    """``mx.load``'s ``weights`` of ``path`` with each Q4_K tensor (float16
+    there) replaced by its exact affine triple (:func:`q4_k_affine`). Changes
+    ``weights`` in place and returns it."""
+    if not any(v.dtype == mx.float16 for v in weights.values()):
+        return weights  # MLX returns Q4_K tensors as float16: none here
+    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    for name, shape, ttype, start, size in scan(buf)[1]:
+        if ttype != Q4_K:
+            continue
+        if name not in weights or weights[name].dtype != mx.float16:
+            raise ValueError(f"tensor {name} (Q4_K) is not among MLX's float16 tensors of the file")
+        del weights[name]
+        _put_triple(weights, name, q4_k_affine(buf[start:start + size], shape))
+    return weights
+
+
 def read(path: Path) -> Tuple[Dict[str, mx.array], dict]:
     """``(weights, metadata)`` as ``mx.load`` gives them, the file opened
-    read-only. Raises :class:`UnsupportedTypes` for tensor types not covered,
+    read-only, but Q4_K tensors as their affine triples (:func:`q4_k_affine`).
+    Raises :class:`UnsupportedTypes` for tensor types not covered,
     ``ValueError`` for a damaged file."""
     buf = np.memmap(path, dtype=np.uint8, mode="r")
     meta, tensors = scan(buf)
-    other = sorted({TYPE_NAMES.get(t, str(t)) for _, _, t, _, _ in tensors if t not in _FLOATS and t not in _BLOCKS})
+    other = sorted({TYPE_NAMES.get(t, str(t)) for _, _, t, _, _ in tensors
+                    if t not in _FLOATS and t not in _BLOCKS and t not in _BUILT})
     if other:
         raise UnsupportedTypes(other)
     weights = {}
@@ -195,6 +273,8 @@ def read(path: Path) -> Tuple[Dict[str, mx.array], dict]:
         raw = buf[start:start + size]
         if ttype in _FLOATS:
             put(name, mx.array(raw.view(_FLOATS[ttype]).reshape(shape)))
+        elif ttype == Q4_K:
+            _put_triple(weights, name, q4_k_affine(raw, shape))
         else:
             weight, scales, biases = _quantized(raw, shape, ttype)
             put(name, weight)
@@ -206,7 +286,8 @@ def read(path: Path) -> Tuple[Dict[str, mx.array], dict]:
 
 def load(path: Path) -> Tuple[Dict[str, mx.array], dict]:
     """:func:`read`, or, for a file with other tensor types, ``mx.load`` of a
-    temporary copy (said once on stderr)."""
+    temporary copy (said once on stderr) with its Q4_K tensors as triples
+    (:func:`with_q4_k`)."""
     try:
         return read(path)
     except UnsupportedTypes as e:
@@ -218,4 +299,5 @@ def load(path: Path) -> Tuple[Dict[str, mx.array], dict]:
     with tempfile.TemporaryDirectory(prefix="mlx-tracer-gguf-") as tmp:
         copy = Path(tmp) / path.name
         shutil.copyfile(path, copy)
-        return mx.load(str(copy), return_metadata=True)
+        weights, meta = mx.load(str(copy), return_metadata=True)
+    return with_q4_k(weights, path), meta

@@ -19,7 +19,7 @@ from typing import List, Optional, Sequence
 
 from ..caches.batch import StaticKVCache
 from .batch import RunningBatch
-from .prefill import feed_windows, prefill, prefill_windows, start_caches
+from .prefill import feed_windows, fork_rows, forked, prefill, prefill_windows, start_caches
 from .requests import Request
 from .scheduler import Scheduler
 from .step import CompiledModel, bucket_for
@@ -38,10 +38,13 @@ class PrefillJob:
 
     def _run(self, compiled, buckets, windows):
         for g in self.groups:
-            caches = start_caches(compiled, g, bucket_for(len(g), buckets))
-            yield from feed_windows(compiled, caches, [r.prompt[:-1] for r in g], windows)
+            lead = g[:1] if forked(g) else g  # the choices of one prompt: prefilled once
+            caches = start_caches(compiled, lead, bucket_for(len(lead), buckets))
+            yield from feed_windows(compiled, caches, [r.prompt[:-1] for r in lead], windows)
+            if len(lead) < len(g):
+                fork_rows(caches, len(g), bucket_for(len(g), buckets))
             self.caches.append(caches)
-            self._batch.stats.prefill_tokens += sum(len(r.prompt) - 1 for r in g)
+            self._batch.stats.prefill_tokens += sum(len(r.prompt) - 1 for r in lead)
 
     def advance(self) -> None:
         """One window (evaluated); marks the job done after its last."""
@@ -100,8 +103,8 @@ class Admission:
         else:
             groups = self.scheduler.admission(len(self.batch.rows))
             stats = self.batch.stats  # the engine's current stats (reset_stats swaps them)
-            prefilled = [prefill(self.compiled, g, bucket_for(len(g), self.scheduler.buckets),
-                                 self.scheduler.prefill_windows, stats) for g in groups]
+            prefilled = [prefill(self.compiled, g, self.scheduler.buckets, self.scheduler.prefill_windows, stats)
+                         for g in groups]
         new, ready = [], []
         for g, caches in zip(groups, prefilled):
             live = [i for i, r in enumerate(g) if not r.finished]  # cancelled while it prefilled: left out

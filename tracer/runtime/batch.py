@@ -18,6 +18,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..caches.batch import StaticKVCache
+from .options import MAX_TOP_LOGPROBS
+from .processors import bias_buffer, processor_inputs, window_of
 from .requests import EngineStats, Request, TokenEvent
 from .sampling import sampler_inputs
 from .step import CompiledModel, StepResult, bucket_for
@@ -43,6 +45,7 @@ class RunningBatch:
         self.caches: Optional[List[StaticKVCache]] = None
         self.pipeline: Deque[InflightStep] = deque()
         self._last_read = 0.0
+        self._bias: tuple = (None, None)  # (what it was built for, the [Bk, V] logit-bias buffer)
 
     @property
     def width(self) -> int:
@@ -75,8 +78,27 @@ class RunningBatch:
         idx = mx.array(keep, dtype=mx.int32)
         for step in self.pipeline:
             r = step.result
-            r.tokens, r.logprobs = _rows(r.tokens, idx, width), _rows(r.logprobs, idx, width)
-            r.keys = None if r.keys is None else _rows(r.keys, idx, width)
+            for name in r.ROW_ARRAYS:
+                if getattr(r, name) is not None:
+                    setattr(r, name, _rows(getattr(r, name), idx, width))
+
+    # ------------------------------------------------- per-row step inputs
+    def _processors(self, width: int, windows=None) -> Optional[dict]:
+        """The rows' logits-processor arrays (None when no row has a penalty or
+        a bias); ``windows``: the newest step's (on the device), else the rows' own."""
+        if not any(r.sampling.processes_logits for r in self.rows):
+            return None
+        params = [r.sampling for r in self.rows]
+        built_for = (width, tuple(p.logit_bias for p in params))
+        if self._bias[0] != built_for:  # rebuilt when the rows or their biases change, not every step
+            self._bias = (built_for, bias_buffer(params, width, self.compiled.vocab_size))
+        if windows is None:
+            windows = [window_of(r.penalty_context) for r in self.rows]
+        return processor_inputs(params, windows, self._bias[1], width)
+
+    def _top(self) -> int:
+        """Alternatives the step returns: the most any row asks for, as one static size."""
+        return MAX_TOP_LOGPROBS if any(r.sampling.top_logprobs for r in self.rows) else 0
 
     # ---------------------------------------------------------- decode
     def dispatch(self):
@@ -85,6 +107,7 @@ class RunningBatch:
         t0 = time.perf_counter()
         width = self.width
         greedy = all(r.sampling.greedy for r in self.rows)
+        windows = None
         if not self.pipeline:
             inputs = np.zeros((width, 1), dtype=np.int32)
             inputs[: len(self.rows), 0] = [r.next_input for r in self.rows]
@@ -92,9 +115,10 @@ class RunningBatch:
             keys = None if greedy else [r.key for r in self.rows]
         else:
             prev = self.pipeline[-1].result
-            inputs, keys = prev.tokens[:, None], prev.keys
+            inputs, keys, windows = prev.tokens[:, None], prev.keys, prev.window
         sampler = None if greedy else sampler_inputs([r.sampling for r in self.rows], keys, width)
-        result = self.compiled.step(self.caches, inputs, sampler)
+        result = self.compiled.step(self.caches, inputs, sampler, processors=self._processors(width, windows),
+                                    top=self._top())
         host_s = time.perf_counter() - t0
         # (on the CPU, async_eval waits while MLX's task queue is full: that is not host time)
         mx.async_eval(*result.arrays(), [c.state for c in self.caches])
@@ -106,12 +130,14 @@ class RunningBatch:
         tokens = step.result.tokens.tolist()  # waits for the step
         logprobs = step.result.logprobs.tolist()
         keys = None if step.result.keys is None else np.array(step.result.keys)
+        top = _top_lists(step.result.top_tokens, step.result.top_logprobs)
         self.pipeline.popleft()
         events = []
         for i, r in enumerate(self.rows):
             if keys is not None:
                 r.key = keys[i]
-            events.append(r.accept(int(tokens[i]), float(logprobs[i])))
+            alts = top[i][: r.sampling.top_logprobs] if top and r.sampling.top_logprobs else None
+            events.append(r.accept(int(tokens[i]), float(logprobs[i]), alts))
         now = time.perf_counter()
         self.stats.steps += 1
         self.stats.decode_tokens += len(self.rows)
@@ -135,9 +161,11 @@ class RunningBatch:
             ndraft[i] = len(d)
         greedy = all(r.sampling.greedy for r in self.rows)
         sampler = None if greedy else sampler_inputs([r.sampling for r in self.rows], [r.key for r in self.rows], width)
-        out = self.compiled.verify(self.caches, mx.array(tokens), ndraft, sampler)
+        out = self.compiled.verify(self.caches, mx.array(tokens), ndraft, sampler, processors=self._processors(width),
+                                   top=self._top())
         emitted, count, logprobs = np.array(out.tokens), np.array(out.count), np.array(out.logprobs)
         keys = None if out.keys is None else np.array(out.keys)
+        top = _top_lists(out.top_tokens, out.top_logprobs)
         events = []
         for i, r in enumerate(self.rows):
             if keys is not None:
@@ -146,7 +174,8 @@ class RunningBatch:
             self.stats.drafted += int(ndraft[i])
             self.stats.accepted += int(count[i]) - 1
             for j in range(int(count[i])):
-                events.append(r.accept(int(emitted[i, j]), float(logprobs[i, j])))
+                alts = top[i][j][: r.sampling.top_logprobs] if top and r.sampling.top_logprobs else None
+                events.append(r.accept(int(emitted[i, j]), float(logprobs[i, j]), alts))
                 if r.finished:
                     break
         now = time.perf_counter()
@@ -161,6 +190,18 @@ class RunningBatch:
         """Whether some row still needs a token after the steps in flight."""
         ahead = len(self.pipeline)
         return any(len(r.tokens) + ahead < r.max_tokens for r in self.rows)
+
+
+def _top_lists(ids: Optional[mx.array], lps: Optional[mx.array]):
+    """``[..., k]`` alternatives as nested lists of ``(token id, log-probability)``
+    pairs, one list per row (and position); None when not asked for."""
+    if ids is None:
+        return None
+
+    def pairs(a, b):
+        return [pairs(x, y) for x, y in zip(a, b)] if isinstance(a[0], list) else list(zip(a, b))
+
+    return pairs(ids.tolist(), lps.tolist())
 
 
 def _rows(x: mx.array, idx: mx.array, width: int) -> mx.array:

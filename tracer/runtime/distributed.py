@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import zlib
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -189,6 +190,7 @@ class Lockstep:
         self._next_uid = 0  # requests below this uid are in the checksum
         self._pending: Optional[mx.array] = None  # the last dispatched comparison [size, 2]
         self.checks = 0
+        self.waiting: Optional[Tuple[str, float]] = None  # (what, since when) while inside collective()
 
     @property
     def is_primary(self) -> bool:
@@ -198,15 +200,35 @@ class Lockstep:
     def collective(self, what: str, fn: Callable, *args, **kwargs):
         """Run ``fn(*args, **kwargs)`` (which waits on peers) under the
         watchdog, with a failed collective re-raised as :class:`DistributedError`."""
-        with self.watchdog.guard(what):
-            try:
+        outer, self.waiting = self.waiting, (what, time.monotonic())
+        try:
+            with self.watchdog.guard(what):
                 return fn(*args, **kwargs)
-            except RuntimeError as e:
-                if isinstance(e, DistributedError) or not str(e).startswith(_BACKEND_TAGS):
-                    raise
-                raise DistributedError(
-                    f"rank {self.rank}/{self.size}: {what} failed: {e}; another rank probably died (see its output)"
-                ) from e
+        except RuntimeError as e:
+            if isinstance(e, DistributedError) or not str(e).startswith(_BACKEND_TAGS):
+                raise
+            raise DistributedError(
+                f"rank {self.rank}/{self.size}: {what} failed: {e}; another rank probably died "
+                f"(lost {self.peers()}: see its output)"
+            ) from e
+        finally:
+            self.waiting = outer
+
+    def stalled(self, seconds: float) -> Optional[str]:
+        """What this rank has been waiting on its peers for, longer than
+        ``seconds`` (None: nothing). Any thread may ask: a collective lets go of
+        the GIL while it waits, and when a peer dies MLX's ring backend
+        sometimes leaves it waiting for good instead of raising."""
+        waiting = self.waiting
+        if waiting is None or time.monotonic() - waiting[1] <= seconds:
+            return None
+        return (f"rank {self.rank}/{self.size}: {waiting[0]} made no progress for {seconds:g} s: lost {self.peers()} "
+                "(it died or hangs: see its output)")
+
+    def peers(self) -> str:
+        """The other ranks, in words (``"rank 1"``; ``"one of ranks 0, 2, 3"``)."""
+        others = [r for r in range(self.size) if r != self.rank]
+        return f"rank {others[0]}" if len(others) == 1 else "one of ranks " + ", ".join(map(str, others))
 
     def shared_seed(self) -> int:
         """One random seed, equal on every rank (rank 0's, all-summed)."""
@@ -280,6 +302,18 @@ def rank0_text(group: mx.distributed.Group, text: str, size: int = 64) -> str:
         raw[: len(data)] = list(data)
     summed = np.array(mx.distributed.all_sum(mx.array(raw), group=group))
     return bytes(summed[summed > 0].astype(np.uint8).tolist()).decode()
+
+
+def rank0_bytes(group: mx.distributed.Group, tag: int = 0, data: bytes = b"") -> Tuple[int, bytes]:
+    """Rank 0's ``(tag, data)`` on every rank (the others' arguments are
+    ignored): one all-sum of ``[tag, len(data)]``, then, when there are bytes,
+    one of the bytes (``uint8``, zeros from every other rank)."""
+    head = np.array([tag, len(data)] if group.rank() == 0 else [0, 0], dtype=np.int32)
+    tag, n = np.array(mx.distributed.all_sum(mx.array(head), group=group)).tolist()
+    if n == 0:
+        return tag, b""
+    raw = np.frombuffer(data, dtype=np.uint8) if group.rank() == 0 else np.zeros(n, dtype=np.uint8)
+    return tag, np.array(mx.distributed.all_sum(mx.array(raw), group=group)).tobytes()
 
 
 def load_sharded(load: Callable, path, progress: bool = True, weights: str = "auto", log=lambda s: None):

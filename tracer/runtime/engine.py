@@ -31,7 +31,7 @@ from .batch import RunningBatch
 from .drafters import make_drafter
 from .options import (
     DEFAULT_BUCKETS, DEFAULT_DRAFT_TOKENS, DEFAULT_MAX_TOKENS, DEFAULT_PREFILL_CHUNKS, DEFAULT_PREFILL_STEP_TOKENS,
-    DEFAULT_SPEC_POLICY, EngineOptions,
+    DEFAULT_KV_GROUP_SIZE, DEFAULT_SPEC_POLICY, PENALTY_CONTEXT, EngineOptions, OptionError,
     check_buckets, check_capacities, check_engine_options, check_max_tokens, check_token_ids,
 )
 from .admission import Admission
@@ -83,6 +83,11 @@ class Engine:
         prefix_cache: a :class:`PrefixCache` the engine looks every new
             prompt up in (``add`` without ``cache=``: a hit continues from its
             caches) and stores every retiring row in.
+        kv_bits, kv_group_size, kv_dtype: how the caches store keys and
+            values (mlx-lm's names): ``kv_bits`` 4 or 8 quantizes them in
+            groups of ``kv_group_size`` (mlx-lm's ``QuantizedKVCache``
+            layout); ``kv_dtype`` "float16"/"bfloat16" halves them; neither:
+            as the model computes them.
 
     Options are checked by :func:`~mlx_tracer.runtime.options.check_engine_options`
     (:class:`~mlx_tracer.runtime.options.OptionError` names the bad one);
@@ -103,10 +108,14 @@ class Engine:
         rng: Optional[np.random.Generator] = None,
         prefix_cache: Optional[PrefixCache] = None,
         prefill_step_tokens: int = DEFAULT_PREFILL_STEP_TOKENS,
+        kv_bits: Optional[int] = None,
+        kv_group_size: int = DEFAULT_KV_GROUP_SIZE,
+        kv_dtype: Optional[str] = None,
     ):
         # checked before the probe forward: bad input fails fast
         options = check_engine_options(buckets, prefill_chunks, speculative, draft_tokens, spec_policy,
-                                       prefill_step_tokens=prefill_step_tokens)
+                                       prefill_step_tokens=prefill_step_tokens, kv_bits=kv_bits,
+                                       kv_group_size=kv_group_size, kv_dtype=kv_dtype)
         self._build(model, options, speculative, capacities, batched_prefill, on_retire, rng, prefix_cache)
 
     @classmethod
@@ -119,7 +128,11 @@ class Engine:
         return engine
 
     def _build(self, model, options: EngineOptions, speculative, capacities, batched_prefill, on_retire, rng, prefix_cache):
-        self.compiled = model if isinstance(model, CompiledModel) else CompiledModel(model, check_capacities(capacities))
+        if isinstance(model, CompiledModel) and options.kv is not None and options.kv != model.kv:
+            raise OptionError("kv_bits", f"the CompiledModel stores K/V as {model.kv.describe()}, the options ask for "
+                                         f"{options.kv.describe()}: pass kv=... to CompiledModel, or the model itself")
+        self.compiled = model if isinstance(model, CompiledModel) else CompiledModel(model, check_capacities(capacities),
+                                                                                    kv=options.kv)
         drafter = make_drafter(speculative, self.compiled.vocab_size, options.buckets) if options.draft_tokens else None
         batched = mx.default_device() == mx.gpu if batched_prefill is None else batched_prefill
         self.scheduler = Scheduler(options.buckets, options.prefill_chunks, self.compiled.vocab_size,
@@ -206,21 +219,43 @@ class Engine:
         ``prompt``; the request continues from them instead of prefilling it.
         Without them, an engine with a prefix cache continues from the
         longest cached prefix of ``prompt`` (see :meth:`cached_tokens`).
+        The penalties of ``sampling`` count the tokens of ``prompt`` (all of
+        them, also those a prefix cache serves), not those of ``cache``.
         """
+        return self.add_choices(prompt, 1, max_tokens, sampling, stop_ids, cache)[0]
+
+    def add_choices(
+        self,
+        prompt: Sequence[int],
+        n: int,
+        max_tokens: int = DEFAULT_MAX_TOKENS,
+        sampling: SamplingParams = GREEDY,
+        stop_ids: Iterable[int] = (),
+        cache: Optional[Sequence] = None,
+    ) -> List[int]:
+        """Queue ``n`` completions of one prompt (as :meth:`add`); returns their
+        uids. They join the batch together (``n`` must fit the largest bucket),
+        from one prefill: the prompt's row is prefilled once and copied. Choice
+        ``i`` samples with seed ``sampling.seed + i`` (when given)."""
         if cache or self.prefixes is None:
             context = self.compiled.layout.check_serial(cache) if cache else 0
-            return self.scheduler.add(prompt, max_tokens, sampling, stop_ids, cache, context).uid
+            prompt = check_token_ids(prompt, self.vocab_size)
+            return [r.uid for r in self.scheduler.enqueue_choices(prompt, n, max_tokens, sampling, stop_ids, cache, context)]
         prompt = check_token_ids(prompt, self.vocab_size)  # before the lookup
         hit = self.prefixes.lookup(prompt)
         try:
-            req = self.scheduler.enqueue(prompt[hit.tokens:] if hit else prompt, max_tokens, sampling, stop_ids,
-                                         hit.caches if hit else None, self.compiled.layout.check_serial(hit.caches) if hit else 0)
+            reqs = self.scheduler.enqueue_choices(prompt[hit.tokens:] if hit else prompt, n, max_tokens, sampling,
+                                                  stop_ids, hit.caches if hit else None,
+                                                  self.compiled.layout.check_serial(hit.caches) if hit else 0)
         except ValueError:  # an OptionError, or caches check_serial refuses
             if hit is None:
                 raise
-            hit, req = None, self.scheduler.enqueue(prompt, max_tokens, sampling, stop_ids)  # never depend on the cache
-        self.prefixes.started(req.uid, prompt, hit)
-        return req.uid
+            hit, reqs = None, self.scheduler.enqueue_choices(prompt, n, max_tokens, sampling, stop_ids)  # never depend on the cache
+        for req in reqs:
+            if hit:
+                req.history = prompt[: hit.tokens][-PENALTY_CONTEXT:]  # the penalties count the whole prompt
+            self.prefixes.started(req.uid, prompt, hit)
+        return [r.uid for r in reqs]
 
     def check_room(self, prompt_tokens: int, max_tokens: int) -> None:
         """Raise the ``OptionError`` :meth:`add` would raise for a prompt of

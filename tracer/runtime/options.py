@@ -16,7 +16,10 @@ import numbers
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, List, Optional, Sequence, Tuple, Union
+
+if TYPE_CHECKING:  # the caches import mlx-lm: not before the options are checked
+    from ..caches.storage import KVFormat
 
 DEFAULT_BUCKETS = (1, 2, 4, 8)  # batch widths: one trace each, so a few powers of two
 # Prefill windows: one trace per length. Longer windows gain little per token
@@ -28,6 +31,10 @@ DEFAULT_DRAFT_TOKENS = 4
 SPEC_POLICIES = ("auto", "always")
 DEFAULT_SPEC_POLICY = "auto"
 SEED_LIMIT = 2**63
+KV_BITS = (4, 8)  # quantized keys and values (mlx-lm's kv_bits)
+KV_GROUP_SIZES = (32, 64, 128)  # what mx.quantize takes
+DEFAULT_KV_GROUP_SIZE = 64  # mlx-lm's
+KV_DTYPES = ("float32", "float16", "bfloat16")
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 # Upper bounds of the size options, checked before anything loads: past them a
@@ -70,6 +77,7 @@ class EngineOptions:
     draft_tokens: int = 0  # drafts per row and verify step; 0: not speculative
     spec_policy: str = DEFAULT_SPEC_POLICY
     prefill_step_tokens: int = DEFAULT_PREFILL_STEP_TOKENS  # 0: newcomers prefilled whole
+    kv: Optional["KVFormat"] = None  # how the caches store keys and values (None: as the model computes them)
 
 
 @dataclass(frozen=True)
@@ -176,24 +184,58 @@ def check_prefill_step_tokens(n) -> int:
     return int(n)
 
 
+def check_kv(kv_bits=None, kv_group_size=DEFAULT_KV_GROUP_SIZE, kv_dtype=None) -> Optional["KVFormat"]:
+    """How the caches store keys and values, with mlx-lm's names: ``kv_bits``
+    (4 or 8: affine-quantized in groups of ``kv_group_size`` = 32, 64 or 128
+    along the head dimension) or ``kv_dtype`` ("float32", "float16",
+    "bfloat16"); neither: as the model computes them. Whether a model's head
+    dimension takes the group size is checked when its layers are probed.
+    Returns None for the default (the caches as today)."""
+    if kv_bits is not None:
+        if not _is_int(kv_bits):
+            raise OptionTypeError("kv_bits", f"kv_bits must be 4 or 8 (or None: not quantized), got {kv_bits!r}")
+        if kv_bits not in KV_BITS:
+            raise OptionError("kv_bits", f"kv_bits must be 4 or 8 (or None: not quantized), got {kv_bits}")
+    if not _is_int(kv_group_size) or kv_group_size not in KV_GROUP_SIZES:
+        raise OptionError("kv_group_size", f"kv_group_size must be 32, 64 or 128 (what mx.quantize takes), got {kv_group_size!r}")
+    if kv_bits is None and kv_group_size != DEFAULT_KV_GROUP_SIZE:
+        raise OptionError("kv_group_size", f"kv_group_size {kv_group_size} needs kv_bits (4 or 8): it sizes the groups of "
+                                           "quantized keys and values")
+    if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+        raise OptionError("kv_dtype", f"kv_dtype must be one of {', '.join(KV_DTYPES)} (or None: the model's), "
+                                      f"got {kv_dtype!r}")
+    if kv_bits is not None and kv_dtype is not None:
+        raise OptionError("kv_dtype", f"kv_bits={kv_bits} and kv_dtype={kv_dtype!r} exclude each other (quantized keys "
+                                      "and values keep their scales in the model's dtype): pass one of them")
+    if kv_bits is None and kv_dtype is None:
+        return None
+    from ..caches.storage import KVFormat
+
+    return KVFormat(dtype=kv_dtype, bits=None if kv_bits is None else int(kv_bits), group_size=int(kv_group_size))
+
+
 def check_engine_options(buckets=DEFAULT_BUCKETS, prefill_chunks=DEFAULT_PREFILL_CHUNKS, speculative=None,
                          draft_tokens=DEFAULT_DRAFT_TOKENS, spec_policy=DEFAULT_SPEC_POLICY,
-                         paths: bool = False, prefill_step_tokens=DEFAULT_PREFILL_STEP_TOKENS) -> EngineOptions:
+                         paths: bool = False, prefill_step_tokens=DEFAULT_PREFILL_STEP_TOKENS,
+                         kv_bits=None, kv_group_size=DEFAULT_KV_GROUP_SIZE, kv_dtype=None) -> EngineOptions:
     """Every engine option at once (``paths``: ``speculative`` may be a draft model's path)."""
     buckets = check_buckets(buckets)
     spec_policy = check_spec_policy(spec_policy)
     chunks = check_prefill_chunks(prefill_chunks)
     k = check_draft_tokens(draft_tokens, chunks) if speculative_kind(speculative, paths) else 0
-    return EngineOptions(buckets, chunks, k, spec_policy, check_prefill_step_tokens(prefill_step_tokens))
+    return EngineOptions(buckets, chunks, k, spec_policy, check_prefill_step_tokens(prefill_step_tokens),
+                         check_kv(kv_bits, kv_group_size, kv_dtype))
 
 
 def check_generator_options(buckets=DEFAULT_BUCKETS, prefill_chunks=DEFAULT_PREFILL_CHUNKS, chat=None, system=None,
                             speculative=None, draft_tokens=DEFAULT_DRAFT_TOKENS,
                             spec_policy=DEFAULT_SPEC_POLICY,
-                            prefill_step_tokens=DEFAULT_PREFILL_STEP_TOKENS) -> GeneratorOptions:
+                            prefill_step_tokens=DEFAULT_PREFILL_STEP_TOKENS,
+                            kv_bits=None, kv_group_size=DEFAULT_KV_GROUP_SIZE, kv_dtype=None) -> GeneratorOptions:
     """A Generator's options, without a model (``speculative`` may be a draft model's path)."""
     engine = check_engine_options(buckets, prefill_chunks, speculative, draft_tokens, spec_policy, paths=True,
-                                  prefill_step_tokens=prefill_step_tokens)
+                                  prefill_step_tokens=prefill_step_tokens, kv_bits=kv_bits,
+                                  kv_group_size=kv_group_size, kv_dtype=kv_dtype)
     if chat is not None and not isinstance(chat, bool):
         raise OptionTypeError("chat", f"chat must be True, False or None, got {chat!r}")
     return GeneratorOptions(engine, chat, check_system(system))
@@ -327,6 +369,77 @@ def check_sampling(temperature, top_p, min_p, top_k, seed) -> None:
     if top_k < 0:
         raise OptionError("top_k", f"top_k must be >= 0 (0 = off), got {top_k}")
     check_seed(seed)
+
+
+# Logits processors and outputs of a request (mlx-lm's make_logits_processors; OpenAI's bounds)
+PENALTY_CONTEXT = 20  # tokens the penalties look back over (mlx-lm's repetition/presence/frequency_context_size)
+MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value: OpenAI's [-100, 100] (+-100 bans or forces a token)
+MAX_TOP_LOGPROBS = 20  # alternatives per token (OpenAI's bound); the step returns this many whenever a row asks
+MAX_CHOICES = 128  # n: completions of one prompt (OpenAI's bound); each is a row, so the largest bucket bounds it too
+
+
+def _real(name: str, v) -> float:
+    if not isinstance(v, numbers.Real) or isinstance(v, bool) or not math.isfinite(v):
+        raise OptionTypeError(name, f"{name} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def check_logits_processing(repetition_penalty, presence_penalty, frequency_penalty, logit_bias,
+                            top_logprobs) -> Tuple[Tuple[int, float], ...]:
+    """The penalties, logit bias and top_logprobs of a request (SamplingParams
+    checks itself with this); returns ``logit_bias`` as sorted ``(token id, bias)``
+    pairs. Token ids are checked against the vocabulary when the request is queued."""
+    if _real("repetition_penalty", repetition_penalty) <= 0:
+        raise OptionError("repetition_penalty", f"repetition_penalty must be > 0 (1 = off; > 1 discourages repeats), "
+                                                f"got {repetition_penalty}")
+    for name, v in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
+        if not -MAX_PENALTY <= _real(name, v) <= MAX_PENALTY:
+            raise OptionError(name, f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), got {v}")
+    if not _is_int(top_logprobs):
+        raise OptionTypeError("top_logprobs", f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs!r}")
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise OptionError("top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+    return check_logit_bias(logit_bias)
+
+
+def check_logit_bias(logit_bias) -> Tuple[Tuple[int, float], ...]:
+    """``{token id: bias}`` (None: none) -> sorted ``(id, bias)`` pairs; ids are
+    integers >= 0 (or, from JSON, strings of them), biases in [-100, 100]."""
+    if logit_bias is None:
+        return ()
+    items = logit_bias.items() if hasattr(logit_bias, "items") else logit_bias
+    if isinstance(items, (str, bytes)) or not isinstance(items, (Sequence, type({}.items()))):
+        raise OptionTypeError("logit_bias", f"logit_bias must map token ids to numbers, e.g. {{50256: -100}}; "
+                                            f"got {type(logit_bias).__name__}")
+    out = {}
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise OptionTypeError("logit_bias", f"logit_bias must map token ids to numbers, got the item {item!r}")
+        key, value = item
+        tid = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if not _is_int(tid) or tid < 0:
+            raise OptionError("logit_bias", f"logit_bias keys must be token ids (integers >= 0, or their strings), got {key!r}")
+        if not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value):
+            raise OptionTypeError("logit_bias", f"logit_bias[{key!r}] must be a finite number, got {value!r}")
+        if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise OptionError("logit_bias", f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                            f"got {value} for token {key!r}")
+        out[int(tid)] = float(value)
+    return tuple(sorted(out.items()))
+
+
+def check_choices(n, largest_bucket: Optional[int] = None) -> int:
+    """``n``: completions of one prompt, 1 .. MAX_CHOICES, and no more than the
+    largest bucket (the choices decode side by side, one row each)."""
+    if not _is_int(n):
+        raise OptionTypeError("n", f"n must be an integer in [1, {MAX_CHOICES}], got {n!r}")
+    if not 1 <= n <= MAX_CHOICES:
+        raise OptionError("n", f"n must be in [1, {MAX_CHOICES}] (completions of the prompt), got {n}")
+    if largest_bucket is not None and n > largest_bucket:
+        raise OptionError("n", f"n must be <= {largest_bucket}, the largest batch bucket (each choice is a row), got "
+                               f"{n}: ask for fewer or run with larger buckets")
+    return int(n)
 
 
 def check_context_length(prompt_tokens: Optional[int], max_tokens: int, limit: Optional[int], context: int = 0,

@@ -4,6 +4,9 @@ A prompt (all but its last token, which the first decode step consumes, as in
 mlx-lm) is cut into static windows chosen by the scheduler; each window is a
 compiled step, evaluated before the next is built, so an interrupt lands
 within one window and a long prompt never becomes one huge graph.
+
+The ``n`` choices of one prompt (a *forked* group) are prefilled once: the
+first choice's row is prefilled alone, then copied into ``n`` rows.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import numpy as np
 
 from ..caches.batch import StaticKVCache
 from .requests import EngineStats, Request
-from .step import CompiledModel
+from .step import CompiledModel, bucket_for
 
 
 def prefill_windows(n: int, chunks: Sequence[int]) -> List[int]:
@@ -32,14 +35,29 @@ def prefill_windows(n: int, chunks: Sequence[int]) -> List[int]:
     return out
 
 
-def prefill(compiled: CompiledModel, reqs: Sequence[Request], width: int,
+def forked(reqs: Sequence[Request]) -> bool:
+    """Whether ``reqs`` are choices of one prompt (prefilled once, then copied)."""
+    return len(reqs) > 1 and reqs[0].family is not None and all(r.family == reqs[0].family for r in reqs)
+
+
+def fork_rows(caches: List[StaticKVCache], n: int, width: int) -> List[StaticKVCache]:
+    """Row 0 of ``caches`` copied into ``n`` rows of bucket ``width``, in place."""
+    for c in caches:
+        c.filter([0] * n, width=width)
+    return caches
+
+
+def prefill(compiled: CompiledModel, reqs: Sequence[Request], buckets: Sequence[int],
             windows: Callable[[int], List[int]], stats: EngineStats) -> List[StaticKVCache]:
-    """Caches (bucket ``width``) of ``reqs`` holding all but their last prompt
-    token, after any context in their starting serial caches."""
+    """Caches (the bucket of ``buckets`` that holds ``reqs``) of ``reqs``
+    holding all but their last prompt token, after any context in their
+    starting serial caches; a forked group's prompt is prefilled once."""
     t0 = time.perf_counter()
-    caches = start_caches(compiled, reqs, width)
-    fed = feed(compiled, caches, [r.prompt[:-1] for r in reqs], windows)
-    stats.prefill_tokens += fed
+    lead = list(reqs[:1]) if forked(reqs) else list(reqs)
+    caches = start_caches(compiled, lead, bucket_for(len(lead), buckets))
+    stats.prefill_tokens += feed(compiled, caches, [r.prompt[:-1] for r in lead], windows)
+    if len(lead) < len(reqs):
+        fork_rows(caches, len(reqs), bucket_for(len(reqs), buckets))
     stats.prefill_s += time.perf_counter() - t0
     return caches
 

@@ -26,13 +26,24 @@ class Request:
     context_len: int = 0  # positions those caches held (before the prompt)
     tokens: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
+    top_logprobs: List[List[Tuple[int, float]]] = field(default_factory=list)  # per token, when asked for
     finish_reason: Optional[str] = None  # one of FINISH_REASONS once finished
     cancel_requested: bool = False  # set by cancel(); applied at the next step
+    # prompt tokens before ``prompt`` that the penalties count (a prefix-cache hit's tail)
+    history: List[int] = field(default_factory=list)
+    # the uid of the first of n choices of one prompt (they share one prefill); None: a lone request
+    family: Optional[int] = None
 
     @property
     def context(self) -> List[int]:
         """Everything the row has seen: prompt and generated tokens."""
         return self.prompt + self.tokens
+
+    @property
+    def penalty_context(self) -> List[int]:
+        """What the penalties count (they read its last tokens): the whole
+        prompt, also a prefix-cache hit's part, and the generated tokens."""
+        return self.history + self.prompt + self.tokens
 
     @property
     def budget(self) -> int:
@@ -47,15 +58,18 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def accept(self, token: int, logprob: float) -> "TokenEvent":
-        """Record a generated token; finishes the request on a stop token or at its budget."""
+    def accept(self, token: int, logprob: float, top: Optional[List[Tuple[int, float]]] = None) -> "TokenEvent":
+        """Record a generated token (``top``: its most likely alternatives, when
+        asked for); finishes the request on a stop token or at its budget."""
         self.tokens.append(token)
         self.logprobs.append(logprob)
+        if top is not None:
+            self.top_logprobs.append(top)
         if token in self.stop_ids:
             self.finish_reason = "stop"
         elif len(self.tokens) >= self.max_tokens:
             self.finish_reason = "length"
-        return TokenEvent(self.uid, token, logprob, self.finish_reason)
+        return TokenEvent(self.uid, token, logprob, self.finish_reason, top)
 
     def cancelled(self) -> "TokenEvent":
         """Finish the request as cancelled; its last event carries no token."""
@@ -72,6 +86,7 @@ class TokenEvent:
     token: Optional[int]
     logprob: Optional[float]
     finish_reason: Optional[str]  # None, "stop", "length" or "cancelled"
+    top_logprobs: Optional[List[Tuple[int, float]]] = None  # (token id, log-probability), most likely first
 
 
 @dataclass

@@ -12,31 +12,54 @@ the batch with. Temperature 0 is greedy (argmax).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
 
-from .options import check_sampling
+from .options import check_logits_processing, check_sampling
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """One request's sampler. ``temperature=0`` is greedy; ``top_k=0``,
-    ``top_p=1`` and ``min_p=0`` switch their filter off."""
+    ``top_p=1`` and ``min_p=0`` switch their filter off.
+
+    Logits processors (:mod:`.processors`, mlx-lm's ``make_logits_processors``
+    with its context sizes of 20 tokens), applied to the logits before the
+    sampler: ``logit_bias`` ``{token id: bias}`` (kept as sorted pairs),
+    ``repetition_penalty`` (1: off), ``presence_penalty`` and
+    ``frequency_penalty`` (0: off). ``top_logprobs``: the most likely
+    alternatives to report per token (0 .. 20; not a sampling setting, but it
+    travels with the row).
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     min_p: float = 0.0
     top_k: int = 0
     seed: Optional[int] = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Union[None, Mapping[int, float], Tuple[Tuple[int, float], ...]] = ()
+    top_logprobs: int = 0
 
     def __post_init__(self):
         check_sampling(self.temperature, self.top_p, self.min_p, self.top_k, self.seed)
+        bias = check_logits_processing(self.repetition_penalty, self.presence_penalty, self.frequency_penalty,
+                                       self.logit_bias, self.top_logprobs)
+        object.__setattr__(self, "logit_bias", bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether a logits processor (a penalty or a bias) changes this row's logits."""
+        return (self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+                or bool(self.logit_bias))
 
 
 GREEDY = SamplingParams()
@@ -97,3 +120,12 @@ def sample(logprobs: mx.array, s: dict):
     sampled = mx.stack(draws)
     tokens = mx.where(s["temperature"] > 0, sampled, mx.argmax(logprobs, axis=-1))
     return tokens.astype(mx.int32), mx.stack(next_keys)
+
+
+def top_logprobs(logprobs: mx.array, k: int) -> Tuple[mx.array, mx.array]:
+    """The ``k`` most likely tokens of each row of ``logprobs [N, V]``, most
+    likely first: ``(ids [N, k] int32, log-probabilities [N, k])``."""
+    ids = mx.argpartition(-logprobs, k - 1, axis=-1)[:, :k]  # [N, k] unordered
+    vals = mx.take_along_axis(logprobs, ids, axis=-1)  # [N, k]
+    order = mx.argsort(-vals, axis=-1)
+    return mx.take_along_axis(ids, order, axis=-1).astype(mx.int32), mx.take_along_axis(vals, order, axis=-1)

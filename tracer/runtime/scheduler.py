@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from dataclasses import replace
 from typing import Deque, Dict, Iterable, List, Optional, Sequence
 
 import numpy as np
 
 from .options import (
-    CONTEXT_LENGTH_EXCEEDED, DEFAULT_MAX_TOKENS, OptionError, OptionTypeError, check_context_length, check_max_tokens,
-    check_token_ids,
+    CONTEXT_LENGTH_EXCEEDED, DEFAULT_MAX_TOKENS, SEED_LIMIT, OptionError, OptionTypeError, check_choices,
+    check_context_length, check_max_tokens, check_token_ids,
 )
 from .prefill import prefill_windows
 from .requests import Request, TokenEvent
@@ -66,17 +67,33 @@ class Scheduler:
     def enqueue(self, prompt: List[int], max_tokens: int, sampling: SamplingParams, stop_ids: Iterable[int],
                 cache: Optional[Sequence] = None, context: int = 0) -> Request:
         """:meth:`add` for a prompt already checked (:func:`check_token_ids`)."""
+        return self.enqueue_choices(prompt, 1, max_tokens, sampling, stop_ids, cache, context)[0]
+
+    def enqueue_choices(self, prompt: List[int], n: int, max_tokens: int, sampling: SamplingParams,
+                        stop_ids: Iterable[int], cache: Optional[Sequence] = None, context: int = 0) -> List[Request]:
+        """Queue ``n`` choices of one checked prompt: ``n`` requests, one
+        family (admitted together, prefilled once). Choice ``i`` samples with
+        seed ``seed + i`` (when the request gives one)."""
+        n = check_choices(n, self.buckets[-1])
         max_tokens = check_max_tokens(max_tokens)
         if not isinstance(sampling, SamplingParams):
             raise OptionTypeError("sampling", f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+        if sampling.logit_bias:
+            check_token_ids([t for t, _ in sampling.logit_bias], self.vocab_size, what="logit_bias")
         stop_ids = frozenset(check_token_ids(list(stop_ids), what="stop_ids")) if stop_ids else frozenset()
         self.check_room(len(prompt), max_tokens, context)
-        req = Request(next(self._uids), prompt, max_tokens, sampling, stop_ids, initial_key(sampling.seed, self.rng),
-                      list(cache) if cache else None)
-        req.context_len = context
-        self.queue.append(req)
-        self.requests[req.uid] = req
-        return req
+        out: List[Request] = []
+        for i in range(n):
+            params = sampling if i == 0 or sampling.seed is None else replace(sampling, seed=(sampling.seed + i) % SEED_LIMIT)
+            req = Request(next(self._uids), prompt, max_tokens, params, stop_ids, initial_key(params.seed, self.rng),
+                          list(cache) if cache else None)
+            req.context_len = context
+            req.family = out[0].uid if out else (req.uid if n > 1 else None)
+            out.append(req)
+        for req in out:
+            self.queue.append(req)
+            self.requests[req.uid] = req
+        return out
 
     def check_room(self, prompt_tokens: int, max_tokens: int, context: int = 0) -> None:
         """Whether a prompt of ``prompt_tokens`` after ``context`` cached
@@ -120,12 +137,36 @@ class Scheduler:
     # ------------------------------------------------------------ admission
     def admission(self, running: int) -> List[List[Request]]:
         """The queued requests to admit next to ``running`` rows, as prefill
-        groups in join order. They stay queued until :meth:`admitted`."""
-        room = self.buckets[-1] - running
-        new = list(itertools.islice(self.queue, max(0, room)))
-        fresh = [r for r in new if r.cache is None]
-        groups = [fresh] if self.batched_prefill and fresh else [[r] for r in fresh]
-        return groups + [[r] for r in new if r.cache is not None]
+        groups in join order: first come, first served, the choices of one
+        prompt all or none (one group: :func:`~.prefill.forked`). They stay
+        queued until :meth:`admitted`."""
+        groups: List[List[Request]] = []
+        fresh: Optional[List[Request]] = None  # batched prefill: the fresh lone requests, one group
+        for unit in self._fitting_units(self.buckets[-1] - running):
+            if self.batched_prefill and len(unit) == 1 and unit[0].cache is None:
+                if fresh is None:
+                    fresh = []
+                    groups.append(fresh)
+                fresh.append(unit[0])
+            else:
+                groups.append(unit)
+        return groups
+
+    def _fitting_units(self, room: int) -> List[List[Request]]:
+        """The queue's leading units that fit ``room`` rows: a lone request, or
+        the choices of one prompt still queued (they are queued side by side)."""
+        units: List[List[Request]] = []
+        for r in self.queue:  # stops at the first unit that does not fit
+            if units and r.family is not None and units[-1][0].family == r.family:
+                units[-1].append(r)
+            else:
+                units.append([r])
+            if sum(map(len, units)) > room:
+                units[-1].pop()
+                if not units[-1] or units[-1][0].family is not None:  # no unit is split
+                    units.pop()
+                break
+        return units
 
     def admitted(self, reqs: Sequence[Request]):
         for r in reqs:
@@ -133,7 +174,7 @@ class Scheduler:
 
     def must_drain(self, running: int) -> bool:
         """Whether queued requests wait for room that the next step boundary gives."""
-        return bool(self.queue) and running < self.buckets[-1]
+        return bool(self._fitting_units(self.buckets[-1] - running))
 
     # -------------------------------------------------------- prefill windows
     def prefill_windows(self, n: int) -> List[int]:

@@ -19,6 +19,9 @@ draw conditioned on not being ``d``, i.e. the normalised residual
 ``max(0, p - q)``. Because the draws are the plain sampler's own, coupled by
 position, a request's tokens with speculation equal its tokens without it
 for the same seed (greedy and sampled alike), whatever its neighbours do.
+Rows with penalties or a logit bias get ``logprobs`` already processed at
+every position with the window a plain step would see there
+(:func:`~.processors.verify_windows`), so the same holds for them.
 """
 
 from __future__ import annotations

@@ -5,11 +5,14 @@
     tokens [Bk, L] int32, rope offsets [Bk] int32,
     per cache family: mask geometry + write inputs (small int32 arrays),
     per layer: keys/values buffers [Bk, H, S, D],
-    sampler state (per-row settings and PRNG keys)
+    sampler state (per-row settings and PRNG keys),
+    logits processors (per-row penalties, bias and recent-token windows; when a row has any)
       -> next tokens [Bk], their log-probabilities [Bk], new buffers, new keys
+         (and the rows' windows, the top alternatives, when asked for)
 
 traced by ``mx.compile`` once per :class:`TraceKey` (step kind, bucket width
-Bk, step length L, capacity of the full layers, sampler kind, outputs) and
+Bk, step length L, capacity of the full layers, sampler kind, processors,
+outputs) and
 replayed for every later step with those shapes. Under the lean forward
 (:mod:`mlx_tracer.adapters.lean`) the weights are constants of the trace:
 a call then hands MLX only the step's own arrays (each input costs host time
@@ -45,8 +48,10 @@ from ..adapters.traced import FamilyMasks
 from ..caches import DEFAULT_CAPACITIES
 from ..caches.batch import StaticKVCache
 from ..caches.masks import MaskGeometry
+from ..caches.storage import KVFormat, columns
 from .options import DEFAULT_BUCKETS  # noqa: F401  (re-exported: the step module named it first)
-from .sampling import sample
+from .processors import process, slide, verify_windows
+from .sampling import sample, top_logprobs
 from .speculative import accept
 
 
@@ -60,6 +65,8 @@ class TraceKey:
     capacity: Optional[int]  # capacity bucket of the full layers (None: no full layer)
     sampler: str = "greedy"  # "greedy" | "sample" | "none"
     logits: bool = False  # the step also returns raw logits
+    processors: bool = False  # penalties and logit bias (:mod:`.processors`) before sampling
+    top: int = 0  # the step also returns each row's top alternatives (this many)
 
 
 @dataclass
@@ -67,19 +74,26 @@ class StepResult:
     """What one step returns (arrays not evaluated yet).
 
     A decode step fills ``tokens``/``logprobs`` ``[Bk]`` (and ``keys [Bk, 2]``
-    when it sampled); ``logits [Bk, V]`` when asked for (a window step: at each
-    row's ``last`` query).
+    when it sampled, ``window [Bk, W]`` with processors, ``top_tokens`` /
+    ``top_logprobs [Bk, top]`` when asked for); ``logits [Bk, V]`` when asked
+    for (a window step: at each row's ``last`` query; with processors, the
+    processed logits).
     """
 
     tokens: Optional[mx.array] = None
     logprobs: Optional[mx.array] = None
     keys: Optional[mx.array] = None
     logits: Optional[mx.array] = None
+    window: Optional[mx.array] = None
+    top_tokens: Optional[mx.array] = None
+    top_logprobs: Optional[mx.array] = None
     # (keys, values) per layer: the new buffers, from :meth:`CompiledModel.step_graph` only
     buffers: Optional[List[tuple]] = None
 
+    ROW_ARRAYS = ("tokens", "logprobs", "keys", "logits", "window", "top_tokens", "top_logprobs")
+
     def arrays(self) -> List[mx.array]:
-        return [a for a in (self.tokens, self.logprobs, self.keys, self.logits) if a is not None]
+        return [a for a in (getattr(self, f) for f in self.ROW_ARRAYS) if a is not None]
 
 
 @dataclass
@@ -90,6 +104,8 @@ class VerifyResult:
     count: mx.array  # [Bk] int32, 1 .. L
     logprobs: mx.array  # [Bk, L]
     keys: Optional[mx.array] = None  # [Bk, 2] when it sampled
+    top_tokens: Optional[mx.array] = None  # [Bk, L, top] when asked for
+    top_logprobs: Optional[mx.array] = None  # [Bk, L, top]
 
 
 class NewTraceError(AssertionError):
@@ -115,17 +131,22 @@ class CompiledModel:
             per step): ``None`` (default) where the model's family has one,
             ``True`` to require it, ``False`` for the model's own forward
             (whose logits equal mlx-lm's eager ones bit for bit).
+        kv: how every cache stores its keys and values
+            (:class:`~mlx_tracer.caches.storage.KVFormat`: float16/bfloat16,
+            or 8/4-bit quantized; None: as the model computes them).
     """
 
-    def __init__(self, model, capacities: Sequence[int] = DEFAULT_CAPACITIES, fuse: Optional[bool] = None):
+    def __init__(self, model, capacities: Sequence[int] = DEFAULT_CAPACITIES, fuse: Optional[bool] = None,
+                 kv: Optional[KVFormat] = None):
         check_compiler()  # without it mx.compile would silently retrace every step
         self.model = model
         self.capacities = tuple(capacities)
-        self.layout = probe_layout(model, self.capacities)
+        self.kv = kv = kv or KVFormat()
+        self.layout = probe_layout(model, self.capacities, kv)
         reason = why_not(model) if fuse is not False else "fuse=False"
         if fuse is True and reason is not None:
             raise ValueError(f"fuse=True: {type(model).__name__} has no lean forward ({reason}); pass fuse=None or False")
-        self.lean: Optional[LeanForward] = LeanForward(model, kernels.load()) if reason is None else None
+        self.lean: Optional[LeanForward] = LeanForward(model, kernels.load(), kv) if reason is None else None
         self.traces: Counter = Counter()
         self.trace_ms: Dict[TraceKey, float] = {}
         self._fns: Dict[tuple, object] = {}
@@ -175,25 +196,30 @@ class CompiledModel:
         sampler: Optional[dict] = None,
         return_logits: bool = False,
         last: Optional[mx.array] = None,
+        processors: Optional[dict] = None,
+        top: int = 0,
     ) -> StepResult:
         """Run one compiled step over ``caches`` (one per layer, in lockstep).
 
         ``tokens [Bk, L]``; ``sampler``: arrays from ``sampler_inputs`` (None:
         greedy). A decode fills ``tokens``/``logprobs`` (and ``keys``); a
         window step returns nothing unless ``return_logits`` (then ``logits``
-        at each row's ``last`` query index). The caches adopt the new buffers
-        and advance.
+        at each row's ``last`` query index). ``processors``: arrays from
+        :func:`~.processors.processor_inputs` (a decode step then returns the
+        slid ``window``); ``top``: a decode step returns each row's ``top``
+        most likely tokens too. The caches adopt the new buffers and advance.
         """
-        return self._step(caches, tokens, sampler, return_logits, last, eager=False)
+        return self._step(caches, tokens, sampler, return_logits, last, processors, top, eager=False)
 
     def step_graph(self, caches: List[StaticKVCache], tokens: mx.array, sampler: Optional[dict] = None,
-                   return_logits: bool = False, last: Optional[mx.array] = None) -> StepResult:
+                   return_logits: bool = False, last: Optional[mx.array] = None, processors: Optional[dict] = None,
+                   top: int = 0) -> StepResult:
         """The step :meth:`step` would run, built eagerly (not compiled, not
         evaluated), to inspect its graph: the outputs and, in ``buffers``, the
         new keys/values per layer. The caches stay as they were."""
-        return self._step(caches, tokens, sampler, return_logits, last, eager=True)
+        return self._step(caches, tokens, sampler, return_logits, last, processors, top, eager=True)
 
-    def _step(self, caches, tokens, sampler, return_logits, last, eager: bool) -> StepResult:
+    def _step(self, caches, tokens, sampler, return_logits, last, processors, top, eager: bool) -> StepResult:
         tokens = self._check(caches, tokens)
         Bk, L = tokens.shape
         plans = [caches[i].plan(L) for i in self.layout.representatives]
@@ -203,21 +229,27 @@ class CompiledModel:
         extra = {}
         if sampler is not None:
             extra["sampler"] = sampler
+        if processors is not None and decode:
+            extra["processors"] = processors
         if return_logits and not decode:
             extra["last"] = mx.full((Bk,), L - 1, dtype=mx.int32) if last is None else last
-        out, new_kv = self._run(kind, sampler_kind, return_logits, caches, tokens, plans, extra, eager)
+        out, new_kv = self._run(kind, sampler_kind, return_logits, caches, tokens, plans, extra, eager,
+                                top=self._top(top) if decode else 0)
         if eager:
             return StepResult(**out, buffers=new_kv)
         # the trace returns the shapes fit() handed in: committed unchecked
         StaticKVCache.commit_all(caches, [plans[f] for f in self.layout.family_of], new_kv)
         return StepResult(**out)
 
-    def verify(self, caches: List[StaticKVCache], tokens: mx.array, ndraft, sampler: Optional[dict] = None) -> VerifyResult:
+    def verify(self, caches: List[StaticKVCache], tokens: mx.array, ndraft, sampler: Optional[dict] = None,
+               processors: Optional[dict] = None, top: int = 0) -> VerifyResult:
         """A speculative verify step: ``tokens [Bk, k+1]`` = each row's last
         token and its drafts (``ndraft [Bk]`` of them count). Judges the drafts
         in the graph (:mod:`.speculative`), commits only each row's accepted
-        columns, and returns what each row keeps. Traced once per (bucket, k+1,
-        capacity, sampler kind). Evaluates the step (the host needs the counts)."""
+        columns, and returns what each row keeps. ``processors``/``top`` as
+        for :meth:`step`: every position is processed with the window a plain
+        decode step would see there. Traced once per (bucket, k+1, capacity,
+        sampler kind, processors, top). Evaluates the step (the host needs the counts)."""
         tokens = self._check(caches, tokens)
         Bk, L = tokens.shape
         if L < 2:
@@ -228,9 +260,13 @@ class CompiledModel:
         extra = {"ndraft": mx.array(ndraft, dtype=mx.int32)}
         if sampler is not None:
             extra["sampler"] = sampler
-        out, new_kv = self._run("verify", "greedy" if sampler is None else "sample", False, caches, tokens, plans, extra)
+        if processors is not None:
+            extra["processors"] = processors
+        out, new_kv = self._run("verify", "greedy" if sampler is None else "sample", False, caches, tokens, plans, extra,
+                                top=self._top(top))
         result = VerifyResult(**out)
-        mx.eval(result.count, result.tokens, result.logprobs, *([result.keys] if result.keys is not None else []))
+        mx.eval(*[a for a in (result.count, result.tokens, result.logprobs, result.keys, result.top_tokens,
+                              result.top_logprobs) if a is not None])
         valid = np.array(result.count)
         for c, f, (k, v) in zip(caches, self.layout.family_of, new_kv):
             c.commit_verify(plans[f], k, v, valid)
@@ -247,13 +283,18 @@ class CompiledModel:
             raise ValueError(f"tokens must be [bucket width {caches[0].width}, L], got {tuple(tokens.shape)}")
         return tokens
 
-    def _run(self, kind, sampler_kind, want_logits, caches, tokens, plans, extra, eager=False):
+    def _top(self, top: int) -> int:
+        """Alternatives a step returns: ``top`` (0: none), at most the vocabulary."""
+        return min(int(top), self.vocab_size) if top else 0
+
+    def _run(self, kind, sampler_kind, want_logits, caches, tokens, plans, extra, eager=False, top: int = 0):
         """One call of the compiled function of ``kind`` (traced on first use
         of its :class:`TraceKey`): ``(outputs, new buffers per layer)``."""
         Bk, L = tokens.shape
         kv = [caches[i].fit(plans[f]) for i, f in enumerate(self.layout.family_of)]
         capacity = next((p.capacity for p in plans if p.capacity is not None), None)
-        key = TraceKey(kind, Bk, L, capacity, sampler_kind, want_logits)
+        procs = "processors" in extra
+        key = TraceKey(kind, Bk, L, capacity, sampler_kind, want_logits, procs, top)
         args = (tokens, plans[0].offsets, [p.arrays for p in plans], kv, extra)
         if self.lean is not None:
             generation = self.lean.generation
@@ -261,10 +302,10 @@ class CompiledModel:
             if self.lean.generation != generation:  # the lean traces hold the old weights as constants
                 self._fns = {sig: fn for sig, fn in self._fns.items() if not sig[-1]}
         if eager:
-            return self._forward(kind, sampler_kind, want_logits, *args)
+            return self._forward(kind, sampler_kind, want_logits, top, *args)
         self._tracing = key
         t0 = time.perf_counter()
-        out = self._compiled(kind, sampler_kind, want_logits)(*args)
+        out = self._compiled(kind, sampler_kind, want_logits, procs, top)(*args)
         if self._tracing is None:  # the call traced
             self.trace_ms[key] = (time.perf_counter() - t0) * 1e3
         self._tracing = None
@@ -278,9 +319,9 @@ class CompiledModel:
         with open(path) as f:
             return Counter(m.group(1) for m in re.finditer(r'label ="([A-Za-z_]+)', f.read()))
 
-    def _compiled(self, kind: str, sampler_kind: str, logits: bool):
+    def _compiled(self, kind: str, sampler_kind: str, logits: bool, procs: bool = False, top: int = 0):
         lean = self.lean is not None and self.lean.active
-        sig = (kind, sampler_kind, logits, lean)
+        sig = (kind, sampler_kind, logits, procs, top, lean)  # lean last: a weight refresh drops those
         if sig not in self._fns:
             # the function refers to its owner weakly: a closure over self would
             # make a cycle (self._fns -> function -> self) that keeps the model's
@@ -291,14 +332,14 @@ class CompiledModel:
                 me = owner()
                 me.traces[me._tracing] += 1  # runs only while tracing
                 me._tracing = None
-                return me._forward(kind, sampler_kind, logits, *args)
+                return me._forward(kind, sampler_kind, logits, top, *args)
 
             # lean: the weights are constants of the trace (see the module doc);
             # the model's own forward: inputs
             self._fns[sig] = mx.compile(forward) if lean else mx.compile(forward, inputs=[self.model.state])
         return self._fns[sig]
 
-    def _forward(self, kind, sampler_kind, want_logits, tokens, offsets, plans, kv, extra):
+    def _forward(self, kind, sampler_kind, want_logits, top, tokens, offsets, plans, kv, extra):
         Bk, L = tokens.shape
         decode = kind == "decode"
         masks = [
@@ -316,25 +357,36 @@ class CompiledModel:
         else:
             logits = self.model(tokens, cache=layer_caches)  # [Bk, L, V]
         out = {}
+        procs = extra.get("processors")
         if kind == "verify":
+            V = logits.shape[-1]
+            if procs is not None:  # each position with the window a plain step would see there
+                flat = {k: mx.repeat(v, L, axis=0) for k, v in procs.items() if k != "window"}  # [Bk*L, ...]
+                flat["window"] = verify_windows(procs["window"], tokens).reshape(Bk * L, -1)  # [Bk*L, W]
+                logits = process(logits.reshape(Bk * L, V), flat).reshape(Bk, L, V)
             logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [Bk, L, V]
             emitted, count, lps, keys = accept(logprobs, tokens, extra["ndraft"], extra.get("sampler"))
             out.update(tokens=emitted, count=count, logprobs=lps)
             if keys is not None:
                 out["keys"] = keys
+            if top:
+                ids, vals = top_logprobs(logprobs.reshape(Bk * L, V), top)
+                out["top_tokens"], out["top_logprobs"] = ids.reshape(Bk, L, top), vals.reshape(Bk, L, top)
             rejected = L - count  # [Bk] window columns each row does not keep
             strips = []
             for family in masks:  # per family: left padding every live row holds afterwards
                 g = family.geometry
                 strips.append(mx.min(mx.where(g.live, g.first_valid + rejected, 2**30)))
             new_kv = [
-                layout.cache_class.verify_commit(c.keys, c.values, plans[f][1], rejected, strips[f], k.shape[2])
+                layout.cache_class.verify_commit(c.keys, c.values, plans[f][1], rejected, strips[f], columns(k))
                 for layout, f, c, (k, _) in zip(self.layout, self.layout.family_of, layer_caches, kv)
             ]
             return out, new_kv
         new_kv = [(c.keys, c.values) for c in layer_caches]
         if decode:
             last = logits[:, -1, :]  # [Bk, V]
+            if procs is not None:
+                last = process(last, procs)
             logprobs = last - mx.logsumexp(last, axis=-1, keepdims=True)
             if sampler_kind == "greedy":
                 toks = mx.argmax(logprobs, axis=-1).astype(mx.int32)
@@ -342,6 +394,10 @@ class CompiledModel:
                 toks, out["keys"] = sample(logprobs, extra["sampler"])
             out["tokens"] = toks  # [Bk]
             out["logprobs"] = mx.take_along_axis(logprobs, toks[:, None], axis=-1)[:, 0]  # [Bk]
+            if procs is not None:
+                out["window"] = slide(procs["window"], toks)  # [Bk, W]: the next step's
+            if top:
+                out["top_tokens"], out["top_logprobs"] = top_logprobs(logprobs, top)  # [Bk, top]
             if want_logits:
                 out["logits"] = last
         elif want_logits and lean:

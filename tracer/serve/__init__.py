@@ -16,6 +16,10 @@ engine thread and streams each request's events back from its own queue.
         ...  # an OpenAI client with base_url=server.url + "/v1"
     worker.stop()
 
+A model sharded over ``mlx.launch``'s ranks is served by rank 0 with
+``EngineWorker(Leader(gen), ...)`` while the other ranks run ``follow(gen)``
+(:mod:`.ranks`).
+
 Needs the ``serve`` extra (``pip install 'mlx-tracer[serve]'``: starlette, uvicorn).
 """
 

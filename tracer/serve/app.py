@@ -34,7 +34,7 @@ from .errors import APIError, invalid_option, shutting_down, timed_out
 from .jobs import Admitted, Cut, Delta, Finished, Job, Rejected
 from .middleware import CountResponses, RequireKey
 from .protocol import GenerationSpec, parse_chat, parse_completion
-from .responses import DONE, ResponseWriter, Usage, sse
+from .responses import DONE, Choice, ResponseWriter, Usage, sse
 from .shutdown import Shutdown
 from .worker import EngineWorker
 
@@ -243,25 +243,31 @@ def create_app(worker: EngineWorker, timeout: Optional[float] = 600.0,
 
 
 async def _whole(session: Session, spec: GenerationSpec, writer: ResponseWriter, usage: Usage) -> JSONResponse:
-    text, logprobs = [], [] if spec.logprobs else None
-    while True:
+    texts = [[] for _ in range(spec.n)]
+    logprobs = [[] if spec.logprobs else None for _ in range(spec.n)]
+    reasons = [None] * spec.n
+    while None in reasons:
         msg = await session.next()
         if isinstance(msg, Delta):
-            text.append(msg.text)
-            if msg.logprob is not None and logprobs is not None:
-                logprobs.append(msg.logprob)
+            texts[msg.index].append(msg.text)
+            if msg.logprob is not None and logprobs[msg.index] is not None:
+                logprobs[msg.index].append(msg.logprob)
         elif isinstance(msg, Finished):
             if msg.error is not None:
                 raise msg.error
-            usage.completion_tokens = msg.completion_tokens
-            return JSONResponse(writer.completion("".join(text), msg.reason, usage, logprobs))
+            usage.completion_tokens += msg.completion_tokens
+            reasons[msg.index] = msg.reason
+    choices = [Choice("".join(t), r, lp) for t, r, lp in zip(texts, reasons, logprobs)]
+    return JSONResponse(writer.completion(choices, usage))
 
 
 async def _stream(session: Session, spec: GenerationSpec, writer: ResponseWriter, usage: Usage) -> AsyncIterator[bytes]:
     with_usage = spec.include_usage
     if spec.endpoint == "chat":
-        yield sse(writer.chunk("", first=True, usage=with_usage))
-    offset = 0  # completions' text_offset
+        for i in range(spec.n):
+            yield sse(writer.chunk("", first=True, usage=with_usage, index=i))
+    offsets = [0] * spec.n  # completions' text_offset, per choice
+    open_choices = spec.n
     while True:
         try:
             msg = await session.next()
@@ -271,16 +277,19 @@ async def _stream(session: Session, spec: GenerationSpec, writer: ResponseWriter
             return
         if isinstance(msg, Delta):
             lp = [msg.logprob] if msg.logprob is not None else None
-            yield sse(writer.chunk(msg.text, logprobs=lp, offset=offset, usage=with_usage))
-            offset += len(msg.text)
+            yield sse(writer.chunk(msg.text, logprobs=lp, offset=offsets[msg.index], usage=with_usage, index=msg.index))
+            offsets[msg.index] += len(msg.text)
         elif isinstance(msg, Finished):
             if msg.error is not None:
                 yield sse(msg.error.body())
                 yield DONE
                 return
-            yield sse(writer.chunk("", finish_reason=msg.reason, usage=with_usage))
+            yield sse(writer.chunk("", finish_reason=msg.reason, usage=with_usage, index=msg.index))
+            usage.completion_tokens += msg.completion_tokens
+            open_choices -= 1
+            if open_choices:
+                continue
             if with_usage:
-                usage.completion_tokens = msg.completion_tokens
                 yield sse(writer.usage_chunk(usage))
             yield DONE
             return

@@ -9,7 +9,9 @@ by the engine thread. Ownership of its fields is split, never shared:
   messages on ``queue`` only through ``loop.call_soon_threadsafe``.
 
 Messages, in order: one :class:`Admitted` or :class:`Rejected`; then, after
-``Admitted``, one :class:`Delta` per generated token and a :class:`Finished`.
+``Admitted``, one :class:`Delta` per generated token and a :class:`Finished`
+per choice (``index``: which of the request's ``n``; a Finished with an
+``error`` ends them all).
 The queue is unbounded: the engine thread never waits for a slow client. The
 front end itself may put one :class:`Cut` (on its own loop) when the server
 stops before the request is over (:mod:`.shutdown`).
@@ -19,10 +21,11 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 from .errors import APIError
 from .protocol import GenerationSpec
+from .responses import TokenLogprob
 
 
 @dataclass
@@ -42,11 +45,12 @@ class Rejected:
 
 @dataclass
 class Delta:
-    """One token's text (possibly empty: held back or a stop token) and, when
-    asked for, ``(token text, log-probability)`` of the token."""
+    """One token's text (possibly empty: held back or a stop token) of choice
+    ``index`` and, when asked for, the token's log-probability (and alternatives)."""
 
     text: str
-    logprob: Optional[Tuple[str, float]] = None
+    logprob: Optional[TokenLogprob] = None
+    index: int = 0
 
 
 @dataclass
@@ -57,6 +61,7 @@ class Finished:
     reason: str
     completion_tokens: int
     error: Optional[APIError] = None
+    index: int = 0  # the choice
 
 
 @dataclass
@@ -77,7 +82,8 @@ class Job:
     prompt: List[int] = field(default_factory=list)  # the whole prompt's token ids (tokenized by the front end)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     # engine thread
-    uid: Optional[int] = None  # the engine's request id, once submitted
+    uids: List[int] = field(default_factory=list)  # the engine's request id of each choice, once submitted
+    finished: int = 0  # choices finished
     cached: int = 0  # leading prompt tokens that came from the prefix cache
     stop_ids: frozenset = frozenset()
     started: bool = False  # got its first event (left the queue)

@@ -2,8 +2,9 @@
 
 Everything that needs no model is checked here, in the HTTP front end, before
 a request reaches the engine thread: JSON types, ranges (through the
-runtime's own validators), options this server does not support (``n > 1``,
-tools, non-text content, ``top_logprobs > 0``: 400 naming the parameter),
+runtime's own validators; OpenAI's bounds for ``n``, the penalties,
+``logit_bias`` and ``top_logprobs``), options this server does not support
+(tools, non-text content, ``best_of``: 400 naming the parameter),
 text no tokenizer takes (lone surrogates) and unknown parameters (400, as
 OpenAI answers). What needs the tokenizer (chat template, prompt length
 against the context) is checked by :meth:`~.worker.EngineWorker.tokenize`
@@ -18,7 +19,9 @@ import numbers
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
-from ..runtime.options import DEFAULT_MAX_TOKENS, OptionError, check_max_tokens, check_stop_strings
+from ..runtime.options import (
+    DEFAULT_MAX_TOKENS, MAX_CHOICES, MAX_TOP_LOGPROBS, OptionError, check_max_tokens, check_stop_strings,
+)
 from ..runtime.sampling import SamplingParams
 from .errors import APIError, bad_request, invalid_option, model_not_found, unsupported
 
@@ -36,16 +39,18 @@ class GenerationSpec:
     max_tokens: int = DEFAULT_MAX_TOKENS
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(temperature=DEFAULT_TEMPERATURE))
     stop: List[str] = field(default_factory=list)
-    logprobs: bool = False  # the chosen token's log-probability per token
+    logprobs: bool = False  # the chosen token's log-probability per token (its top alternatives: sampling.top_logprobs)
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage
     ignore_eos: bool = False  # extension (as vLLM): generate past end-of-sequence tokens
     max_tokens_param: str = "max_tokens"  # the name the request gave it (errors name it back)
+    n: int = 1  # choices: completions of the prompt, prefilled once
 
 
 # parameters read here; the rest of OpenAI's are refused by name below
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stream", "stream_options",
-           "logprobs", "n", "user", "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos"}
+           "logprobs", "n", "user", "presence_penalty", "frequency_penalty", "logit_bias", "ignore_eos",
+           "repetition_penalty"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "functions",
                    "function_call", "parallel_tool_calls", "response_format", "metadata", "store", "service_tier",
                    "modalities", "audio", "prediction"}
@@ -68,13 +73,12 @@ def parse_chat(body, served: str) -> GenerationSpec:
         raise bad_request("missing required parameter 'messages': a list of {'role', 'content'} objects", "messages",
                           "missing_required_parameter")
     messages = _messages(body["messages"])
-    top = _int(body, "top_logprobs", None, lo=0, hi=20)
-    if top:
-        raise unsupported("top_logprobs", "top_logprobs > 0 is not supported: the compiled step returns the chosen "
-                                          "token's log-probability only; use logprobs=true with top_logprobs=0")
+    top = _int(body, "top_logprobs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
     logprobs = bool(_get(body, "logprobs", bool) or False)
+    if top and not logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return _spec("chat", body, served, messages, _int(body, name, None), logprobs, name)
+    return _spec("chat", body, served, messages, _int(body, name, None), logprobs, name, top)
 
 
 def parse_completion(body, served: str) -> GenerationSpec:
@@ -91,29 +95,28 @@ def parse_completion(body, served: str) -> GenerationSpec:
         raise bad_request("missing required parameter 'prompt': a string or a list of token ids", "prompt",
                           "missing_required_parameter")
     prompt = _prompt(body["prompt"])
-    top = _int(body, "logprobs", None, lo=0, hi=5)
-    if top:
-        raise unsupported("logprobs", "logprobs > 0 (top alternatives) is not supported: the compiled step returns the "
-                                      "chosen token's log-probability only; use logprobs=0")
-    return _spec("completion", body, served, prompt, _int(body, "max_tokens", None), top is not None, "max_tokens")
+    top = _int(body, "logprobs", None, lo=0, hi=5)  # legacy: the number of alternatives per token
+    return _spec("completion", body, served, prompt, _int(body, "max_tokens", None), top is not None, "max_tokens",
+                 top or 0)
 
 
 # ----------------------------------------------------------------- pieces
-def _spec(endpoint, body, served, prompt, limit, logprobs, limit_name) -> GenerationSpec:
+def _spec(endpoint, body, served, prompt, limit, logprobs, limit_name, top_logprobs=0) -> GenerationSpec:
     model = _get(body, "model", str)
     if model is not None and model != served:
         raise model_not_found(model, served)
-    _refuse_sampling_extras(body)
     n = _int(body, "n", 1)
-    if n < 1:
-        raise bad_request(f"n must be 1 (n > 1 is not supported yet), got {n}", "n")
-    if n > 1:
-        raise unsupported("n", "n > 1 is not supported: send one request per completion")
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad_request(f"n must be 1 to {MAX_CHOICES} (the completions to generate), got {n}", "n")
     try:  # the runtime's own checks, under the names this request gave
         max_tokens = check_max_tokens(DEFAULT_MAX_TOKENS if limit is None else limit, limit_name)
         sampling = SamplingParams(
             temperature=_number(body, "temperature", DEFAULT_TEMPERATURE), top_p=_number(body, "top_p", 1.0),
             min_p=_number(body, "min_p", 0.0), top_k=_int(body, "top_k", 0), seed=_int(body, "seed", None),
+            repetition_penalty=_number(body, "repetition_penalty", 1.0),
+            presence_penalty=_number(body, "presence_penalty", 0.0),
+            frequency_penalty=_number(body, "frequency_penalty", 0.0),
+            logit_bias=_get(body, "logit_bias", dict), top_logprobs=top_logprobs,
         )
         stop = check_stop_strings(body.get("stop"))
     except OptionError as e:
@@ -125,7 +128,7 @@ def _spec(endpoint, body, served, prompt, limit, logprobs, limit_name) -> Genera
     include_usage = bool(_get(options or {}, "include_usage", bool, "stream_options.include_usage") or False)
     ignore_eos = bool(_get(body, "ignore_eos", bool) or False)
     return GenerationSpec(endpoint, prompt, max_tokens, sampling, stop, logprobs, stream, include_usage, ignore_eos,
-                          limit_name)
+                          limit_name, n)
 
 
 def _object(body) -> dict:
@@ -147,14 +150,6 @@ def _refuse_tools(body: dict):
     for name in ("tool_choice", "function_call"):
         if body.get(name) not in (None, "none"):
             raise unsupported(name, f"{name} is not supported: this server does not call tools")
-
-
-def _refuse_sampling_extras(body: dict):
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0) != 0:
-            raise unsupported(name, f"{name} is not supported (only 0)")
-    if _get(body, "logit_bias", dict):
-        raise unsupported("logit_bias", "logit_bias is not supported")
 
 
 def _messages(value) -> Messages:

@@ -1,5 +1,6 @@
 """OpenAI response bodies: chat completions and text completions, whole or
-as stream chunks, with ``usage`` and the chosen tokens' log-probabilities."""
+as stream chunks, with ``usage``, ``n`` choices and the chosen tokens'
+log-probabilities (with their top alternatives when asked for)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,25 @@ from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf (OpenAI reports -9999.0 too)
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token's text and log-probability, and its most likely
+    alternatives ``(text, log-probability)``, most likely first (empty: not asked for)."""
+
+    token: str
+    logprob: float
+    top: List[Tuple[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class Choice:
+    """One finished choice of a whole (not streamed) answer."""
+
+    text: str
+    finish_reason: str
+    logprobs: Optional[List[TokenLogprob]] = None  # None: not asked for
 
 
 @dataclass
@@ -48,27 +68,30 @@ class ResponseWriter:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "system_fingerprint": None}
 
     # ---------------------------------------------------------- whole bodies
-    def completion(self, text: str, finish_reason: str, usage: Usage,
-                   logprobs: Optional[List[Tuple[str, float]]] = None) -> dict:
-        if self.endpoint == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None if logprobs is None else chat_logprobs(logprobs), "finish_reason": finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None if logprobs is None else text_logprobs(logprobs),
-                      "finish_reason": finish_reason}
-        return dict(self._head(self._object), choices=[choice], usage=usage.body())
+    def completion(self, choices: List[Choice], usage: Usage) -> dict:
+        """The whole answer: ``choices`` in index order."""
+        out = []
+        for i, c in enumerate(choices):
+            lps = c.logprobs
+            if self.endpoint == "chat":
+                out.append({"index": i, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": None if lps is None else chat_logprobs(lps), "finish_reason": c.finish_reason})
+            else:
+                out.append({"index": i, "text": c.text, "logprobs": None if lps is None else text_logprobs(lps),
+                            "finish_reason": c.finish_reason})
+        return dict(self._head(self._object), choices=out, usage=usage.body())
 
     # ---------------------------------------------------------- stream chunks
-    def chunk(self, text: str, finish_reason: Optional[str] = None, logprobs: Optional[List[Tuple[str, float]]] = None,
-              first: bool = False, offset: int = 0, usage: bool = False) -> dict:
-        """A stream chunk; ``usage=True`` adds ``"usage": null`` (include_usage streams)."""
+    def chunk(self, text: str, finish_reason: Optional[str] = None, logprobs: Optional[List[TokenLogprob]] = None,
+              first: bool = False, offset: int = 0, usage: bool = False, index: int = 0) -> dict:
+        """A stream chunk of choice ``index``; ``usage=True`` adds ``"usage": null`` (include_usage streams)."""
         if self.endpoint == "chat":
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if text or not finish_reason else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None if not logprobs else chat_logprobs(logprobs),
+            choice = {"index": index, "delta": delta, "logprobs": None if not logprobs else chat_logprobs(logprobs),
                       "finish_reason": finish_reason}
             out = dict(self._head("chat.completion.chunk"), choices=[choice])
         else:
-            choice = {"index": 0, "text": text, "logprobs": None if not logprobs else text_logprobs(logprobs, offset),
+            choice = {"index": index, "text": text, "logprobs": None if not logprobs else text_logprobs(logprobs, offset),
                       "finish_reason": finish_reason}
             out = dict(self._head("text_completion"), choices=[choice])
         if usage:
@@ -81,18 +104,24 @@ class ResponseWriter:
         return dict(self._head(obj), choices=[], usage=usage.body())
 
 
-def chat_logprobs(items: List[Tuple[str, float]]) -> dict:
-    return {"content": [{"token": t, "logprob": _finite(lp), "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-                        for t, lp in items]}
+def chat_logprobs(items: List[TokenLogprob]) -> dict:
+    return {"content": [dict(_chat_token(i.token, i.logprob), top_logprobs=[_chat_token(t, lp) for t, lp in i.top])
+                        for i in items]}
 
 
-def text_logprobs(items: List[Tuple[str, float]], offset: int = 0) -> dict:
+def _chat_token(text: str, logprob: float) -> dict:
+    return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def text_logprobs(items: List[TokenLogprob], offset: int = 0) -> dict:
+    """Legacy completions' shape: ``top_logprobs`` is one ``{text: log-probability}`` per token (None: not asked for)."""
     offsets, at = [], offset
-    for t, _ in items:
+    for i in items:
         offsets.append(at)
-        at += len(t)
-    return {"tokens": [t for t, _ in items], "token_logprobs": [_finite(lp) for _, lp in items],
-            "top_logprobs": None, "text_offset": offsets}
+        at += len(i.token)
+    top = [{t: _finite(lp) for t, lp in i.top} for i in items] if any(i.top for i in items) else None
+    return {"tokens": [i.token for i in items], "token_logprobs": [_finite(i.logprob) for i in items],
+            "top_logprobs": top, "text_offset": offsets}
 
 
 def _finite(lp: float) -> float:

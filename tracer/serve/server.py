@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import uvicorn
 
@@ -59,10 +59,16 @@ class DrainingServer(uvicorn.Server):
     """uvicorn that, on SIGTERM or SIGINT, first drains the app
     (``app.shutdown.drain(grace)``: no new requests, the running ones finish
     or are cut with an error) and then stops. Unlike uvicorn it does not raise
-    the signal again once stopped, so a drained server exits 0."""
+    the signal again once stopped, so a drained server exits 0.
 
-    def __init__(self, config: uvicorn.Config, grace: float = DEFAULT_SHUTDOWN_GRACE):
+    ``stop_when``: polled every 0.1 s on the event loop; a reason (a string)
+    stops the server at once: no new requests, the open ones cut (a sharded
+    server whose engine failed or waits on a lost peer: :mod:`.ranks`)."""
+
+    def __init__(self, config: uvicorn.Config, grace: float = DEFAULT_SHUTDOWN_GRACE,
+                 stop_when: Optional[Callable[[], Optional[str]]] = None):
         super().__init__(config)
+        self.stop_when = stop_when
         self.app_shutdown = config.app.shutdown  # the app is create_app's (uvicorn has a shutdown method)
         self.grace = check_shutdown_grace(grace)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -85,6 +91,13 @@ class DrainingServer(uvicorn.Server):
             for sig, handler in original.items():
                 signal.signal(sig, handler)
 
+    async def on_tick(self, counter: int) -> bool:
+        if self.stop_when is not None and self._drain is None:
+            why = self.stop_when()
+            if why:  # no grace: the engine will not finish the open requests
+                self._drain = self._loop.create_task(self._drain_then_exit(why, grace=0.0))
+        return await super().on_tick(counter)
+
     def handle_exit(self, sig, frame):
         # a signal handler runs between two bytecodes of the loop's thread: hand over to the loop
         self.drain_soon(signal.Signals(sig).name)
@@ -103,8 +116,14 @@ class DrainingServer(uvicorn.Server):
         else:
             self.app_shutdown.hurry()
 
-    async def _drain_then_exit(self, why: str):
+    async def _drain_then_exit(self, why: str, grace: Optional[float] = None):
+        grace = self.grace if grace is None else grace
         try:
+            if not grace:
+                print(f"mlx-tracer serve: {why}: stopping; cutting the {len(self.app_shutdown.open)} running requests",
+                      file=sys.stderr, flush=True)
+                await self.app_shutdown.drain(0.0)
+                return
             print(f"mlx-tracer serve: {why}: taking no new requests; {len(self.app_shutdown.open)} running get up to "
                   f"{self.grace:g} s to finish (a second signal cuts them now)", file=sys.stderr, flush=True)
             await self.app_shutdown.drain(self.grace)
@@ -112,10 +131,12 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
-def run(app, sock: socket.socket, log_level: str = "warning", grace: float = DEFAULT_SHUTDOWN_GRACE):
+def run(app, sock: socket.socket, log_level: str = "warning", grace: float = DEFAULT_SHUTDOWN_GRACE,
+        stop_when: Optional[Callable[[], Optional[str]]] = None):
     """Serve ``app`` (from :func:`~.app.create_app`) on ``sock`` until SIGTERM or
-    SIGINT, then drain it for up to ``grace`` seconds (:class:`DrainingServer`)."""
-    DrainingServer(_config(app, log_level), grace).run(sockets=[sock])
+    SIGINT (or ``stop_when`` gives a reason), then drain it for up to ``grace``
+    seconds (:class:`DrainingServer`)."""
+    DrainingServer(_config(app, log_level), grace, stop_when).run(sockets=[sock])
 
 
 class BackgroundServer:

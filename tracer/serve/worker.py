@@ -18,16 +18,19 @@ import threading
 import time
 import traceback
 from collections import deque
-from typing import Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
 from ..generator import Generator
+from ..runtime.distributed import DistributedError
 from ..runtime.options import OptionError, check_buckets, check_context_length, check_queue_size
 from .errors import APIError, bad_request, internal, invalid_option, queue_full, unavailable
 from .jobs import Admitted, Delta, Finished, Job, Rejected
 from .metrics import ServerMetrics, ServerSnapshot
 from .protocol import GenerationSpec
+from .responses import TokenLogprob
+from .ranks import Leader
 
 
 class EngineWorker:
@@ -40,9 +43,15 @@ class EngineWorker:
         max_queue: the most accepted requests waiting for a row; one more is answered 503.
         metrics: where to publish (a new :class:`ServerMetrics` by default).
         prefix_cache_bytes: moved to the Generator (``Generator.load(prefix_cache=PrefixCache(n))``).
+
+    Rank 0 of a sharded model passes a :class:`~.ranks.Leader` of its
+    Generator: every call that changes the generator then reaches every rank,
+    and the thread steps at least every ``Leader.heartbeat_s`` seconds (idle:
+    a step with nothing to do); when the thread ends, the Leader stops the
+    other ranks.
     """
 
-    def __init__(self, generator: Generator, model_id: str, max_queue: int = 64, prefix_cache_bytes: int = 0,
+    def __init__(self, generator: Union[Generator, Leader], model_id: str, max_queue: int = 64, prefix_cache_bytes: int = 0,
                  metrics: Optional[ServerMetrics] = None):
         max_queue = check_queue_size(max_queue)
         if prefix_cache_bytes:
@@ -63,6 +72,8 @@ class EngineWorker:
         self._warmup: Tuple[int, ...] = ()
         self.warmup_ms: Dict[object, float] = {}  # trace -> ms, of the warmup
         self._ready = threading.Event()
+        self._leader = generator if isinstance(generator, Leader) else None
+        self._idle_s = None if self._leader is None else self._leader.heartbeat_s  # the longest wait for work
         self._thread = threading.Thread(target=self._run, name="mlx-tracer-engine", daemon=True)
 
     # ------------------------------------------------------- any thread
@@ -162,7 +173,8 @@ class EngineWorker:
                 with self._wake:
                     while not (self._inbox or self._stopping or self.gen.engine.has_work()):
                         self._publish()
-                        self._wake.wait()
+                        if not self._wake.wait(self._idle_s):
+                            break  # (sharded) idle for a beat: the step below tells the other ranks all is well
                     if self._stopping:
                         break
                     inbox = list(self._inbox)
@@ -170,17 +182,19 @@ class EngineWorker:
                 for kind, job in inbox:
                     self._admit(job) if kind == "submit" else self._cancel(job)
                 self._flush()
-                if self.gen.engine.has_work():
-                    for ev in self.gen.step():
-                        self._route(ev)
+                for ev in self.gen.step():  # (nothing to do: no step, or a sharded server's heartbeat)
+                    self._route(ev)
                 self._publish()
                 self._flush()
         except BaseException as e:  # the engine's state is unknown now: fail everything, report unhealthy
             self.error = e
-            print(f"mlx-tracer serve: the engine thread failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            why = str(e) if isinstance(e, DistributedError) else f"\n{traceback.format_exc()}"  # (a peer's fate: no traceback)
+            print(f"mlx-tracer serve: the engine thread failed: {why}", file=sys.stderr, flush=True)
         finally:
             self._ready.set()
             self._shutdown()
+            if self._leader is not None:
+                self._close_leader()
             # MLX gives each thread its own streams; left behind, they abort
             # the process at exit ("terminate called without an active exception")
             try:
@@ -189,14 +203,23 @@ class EngineWorker:
             except Exception:
                 pass
 
+    def _close_leader(self):
+        try:
+            self._leader.close(self.error)
+        except DistributedError as e:  # a peer went away as the server stopped
+            self.error = self.error or e
+            print(f"mlx-tracer serve: could not stop the other ranks: {e}", file=sys.stderr, flush=True)
+
     def _admit(self, job: Job):
         spec, ids = job.spec, job.prompt
         prompt = "messages" if spec.endpoint == "chat" else "prompt"
         try:
             s = spec.sampling
-            uid = self.gen.submit(ids, max_tokens=spec.max_tokens, temp=s.temperature, top_p=s.top_p, min_p=s.min_p,
-                                  top_k=s.top_k, seed=s.seed, stop=spec.stop, stop_tokens=[] if spec.ignore_eos else None,
-                                  chat=False)
+            uids = self.gen.submit_choices(
+                ids, spec.n, max_tokens=spec.max_tokens, temp=s.temperature, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k,
+                seed=s.seed, stop=spec.stop, stop_tokens=[] if spec.ignore_eos else None, chat=False,
+                repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+                frequency_penalty=s.frequency_penalty, logit_bias=dict(s.logit_bias) or None, top_logprobs=s.top_logprobs)
         except APIError as e:
             return self._reject(job, e)
         except OptionError as e:
@@ -206,9 +229,10 @@ class EngineWorker:
         except Exception as e:  # a bug: answer this request, keep serving the others
             traceback.print_exc(file=sys.stderr)
             return self._reject(job, internal(f"could not start the request: {type(e).__name__}: {e}"))
-        job.uid, job.cached = uid, self.gen.cached_tokens(uid)
+        job.uids, job.cached = list(uids), self.gen.cached_tokens(uids[0])
         job.stop_ids = frozenset() if spec.ignore_eos else frozenset(self.gen.tokenizer.eos_token_ids)
-        self._jobs[uid] = job
+        for uid in uids:
+            self._jobs[uid] = job
         self._send(job, Admitted(len(ids), job.cached))
 
     def _reject(self, job: Job, error: APIError):
@@ -218,12 +242,14 @@ class EngineWorker:
 
     def _cancel(self, job: Job):
         job.abandoned = True
-        if job.done or job.uid is None:
+        if job.done:
             return
-        try:
-            self.gen.cancel(job.uid)
-        except KeyError:  # finished in the engine already; its last event is on its way
-            pass
+        for uid in job.uids:
+            if uid in self._jobs:
+                try:
+                    self.gen.cancel(uid)
+                except KeyError:  # finished in the engine already; its last event is on its way
+                    pass
 
     def _route(self, ev):
         job = self._jobs.get(ev.uid)
@@ -233,20 +259,23 @@ class EngineWorker:
             self._left_queue(job)
             if ev.token is not None:
                 self.metrics.observe_ttft(time.perf_counter() - job.received_at)
+        index = job.uids.index(ev.uid)  # the choice
         stop_token = ev.finish_reason == "stop" and ev.token in job.stop_ids
         logprob = None
         if job.spec.logprobs and ev.token is not None and not stop_token:
-            logprob = (self.gen.tokenizer.decode([ev.token]), ev.logprob)
+            decode = self.gen.tokenizer.decode
+            logprob = TokenLogprob(decode([ev.token]), ev.logprob, [(decode([t]), lp) for t, lp in ev.top_logprobs or ()])
         if ev.text or logprob:
-            self._send(job, Delta(ev.text, logprob))
+            self._send(job, Delta(ev.text, logprob, index))
         if ev.finish_reason is None:
             return
         completion = self.gen.result(ev.uid)
         del self._jobs[ev.uid]
-        job.done = True
+        job.finished += 1
+        job.done = job.finished == len(job.uids)
         self.metrics.count_finished(ev.finish_reason)
         error = unavailable("the server ended the request") if ev.finish_reason == "cancelled" else None
-        self._send(job, Finished(ev.finish_reason, len(completion.tokens), error))
+        self._send(job, Finished(ev.finish_reason, len(completion.tokens), error, index))
 
     def _left_queue(self, job: Job):
         if not job.started:
@@ -297,7 +326,7 @@ class EngineWorker:
         for kind, job in inbox:
             if kind == "submit":
                 self._reject(job, error)
-        for job in list(self._jobs.values()):
+        for job in {id(j): j for j in self._jobs.values()}.values():  # one message per request, whatever its n
             self._send(job, Finished("cancelled", 0, error))
         self._jobs.clear()
         try:
