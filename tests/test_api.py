@@ -140,6 +140,29 @@ def test_request_continues_from_an_mlx_lm_prompt_cache(name):
         eng.add(prompt, cache=cache[:1])
 
 
+def test_rows_continuing_serial_caches_join_without_bucket_sized_copies():
+    """Each request continuing a serial cache holds one row until the join
+    (padded to the bucket only to feed prompt tokens): joining 8 long
+    contexts one by one peaks near the batch's own size, not 8 batches'."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = tiny_model("llama")
+    eng = Engine(model, buckets=(8,))
+    caches = []
+    for i in range(8):
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.array([list(range(1 + i, 301 + i))]), cache=cache))
+        caches.append(cache)
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    for c in caches:
+        eng.add([5], max_tokens=2, cache=c)
+    eng.admit()
+    batch = sum(c.nbytes for c in eng.batch.caches)
+    # measured 3.0x (the rows, the batch, the join's copies); 12x when each row was padded to 8 first
+    assert mx.get_peak_memory() - before < 4 * batch
+
+
 @pytest.mark.parametrize("owner", ["generator", "engine, model's own forward"])
 def test_a_dropped_loop_frees_its_model_without_the_cyclic_collector(owner):
     """Dropping the last reference to a Generator, or to an Engine and its
