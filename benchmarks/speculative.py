@@ -1,12 +1,13 @@
 """Plain compiled decode against batched speculative decoding (prompt lookup)
 on SmolLM2, greedy: tokens/s of the same requests, interleaved runs.
 
-    python benchmarks/speculative.py [--k 4] [--tokens 64] [--reps 3]
+    python benchmarks/speculative.py [--k 4] [--tokens 64] [--reps 3] [--weights quantized]
 
 Two workloads: text that quotes its prompt (where prompt lookup finds
 drafts) and free text (where it mostly does not); buckets 1 and 4. Checks that
 both systems emit the same tokens, and prints the acceptance, tokens per
-verify step and the load average.
+verify step, the cost of a verify step against a decode step of the same
+bucket (the speculator's own smoothed timings) and the load average.
 """
 
 from __future__ import annotations
@@ -36,14 +37,17 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--weights", default="quantized", help="weight format (as `mlx-tracer generate --weights`)")
     args = ap.parse_args()
     import mlx_tracer  # noqa: F401  (the fast BLAS binds before mlx)
     from mlx_tracer import Generator
 
-    plain = Generator.load(weights="float32")
+    plain = Generator.load(weights=args.weights)
     spec = Generator(plain.model, plain.tokenizer, speculative="prompt-lookup", draft_tokens=args.k)
     load0 = os.getloadavg()[0]
-    print(f"{'workload':<18} {'B':>2} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} {'accepted':>8} {'tok/verify':>10}")
+    print(f"weights {args.weights}")
+    print(f"{'workload':<18} {'B':>2} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} {'accepted':>8} {'tok/verify':>10} "
+          f"{'verify/decode':>13}")
     for name, prompts in WORKLOADS.items():
         for B in (1, 4):
             batch = prompts[:B]
@@ -61,7 +65,11 @@ def main() -> int:
             assert outs["plain"] == outs["spec"], "speculative decoding changed greedy tokens"
             p, s = statistics.median(times["plain"]), statistics.median(times["spec"])
             st = spec.stats
-            print(f"{name:<18} {B:>2} {p:>11.1f} {s:>10.1f} {s / p:>6.2f}x {st.acceptance:>7.0%} {st.tokens_per_verify:>10.2f}")
+            step_s = spec.engine.speculator.step_s
+            verify, decode = step_s.get(("verify", B)), step_s.get(("decode", B))
+            cost = f"{verify / decode:.2f}" if verify and decode else "-"
+            print(f"{name:<18} {B:>2} {p:>11.1f} {s:>10.1f} {s / p:>6.2f}x {st.acceptance:>7.0%} {st.tokens_per_verify:>10.2f} "
+                  f"{cost:>13}")
     print(f"load average (1 min): {load0:.2f} before, {os.getloadavg()[0]:.2f} after; k = {args.k}, {args.tokens} tokens")
     return 0
 
