@@ -31,7 +31,8 @@ CASES = ((1, 576, 576, 32), (2, 1000, 64, 64), (3, 51, 2048, 128), (5, 576, 1536
 BOUND = 1e-5
 # The fast contract: |fast - exact| <= FAST_BOUND * sum_k |x_k w_k| (x rounded
 # to int8 per 32-block, an error up to max|x| / 254 an element; measured over
-# CASES: at most 3.9e-3, for 4 and 8 bits alike).
+# CASES: at most 3.9e-3, for 4 and 8 bits alike, before and after the 4-lane
+# float order of qmm_fast.h).
 FAST_BOUND = 1e-2
 
 pytestmark = pytest.mark.skipif(K is None, reason=f"native kernels unavailable: {kernels.status()}")
@@ -147,6 +148,27 @@ def test_one_and_two_threads_give_the_same_bits(threads, contract, M, N, Kd, bit
         threads(n)
         outs.append(np.array(K.qmm(x, w, s, b, 32, bits, contract=contract)))
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fast_contract_gives_the_same_bits_on_every_isa_path(bits):
+    """Its integer sums are exact and its float32 order is one definition
+    (qmm_fast.h): each path computes the same bits, any M (tiles of x rows),
+    N (quads of weight rows) and K (a last step of fewer than 4 blocks)."""
+    before = K.qmm_isa()
+    try:
+        for i, (M, N, Kd, group) in enumerate(CASES + ((9, 37, 320, 64), (1, 5, 96, 32))):
+            w, s, b = quantized(N, Kd, group, bits, mx.float16, seed=i)
+            x = mx.random.normal((M, Kd), key=mx.random.key(50 + i))
+            outs = {}
+            for name in PATHS:
+                if K.qmm_set_isa(name) == name:
+                    outs[name] = np.array(K.qmm(x, w, s, b, group, bits, contract="fast"))
+            first = next(iter(outs.values()))
+            for name, got in outs.items():
+                assert np.array_equal(got, first), (name, M, N, Kd, group)
+    finally:
+        K.qmm_set_isa(before)
 
 
 @pytest.mark.parametrize("contract", ["exact", "fast"])

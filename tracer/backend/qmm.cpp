@@ -16,11 +16,15 @@
 // The *fast* contract (contract="fast", as llama.cpp computes): each 32-block
 // of an x row is quantized to int8 (scale d = max |x| / 127, rounded to
 // nearest), the weights' 4- or 8-bit integers are multiplied with it as
-// integers (AVX-512 VNNI vpdpbusd, AVX2 maddubs + madd, portable loops; the
-// integer sums are exact, the same on every path), and each block adds
-// s * d * sum(xq * q) + b * d * sum(xq) in float32 (qmm_fast.h). Its error
-// against exact is measured in tests/test_qmm.py (FAST_BOUND) and as KL of
-// SmolLM2's next-token distributions (benchmarks/qmm_kl.py).
+// integers (AVX-512 VNNI vpdpbusd, AVX2 maddubs + madd, portable loops; each
+// block's integer sum exact), and an output is, in float32 on 4 lanes (lane
+// j: blocks j, j + 4, ... then groups j, j + 4, ..., fused multiply-adds),
+// the sum over blocks of float(sum(xq * q)) * (s * d) plus the sum over
+// groups of b * (sum over its blocks of d * sum(xq)), the lanes added
+// pairwise at the end (qmm_fast.h says it exactly). The bits are the same on
+// every ISA path, thread count and tiling. Its error against exact is
+// measured in tests/test_qmm.py (FAST_BOUND) and as KL of SmolLM2's
+// next-token distributions (benchmarks/qmm_kl.py).
 //
 // Two ways through, by the number M of x rows (exact; fast always the first):
 //  * M <= kSmallMaxM: tiles of a few weight rows by up to kTile x rows, each
@@ -39,7 +43,10 @@
 // same products, summed in another order. AVX-512 looks 4-bit weights up in
 // a 16-entry table per group (scale * q + bias for q = 0..15, computed as
 // above), the same values as computing each.
-// Kernels exist for AVX-512 (its fast contract with VNNI, else AVX2's), AVX2
+// Weights stream from memory (a decode step reads every matrix once): the
+// kernels read them in plain order, with software prefetches only where a
+// tile consumes them slowly (kPrefetchMinM), and read x from 64-byte aligned
+// copies. Kernels exist for AVX-512 (its fast contract with VNNI, else AVX2's), AVX2
 // (+FMA, F16C) and portable C++ (qmm_ops_x86.h, qmm_ops_portable.h), compiled
 // with target pragmas (the module itself is built without -march), chosen by
 // __builtin_cpu_supports; MLX_TRACER_QMM_ISA=avx512|avx2|portable forces one
@@ -95,21 +102,21 @@ using mx::array;
 namespace {
 
 constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
-// Up to this many x rows, the packed-weight kernels; above, dequantized panels
-// and sgemm (benchmarks/qmm.py: at 16 rows the panels were faster for three of
-// SmolLM2's four projection shapes, at 8 slower for all four).
-constexpr int kSmallMaxM = 8;
+// Up to this many x rows, the packed-weight kernels (x in tiles of a few rows
+// over a chunk of weights that stays in L1/L2); above, dequantized panels and
+// sgemm (single-thread CPU time on SmolLM2's shapes: the tiles were faster at
+// 10, 20 and 40 rows, by up to 1.8x, even at 64, the panels faster from 96).
+constexpr int kSmallMaxM = 64;
 constexpr size_t kChunkBytes = 16 << 10;     // packed weights a chunk of the few-row path
 constexpr size_t kPoolBytes = 64 << 10;      // less work than this (~6 us at M = 1) does not wake the pool
 constexpr size_t kPanelBytes = 512 << 10;    // a dequantized panel of the many-row path
 constexpr int kBlock = 32;                   // weights a kernel step: 16 bytes at 4 bits, 32 at 8
-constexpr int kPrefetch = 1024;              // weights ahead a kernel asks the caches for
-
-inline void prefetch(const void* p) {
-#if defined(__x86_64__)
-  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
-#endif
-}
+// Tiles of at least this many x rows ask the caches for the packed bytes of
+// the rows kPrefetchTiles tiles ahead as they read theirs (once a cache line):
+// they read weights slower than the hardware prefetchers follow (measured;
+// with one x row, software prefetches made the reads slower).
+constexpr int kPrefetchMinM = 2;
+constexpr int kPrefetchTiles = 2;
 
 enum class Scale { f32, f16, bf16 };
 enum class Contract { exact, fast };
@@ -126,23 +133,30 @@ struct QmmJob {
   float* out;          // [M, N]
   // The fast contract's x (quantize_x), else null:
   const int8_t* xq = nullptr;  // [M, fast_blocks(K) * 32] int8, in qmm_fast.h's layout
-  const float* xd = nullptr;   // [M, fast_blocks(K)] the blocks' scales
-  const float* xg = nullptr;   // [M, fast_groups(K / group)] per group: sum over its blocks of scale * sum(xq)
+  const float* xd = nullptr;   // [M, fast_blocks(K) * 4] the blocks' scales, each 4 times (qmm_fast.h)
+  const float* xg = nullptr;   // [M, fast_groups(K / group) * 4] per group: sum over its blocks of scale * sum(xq), each 4 times
 };
 
-// Blocks of 32 an x row of the fast contract takes: K's, rounded up to 8 (qmm_fast.h's superblocks).
+// Blocks of 32 an x row of the fast contract takes: K's, rounded up to 4 (qmm_fast.h's steps).
 constexpr int fast_blocks(int K) {
-  return (K / kBlock + 7) / 8 * 8;
+  return (K / kBlock + 3) / 4 * 4;
 }
 
-// Groups an x row of the fast contract has sums for: G, rounded up to 8 (the float lanes of its kernels).
+// Groups an x row of the fast contract has sums for: G, rounded up to 4 (qmm_fast.h's steps).
 constexpr int fast_groups(int G) {
-  return (G + 7) / 8 * 8;
+  return (G + 3) / 4 * 4;
 }
 
 inline const uint8_t* packed_row(const QmmJob& j, int n) {
   return reinterpret_cast<const uint8_t*>(j.w) + size_t(n) * j.K * j.bits / 8;
 }
+
+inline void prefetch(const void* p) {
+#if defined(__x86_64__)
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+#endif
+}
+
 
 // Exact: subnormals, infinities and NaNs included (where F16C is missing).
 inline float half_to_float(uint16_t h) {
@@ -306,16 +320,28 @@ void run_large(const QmmJob& j, const Path& p) {
 // and rounded to the nearest integer (ties to even), laid out as qmm_fast.h
 // reads it (superblocks of 8 blocks, zeros past K); per group, the sum over
 // its blocks of d * sum(xq).
+// n T's of a thread's scratch v, 64-byte aligned (a kernel's vector loads of x
+// that straddle cache lines cost as much as two), zeros where `zero`.
+template <class T>
+T* aligned_scratch(std::vector<T>& v, size_t n, bool zero) {
+  constexpr size_t extra = 64 / sizeof(T);
+  zero ? v.assign(n + extra, T{}) : v.resize(n + extra);
+  const size_t off = (64 - reinterpret_cast<uintptr_t>(v.data()) % 64) % 64;
+  return v.data() + off / sizeof(T);
+}
+
 void quantize_x(QmmJob& j, const Path& p, std::vector<int8_t>& xq, std::vector<float>& xd, std::vector<float>& xg) {
   const int Bp = fast_blocks(j.K);
-  xq.assign(size_t(j.M) * Bp * kBlock, 0), xd.assign(size_t(j.M) * Bp, 0.0f),
-      xg.assign(size_t(j.M) * fast_groups(j.K / j.group), 0.0f);
-  p.quantize_x(j, xq.data(), xd.data(), xg.data());
-  j.xq = xq.data(), j.xd = xd.data(), j.xg = xg.data();
+  int8_t* q = aligned_scratch(xq, size_t(j.M) * Bp * kBlock, true);
+  float* d = aligned_scratch(xd, size_t(j.M) * Bp * 4, true);
+  float* g = aligned_scratch(xg, size_t(j.M) * fast_groups(j.K / j.group) * 4, true);
+  p.quantize_x(j, q, d, g);
+  j.xq = q, j.xd = d, j.xg = g;
 }
 
 // 4-bit blocks come out of dequant in block order (even weights, then odd):
-// x goes into the same order, which changes only the order of summation.
+// x goes into the same order, which changes only the order of summation. The
+// few-row kernels read x from an aligned copy.
 void run(QmmJob j, Contract contract) {
   const Path& p = path();
   if (contract == Contract::fast) {
@@ -325,19 +351,24 @@ void run(QmmJob j, Contract contract) {
     over_rows(j, 0, j.N, 4, [&](int n0, int n1) { p.fast(j, n0, n1); });
     return;
   }
+  const bool small = j.M <= kSmallMaxM;
   thread_local std::vector<float> xp;  // [M, K]
-  if (j.bits == 4) {
-    xp.resize(size_t(j.M) * j.K);
+  if (j.bits == 4 || small) {
+    float* xa = aligned_scratch(xp, size_t(j.M) * j.K, false);
     for (int m = 0; m < j.M; ++m) {
       const float* from = j.x + size_t(m) * j.ldx;
-      float* to = xp.data() + size_t(m) * j.K;
+      float* to = xa + size_t(m) * j.K;
+      if (j.bits == 8) {
+        std::memcpy(to, from, sizeof(float) * j.K);
+        continue;
+      }
       for (int k = 0; k < j.K; k += kBlock) {
         for (int i = 0; i < kBlock / 2; ++i) to[k + i] = from[k + 2 * i], to[k + kBlock / 2 + i] = from[k + 2 * i + 1];
       }
     }
-    j.x = xp.data(), j.ldx = j.K;
+    j.x = xa, j.ldx = j.K;
   }
-  j.M <= kSmallMaxM ? run_small(j, p) : run_large(j, p);
+  small ? run_small(j, p) : run_large(j, p);
 }
 
 // ------------------------------------------------------------ primitive

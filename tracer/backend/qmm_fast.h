@@ -1,85 +1,158 @@
 // qmm's *fast* contract for one instruction set, included by qmm_ops_*.h once per
-// ISA after qmm_isa.h (whose tiles it reuses). Weights go 8 blocks of 32 at a
-// time (a superblock), as 4 pairs of blocks (i, i + 4), each block in two
-// halves (4 bits: its even-numbered weights, then the odd ones; 8 bits: its
-// first 16 weights, then the last 16); x is quantized into the same layout
-// (qmm.cpp's quantize_x: a pair's 64 bytes are half A of blocks i and i + 4,
-// then half B of both). The including namespace adds:
-//   WP, unpack_pair<BITS>(p0, p1)  blocks i and i + 4 (packed at p0, p1) as unsigned bytes;
-//   I, pair_dot<BITS>(w, x)  8 int32 lanes: 0-3 partial sums of block i . x, 4-7 of
-//       block i + 4 (vpdpbusd; maddubs + madd; scalar: exact integers on every ISA);
-//   reduce4(v0 .. v3)  lane b = block b's sum, from the 4 pairs' lanes; i_zero();
-//   FA, fa_zero, fa_add, fa_mul(a, b) (8 floats each), fa_mul_n (the first n, the rest 0),
-//       fa_fma_blocks(sums, d, acc) = acc + float(sums) * d, hsum8.
-// Per 32-block of a weight row with scale s and bias b (its group's) and of an
-// x row quantized to xq with scale xd:
-//   x . w ~= s * xd * sum(xq * q) + b * xd * sum(xq)
-// the first term on 8 float lanes (one a block of the superblock), the second
-// once per row as the product of the row's biases with x's per-group sums of
-// xd * sum(xq), added to the same lanes; both in a fixed order.
+// ISA after qmm_isa.h. A kernel step takes a quad: 4 weight rows times 4
+// blocks of 32 (a step), each block in two halves (4 bits: its even-numbered
+// weights, then the odd ones; 8 bits: its first 16 weights, then the last 16);
+// x is quantized into the same layout (qmm.cpp's quantize_x: a step's 128
+// bytes are half A of its 4 blocks, 16 bytes each, then half B of them). The
+// including namespace adds:
+//   WR, unpack4<BITS>(p)  one row's 4 blocks (packed at p) as unsigned bytes, halves A and B;
+//       unpack4_n<BITS>(p, n) its first n < 4 blocks, zeros for the rest (reads only those);
+//   P, dot4<BITS>(w, x)   partial integer dot products of those blocks with a step of x
+//       (vpdpbusd; maddubs + madd; scalar loops);
+//   QS, reduce_quad(p0 .. p3)  the 16 blocks' exact int32 sums of the rows p0 .. p3, lane
+//       4 j + i: row i's block j (the same integers on every ISA);
+//   FQ (16 float lanes in that order): fq_zero, fq_load (16 floats), fq_gather4(r0 .. r3)
+//       (lane 4 j + i = r_i[j]; fq_gather4_n: r_i[j] for j < n, else 0, reading only
+//       those), fq_mul, fq_fma (fused), fq_fma_sums(sums, sd, acc) = fma(float(sums), sd,
+//       acc), fq_rows(acc, out) out[i] = (acc[i] + acc[4 + i]) + (acc[8 + i] + acc[12 + i]).
+// No horizontal sum per block: a quad's 16 block sums come out of one transpose
+// (reduce_quad), are converted and scaled together, and each output's 4 lanes
+// are added once at the end.
+// The arithmetic, per weight row (scale s and bias b of each group) and x row
+// (each 32-block quantized to xq with scale d; per group xg = the sum over its
+// blocks, in order, of d * float(sum(xq))), is the same on every ISA path:
+//   x . w ~= sum over blocks of s * d * sum(xq * q) + sum over groups of b * xg
+// on 4 float lanes j = 0..3: lane j takes the blocks j, j + 4, j + 8, ... in
+// order, each acc = fma(float(block's integer sum), s * d (rounded), acc),
+// then the groups j, j + 4, ..., each acc = fma(b, xg, acc) (the last step's
+// blocks and groups past the row's end are zeros); the result (lane 0 + lane 1) + (lane 2
+// + lane 3). Each output's lanes are its own: the bits depend neither on the
+// ISA, the thread count, nor on which rows or x rows share a tile.
 
-constexpr int kSuper = 8;  // blocks a step
+constexpr int kStep = 4;  // blocks a step (and weight rows a quad)
 
-// out[m0 .. m0 + MT, n .. n + R) under the fast contract; s [R][B] the
-// rows' scales of each block, b [R][G] their biases, as FastTile::params
-// lays them out.
-template <int R, int MT, int BITS>
-inline void fast_tile(const QmmJob& j, int n, int m0, const float* s, const float* b) {
+// A range of weight rows' parameters as the fast tiles read them: per row,
+// its blocks' scales [K / 32] and its groups' biases [G], in float32.
+struct FastParams {
+  const float* s;
+  const float* b;
+  int ls, lb, n0;
+  const float* scales(int n) const { return s + size_t(n - n0) * ls; }
+  const float* biases(int n) const { return b + size_t(n - n0) * lb; }
+};
+
+// One step (blocks 4 k .. 4 k + 4, the row's last nb < 4 blocks where kTail) of
+// quads [Q] of weight rows (packed at w[q][i], their block scales at s[q][i])
+// into the accumulators of MT x rows.
+template <int Q, int MT, int BITS, bool kTail>
+inline void fast_step(const uint8_t* const (&w)[Q][kStep], const float* const (&s)[Q][kStep], int k, int nb,
+                      const int8_t* xq, size_t ldq, const float* xd, size_t ldd, FQ (&acc)[Q][MT], size_t pf_ahead) {
   constexpr int bb = kBlock * BITS / 8;  // bytes a block
-  static const uint8_t zeros[kBlock] = {};  // the blocks past the row's end in its last superblock
-  const int B = j.K / kBlock, Bp = fast_blocks(j.K), G = j.K / j.group, Gb = fast_groups(G);
-  const uint8_t* wr[R];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) wr[r] = packed_row(j, n + r);
-  FA acc[R][MT];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 8
-    for (int m = 0; m < MT; ++m) acc[r][m] = fa_zero();
-  }
-  for (int b0 = 0; b0 < B; b0 += kSuper) {
-    const int nb = std::min(kSuper, B - b0);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* at = wr[r] + size_t(b0) * bb;
-      const float* sr = s + r * B + b0;
-      prefetch(at + kPrefetch * BITS / 8);
-      if (nb == kSuper) {
-        WP w[4];
+  const size_t at = size_t(k) * kStep * bb;
+  const int kt = kStep * k;
 #pragma GCC unroll 4
-        for (int p = 0; p < 4; ++p) w[p] = unpack_pair<BITS>(at + p * bb, at + (p + 4) * bb);
-#pragma GCC unroll 8
-        for (int m = 0; m < MT; ++m) {
-          const int8_t* x = j.xq + size_t(m0 + m) * Bp * kBlock + b0 * kBlock;
-          const I sums = reduce4(pair_dot<BITS>(w[0], x), pair_dot<BITS>(w[1], x + 64),
-                                 pair_dot<BITS>(w[2], x + 128), pair_dot<BITS>(w[3], x + 192));
-          acc[r][m] = fa_fma_blocks(sums, fa_mul(sr, j.xd + size_t(m0 + m) * Bp + b0), acc[r][m]);
-        }
-      } else {  // the row's last nb < 8 blocks: the pairs that hold one, the rest zeros
-        const int pairs = std::min(nb, 4);
-        WP w[4];
-        for (int p = 0; p < pairs; ++p) w[p] = unpack_pair<BITS>(at + p * bb, p + 4 < nb ? at + (p + 4) * bb : zeros);
-#pragma GCC unroll 8
-        for (int m = 0; m < MT; ++m) {
-          const int8_t* x = j.xq + size_t(m0 + m) * Bp * kBlock + b0 * kBlock;
-          I d[4];
-#pragma GCC unroll 8
-          for (int p = 0; p < 4; ++p) d[p] = p < pairs ? pair_dot<BITS>(w[p], x + 64 * p) : i_zero();
-          acc[r][m] = fa_fma_blocks(reduce4(d[0], d[1], d[2], d[3]),
-                                    fa_mul_n(sr, j.xd + size_t(m0 + m) * Bp + b0, nb), acc[r][m]);
-        }
+  for (int q = 0; q < Q; ++q) {
+    if (MT >= kPrefetchMinM) {  // the same bytes of the rows kPrefetchTiles tiles ahead
+      const size_t ahead = pf_ahead;
+#pragma GCC unroll 4
+      for (int i = 0; i < kStep; ++i) {
+#pragma GCC unroll 2
+        for (int l = 0; l < kStep * bb; l += 64) prefetch(w[q][i] + at + ahead + l);
       }
     }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
+    WR wr[kStep];
+#pragma GCC unroll 4
+    for (int i = 0; i < kStep; ++i) wr[i] = kTail ? unpack4_n<BITS>(w[q][i] + at, nb) : unpack4<BITS>(w[q][i] + at);
+    const FQ sq = kTail ? fq_gather4_n(s[q][0] + kt, s[q][1] + kt, s[q][2] + kt, s[q][3] + kt, nb)
+                        : fq_gather4(s[q][0] + kt, s[q][1] + kt, s[q][2] + kt, s[q][3] + kt);
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) {
-      const float* xg = j.xg + size_t(m0 + m) * Gb;  // [Gb]
-      int g = 0;
-      for (; g + 8 <= G; g += 8) acc[r][m] = fa_add(acc[r][m], fa_mul(b + r * G + g, xg + g));
-      if (g < G) acc[r][m] = fa_add(acc[r][m], fa_mul_n(b + r * G + g, xg + g, G - g));
-      j.out[size_t(m0 + m) * j.N + n + r] = hsum8(acc[r][m]);
+      const int8_t* x = xq + m * ldq + kt * kBlock;
+      const QS sums = reduce_quad(dot4<BITS>(wr[0], x), dot4<BITS>(wr[1], x), dot4<BITS>(wr[2], x),
+                                  dot4<BITS>(wr[3], x));
+      acc[q][m] = fq_fma_sums(sums, fq_mul(sq, fq_load(xd + m * ldd + kt * kStep)), acc[q][m]);
+    }
+  }
+}
+
+// out[m0 .. m0 + MT, n .. min(n + 4 Q, n1)) under the fast contract; rows past
+// n1 compute row n1 - 1 again, unstored.
+template <int Q, int MT, int BITS>
+inline void fast_tile(const QmmJob& j, int n, int n1, int m0, const FastParams& p) {
+  const int B = j.K / kBlock, G = j.K / j.group, Bp = fast_blocks(j.K), Gp = fast_groups(G), full = B / kStep;
+  const size_t ldq = size_t(Bp) * kBlock, ldd = size_t(Bp) * kStep, ldg = size_t(Gp) * kStep;
+  const int8_t* xq = j.xq + m0 * ldq;
+  const float* xd = j.xd + m0 * ldd;
+  const float* xg = j.xg + m0 * ldg;
+  const uint8_t* w[Q][kStep];
+  const float* s[Q][kStep];
+  const float* b[Q][kStep];
+#pragma GCC unroll 4
+  for (int q = 0; q < Q; ++q) {
+#pragma GCC unroll 4
+    for (int i = 0; i < kStep; ++i) {
+      const int r = std::min(n + kStep * q + i, n1 - 1);
+      w[q][i] = packed_row(j, r), s[q][i] = p.scales(r), b[q][i] = p.biases(r);
+    }
+  }
+  FQ acc[Q][MT];
+#pragma GCC unroll 4
+  for (int q = 0; q < Q; ++q) {
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m) acc[q][m] = fq_zero();
+  }
+  if constexpr (MT == 1 && Q == 1) {
+    // One x row: the weights stream faster read a row after the other (in
+    // segments of kSeg steps), the partial sums waiting in L1 for the quad's 4 rows.
+    constexpr int bb = kBlock * BITS / 8, kSeg = 16;
+    const int steps = full + (full * kStep < B), nb = B - full * kStep;
+    P part[kStep][kSeg];
+    for (int k0 = 0; k0 < steps; k0 += kSeg) {
+      const int k1 = std::min(steps, k0 + kSeg), kf = std::min(k1, full);
+#pragma GCC unroll 4
+      for (int i = 0; i < kStep; ++i) {
+        for (int k = k0; k < kf; ++k) {
+          part[i][k - k0] = dot4<BITS>(unpack4<BITS>(w[0][i] + size_t(k) * kStep * bb), xq + k * kStep * kBlock);
+        }
+        if (kf < k1) part[i][kf - k0] = dot4<BITS>(unpack4_n<BITS>(w[0][i] + size_t(kf) * kStep * bb, nb), xq + kf * kStep * kBlock);
+      }
+      for (int k = k0; k < k1; ++k) {
+        const int kt = kStep * k;
+        const FQ sq = k < full ? fq_gather4(s[0][0] + kt, s[0][1] + kt, s[0][2] + kt, s[0][3] + kt)
+                               : fq_gather4_n(s[0][0] + kt, s[0][1] + kt, s[0][2] + kt, s[0][3] + kt, nb);
+        const int c = k - k0;
+        acc[0][0] = fq_fma_sums(reduce_quad(part[0][c], part[1][c], part[2][c], part[3][c]),
+                                fq_mul(sq, fq_load(xd + kt * kStep)), acc[0][0]);
+      }
+    }
+  } else {
+    const size_t ahead = size_t(kPrefetchTiles) * kStep * Q * j.K * BITS / 8;  // bytes
+    for (int k = 0; k < full; ++k) fast_step<Q, MT, BITS, false>(w, s, k, kStep, xq, ldq, xd, ldd, acc, ahead);
+    if (full * kStep < B) fast_step<Q, MT, BITS, true>(w, s, full, B - full * kStep, xq, ldq, xd, ldd, acc, ahead);
+  }
+  for (int g = 0; g < G; g += kStep) {
+    const int ng = std::min(kStep, G - g);
+#pragma GCC unroll 4
+    for (int q = 0; q < Q; ++q) {
+      const FQ bq = ng == kStep ? fq_gather4(b[q][0] + g, b[q][1] + g, b[q][2] + g, b[q][3] + g)
+                                : fq_gather4_n(b[q][0] + g, b[q][1] + g, b[q][2] + g, b[q][3] + g, ng);
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) acc[q][m] = fq_fma(bq, fq_load(xg + m * ldg + g * kStep), acc[q][m]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int q = 0; q < Q; ++q) {
+    const int valid = std::min(kStep, n1 - n - kStep * q);
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m) {
+      float o[kStep];
+      fq_rows(acc[q][m], o);
+      float* to = j.out + size_t(m0 + m) * j.N + n + kStep * q;
+      if (valid == kStep) {
+        std::memcpy(to, o, sizeof o);
+      } else {
+        for (int i = 0; i < valid; ++i) to[i] = o[i];
+      }
     }
   }
 }
@@ -87,10 +160,14 @@ inline void fast_tile(const QmmJob& j, int n, int m0, const float* s, const floa
 // The fast contract's x (qmm.cpp's quantize_x): plain loops the compiler
 // vectorizes for this ISA, of exact operations only (max, a multiply, rounding
 // by adding and subtracting 1.5 * 2^23), so every ISA gives the same bytes.
+// xq [M, Bp * 32]: per step of 4 blocks, half A of each block, then half B;
+// xd [M, Bp * 4]: block b's d at 16 (b / 4) + 4 (b % 4) + 0..3 (the lanes of
+// FQ's block b % 4); xg [M, Gp * 4] likewise per group.
 void quantize_x_rows(const QmmJob& j, int8_t* xq, float* xd, float* xg) {
-  const int B = j.K / kBlock, Bp = fast_blocks(j.K), Gb = fast_groups(j.K / j.group), per = j.group / kBlock;
+  const int B = j.K / kBlock, Bp = fast_blocks(j.K), Gp = fast_groups(j.K / j.group), per = j.group / kBlock;
   constexpr float kRound = 12582912.0f;
   for (int m = 0; m < j.M; ++m) {
+    float* xgm = xg + size_t(m) * Gp * kStep;
     for (int blk = 0; blk < B; ++blk) {
       const float* x = j.x + size_t(m) * j.ldx + blk * kBlock;
       uint32_t abits = 0;  // max |x| as bits: non-negative floats order as their bits
@@ -104,29 +181,30 @@ void quantize_x_rows(const QmmJob& j, int8_t* xq, float* xd, float* xg) {
         qi[i] = finite ? int32_t((x[i] * inv + kRound) - kRound) : 0;  // |x * inv| <= 127 (and a rounding)
         sum += qi[i];
       }
-      // the block's place: its superblock, its pair (i, i + 4), first or second in the pair; then half A or B
-      int8_t* q = xq + (size_t(m) * Bp + blk / 8 * 8) * kBlock + blk % 4 * 64 + blk % 8 / 4 * 16;
+      int8_t* q = xq + size_t(m) * Bp * kBlock + blk / kStep * (kStep * kBlock) + blk % kStep * 16;
       for (int i = 0; i < kBlock / 2; ++i) {
         if (j.bits == 4) {
-          q[i] = int8_t(qi[2 * i]), q[32 + i] = int8_t(qi[2 * i + 1]);
+          q[i] = int8_t(qi[2 * i]), q[64 + i] = int8_t(qi[2 * i + 1]);
         } else {
-          q[i] = int8_t(qi[i]), q[32 + i] = int8_t(qi[16 + i]);
+          q[i] = int8_t(qi[i]), q[64 + i] = int8_t(qi[16 + i]);
         }
       }
-      xd[size_t(m) * Bp + blk] = d;
-      float& g = xg[size_t(m) * Gb + blk / per];
-      g = (blk % per == 0 ? 0.0f : g) + d * float(sum);
+      float* dm = xd + size_t(m) * Bp * kStep + blk / kStep * 16 + blk % kStep * kStep;
+      for (int i = 0; i < kStep; ++i) dm[i] = d;
+      const int g = blk / per;
+      float* gm = xgm + g / kStep * 16 + g % kStep * kStep;
+      const float v = (blk % per == 0 ? 0.0f : gm[0]) + d * float(sum);
+      for (int i = 0; i < kStep; ++i) gm[i] = v;
     }
   }
 }
 
-// The fast contract's tiles: each block's scale [rows, B] (at group 32 the
-// scales as widened), then the biases [rows, G].
+// The fast contract's tiles: the rows' scales and biases widened [rows, G]
+// each; past group 32, each block's scale [rows, K / 32] after them.
 template <int BITS>
 struct FastTile {
   const QmmJob& j;
-  static constexpr int rows(int mt) { return kFastRows(mt); }
-  Params params(int n0, int n1, std::vector<float>& buffer) const {
+  FastParams params(int n0, int n1, std::vector<float>& buffer) const {
     const int G = j.K / j.group, per = j.group / kBlock, B = j.K / kBlock;
     const size_t rows = n1 - n0;
     buffer.resize(rows * (2 * G + (per > 1 ? B : 0)));
@@ -142,13 +220,39 @@ struct FastTile {
     }
     return {s, wb, B, G, n0};
   }
-  template <int R, int MT>
-  void run(int n, int m0, const Params& p) const {
-    fast_tile<R, MT, BITS>(j, n, m0, p.scales(n), p.biases(n));
+  template <int Q, int MT>
+  void run(int n, int n1, int m0, const FastParams& p) const {
+    fast_tile<Q, MT, BITS>(j, n, n1, m0, p);
   }
 };
 
+template <class Tile, int MT>
+inline void fast_quads_mt(int n0, int n1, int m0, const Tile& t, const FastParams& p) {
+  constexpr int Q = kFastQuads(MT);
+  int n = n0;
+  for (; n + kStep * Q <= n1; n += kStep * Q) t.template run<Q, MT>(n, n1, m0, p);
+  for (; n < n1; n += kStep) t.template run<1, MT>(n, n1, m0, p);
+}
+
+template <class Tile, int MT>
+inline void fast_quads_upto(int mt, int n0, int n1, int m0, const Tile& t, const FastParams& p) {
+  if constexpr (MT > 1) {
+    if (mt < MT) return fast_quads_upto<Tile, MT - 1>(mt, n0, n1, m0, t, p);
+  }
+  fast_quads_mt<Tile, MT>(n0, n1, m0, t, p);
+}
+
+template <int BITS>
+void fast_rows_bits(const QmmJob& j, int n0, int n1) {
+  thread_local std::vector<float> buffer;
+  const FastTile<BITS> t{j};
+  const FastParams p = t.params(n0, n1, buffer);
+  for (int m0 = 0; m0 < j.M; m0 += kFastTile) {
+    fast_quads_upto<FastTile<BITS>, kFastTile>(std::min(kFastTile, j.M - m0), n0, n1, m0, t, p);
+  }
+}
+
 // out[:, n0 .. n1) under the fast contract (x quantized in j.xq, j.xd, j.xg), any M.
 void fast_rows(const QmmJob& j, int n0, int n1) {
-  j.bits == 4 ? over_tiles(j, n0, n1, FastTile<4>{j}) : over_tiles(j, n0, n1, FastTile<8>{j});
+  j.bits == 4 ? fast_rows_bits<4>(j, n0, n1) : fast_rows_bits<8>(j, n0, n1);
 }

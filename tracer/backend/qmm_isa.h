@@ -12,7 +12,7 @@
 //       scale * q, rounded, + bias in float32, into w[32 / L] in block order
 //       (at 4 bits: the even-numbered weights, then the odd ones; qmm.cpp
 //       permutes x to match).
-// The tiling (over_tiles, Params) serves qmm_fast.h's kernels too.
+// (qmm_fast.h tiles the fast contract its own way, in quads of weight rows.)
 // Everything here is the same for every ISA; only the lane count and the
 // accumulation order differ between them.
 
@@ -25,11 +25,11 @@ constexpr int kVecs = kBlock / L;
 // its sums do not depend on R nor on which rows share its tile.
 template <int R, int MT, int BITS>
 inline void row_tile(const QmmJob& j, int n, int m0, const float* s, const float* b) {
-  constexpr int A = kAcc(MT);
-  const int G = j.K / j.group;
-  const uint8_t* wr[R];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) wr[r] = packed_row(j, n + r);
+  constexpr int A = kAcc(MT), bb = kBlock * BITS / 8;
+  const int G = j.K / j.group, per = j.group / kBlock;
+  const size_t row_bytes = size_t(j.K) * BITS / 8;
+  const uint8_t* w0 = packed_row(j, n);
+  const size_t ahead = kPrefetchTiles * R * row_bytes;
   const float* xr = j.x + size_t(m0) * j.ldx;
   F acc[R][MT][A];
 #pragma GCC unroll 8
@@ -40,21 +40,27 @@ inline void row_tile(const QmmJob& j, int n, int m0, const float* s, const float
       for (int a = 0; a < A; ++a) acc[r][m][a] = splat(0.0f);
     }
   }
+  const uint8_t* p = w0;
+  const float* xk = xr;
   for (int g = 0; g < G; ++g) {
     Group grp[R];
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) grp[r] = group<BITS>(s[r * G + g], b[r * G + g]);
-    for (int k = g * j.group, end = k + j.group; k < end; k += kBlock) {
+    for (int t = 0; t < per; ++t, p += bb, xk += kBlock) {
+      if (MT >= kPrefetchMinM && (size_t(p - w0) & 63) < bb) {  // once a line: the rows kPrefetchTiles tiles ahead
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) {
-        prefetch(wr[r] + (k + kPrefetch) * BITS / 8);
-        F w[kVecs];
-        dequant<BITS>(wr[r] + k * BITS / 8, grp[r], w);
+        for (int r = 0; r < R; ++r) prefetch(p + r * row_bytes + ahead);
+      }
+      F w[R][kVecs];
 #pragma GCC unroll 8
-        for (int m = 0; m < MT; ++m) {
-          for (int v = 0; v < kVecs; ++v) {
-            acc[r][m][v % A] = fmadd(w[v], loadu(xr + m * j.ldx + k + v * L), acc[r][m][v % A]);
-          }
+      for (int r = 0; r < R; ++r) dequant<BITS>(p + r * row_bytes, grp[r], w[r]);
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) {
+#pragma GCC unroll 4
+        for (int v = 0; v < kVecs; ++v) {
+          const F xv = loadu(xk + m * j.ldx + v * L);  // once for the R rows
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) acc[r][m][v % A] = fmadd(w[r][v], xv, acc[r][m][v % A]);
         }
       }
     }

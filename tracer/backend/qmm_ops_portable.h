@@ -41,6 +41,7 @@ inline float hsum(F a) {
 struct Group {
   float s, b;
 };
+
 template <int BITS>
 inline Group group(float s, float b) {
   return {s, b};
@@ -55,64 +56,90 @@ inline void dequant(const uint8_t* p, const Group& g, F* w) {
   for (int i = 0; i < kBlock; ++i) q[i] = q[i] * g.s + g.b;
   std::memcpy(w, q, sizeof q);
 }
-// The fast contract's integer dot products (loops the compiler vectorizes).
-constexpr int kFastRows(int) { return 1; }
-struct WP {
-  uint8_t b[2 * kBlock];  // half A of blocks i, i + 4, then half B of both
+// The fast contract's integer dot products and float lanes (loops the compiler vectorizes).
+constexpr int kFastTile = 4;
+constexpr int kFastQuads(int) { return 1; }
+struct WR {
+  uint8_t b[2][64];  // halves A, B of the 4 blocks (16 bytes each)
 };
 template <int BITS>
-inline WP unpack_pair(const uint8_t* p0, const uint8_t* p1) {
-  WP w;
-  for (int h = 0; h < 2; ++h) {
-    const uint8_t* p = h ? p1 : p0;
+inline WR unpack4(const uint8_t* p) {
+  WR w;
+  for (int blk = 0; blk < 4; ++blk) {
+    const uint8_t* q = p + blk * kBlock * BITS / 8;
     for (int i = 0; i < 16; ++i) {
-      w.b[16 * h + i] = BITS == 8 ? p[i] : p[i] & 15;
-      w.b[32 + 16 * h + i] = BITS == 8 ? p[16 + i] : p[i] >> 4;
+      w.b[0][16 * blk + i] = BITS == 8 ? q[i] : q[i] & 15;
+      w.b[1][16 * blk + i] = BITS == 8 ? q[16 + i] : q[i] >> 4;
     }
   }
   return w;
 }
-struct I {
-  int32_t v[8];
+template <int BITS>
+inline WR unpack4_n(const uint8_t* p, int n) {
+  uint8_t tmp[4 * kBlock * BITS / 8] = {};
+  std::memcpy(tmp, p, size_t(n) * kBlock * BITS / 8);
+  return unpack4<BITS>(tmp);
+}
+struct P {
+  int32_t v[4];  // the 4 blocks' sums
 };
 template <int BITS>
-inline I pair_dot(const WP& w, const int8_t* x) {
-  int16_t a[2 * kBlock], c[2 * kBlock];  // widened first: loops the compiler maps onto 16-bit multiplies
-  for (int i = 0; i < 2 * kBlock; ++i) a[i] = w.b[i], c[i] = x[i];
-  int32_t p[kBlock];  // p[i] = a[2i] c[2i] + a[2i + 1] c[2i + 1] (pmaddwd's shape)
-  for (int i = 0; i < kBlock; ++i) p[i] = int32_t(a[2 * i]) * c[2 * i] + int32_t(a[2 * i + 1]) * c[2 * i + 1];
-  I r;
-  for (int l = 0; l < 8; ++l) r.v[l] = p[2 * l] + p[2 * l + 1] + p[16 + 2 * l] + p[16 + 2 * l + 1];
-  return r;
-}
-inline I i_zero() { return I{}; }
-inline I reduce4(const I& v0, const I& v1, const I& v2, const I& v3) {
-  const I* v[4] = {&v0, &v1, &v2, &v3};
-  I r;
-  for (int b = 0; b < 8; ++b) {
-    const I& p = *v[b % 4];
-    r.v[b] = p.v[4 * (b / 4)] + p.v[4 * (b / 4) + 1] + p.v[4 * (b / 4) + 2] + p.v[4 * (b / 4) + 3];
+inline P dot4(const WR& w, const int8_t* x) {
+  P r;
+  for (int blk = 0; blk < 4; ++blk) {
+    int32_t s = 0;
+    for (int h = 0; h < 2; ++h) {
+      for (int i = 0; i < 16; ++i) s += int32_t(w.b[h][16 * blk + i]) * x[64 * h + 16 * blk + i];
+    }
+    r.v[blk] = s;
   }
   return r;
 }
-using FA = F;
-inline FA fa_zero() { return splat(0.0f); }
-inline FA fa_mul(const float* a, const float* b) {
-  FA r;
-  for (int i = 0; i < 8; ++i) r.v[i] = a[i] * b[i];
+struct QS {
+  int32_t v[16];
+};
+inline QS reduce_quad(const P& p0, const P& p1, const P& p2, const P& p3) {
+  const P* p[4] = {&p0, &p1, &p2, &p3};
+  QS r;
+  for (int l = 0; l < 16; ++l) r.v[l] = p[l % 4]->v[l / 4];
   return r;
 }
-inline FA fa_add(FA a, FA b) { return add(a, b); }
-inline FA fa_mul_n(const float* a, const float* b, int n) {
-  FA r = splat(0.0f);
-  for (int i = 0; i < n; ++i) r.v[i] = a[i] * b[i];
+struct FQ {
+  float v[16];
+};
+inline FQ fq_zero() { return FQ{}; }
+inline FQ fq_load(const float* p) {
+  FQ r;
+  std::memcpy(r.v, p, sizeof r.v);
   return r;
 }
-inline FA fa_fma_blocks(const I& s, FA d, FA a) {
-  for (int i = 0; i < 8; ++i) a.v[i] += float(s.v[i]) * d.v[i];
+inline FQ fq_gather4(const float* r0, const float* r1, const float* r2, const float* r3) {
+  const float* r[4] = {r0, r1, r2, r3};
+  FQ o;
+  for (int l = 0; l < 16; ++l) o.v[l] = r[l % 4][l / 4];
+  return o;
+}
+inline FQ fq_gather4_n(const float* r0, const float* r1, const float* r2, const float* r3, int n) {
+  const float* r[4] = {r0, r1, r2, r3};
+  FQ o{};
+  for (int l = 0; l < 4 * n; ++l) o.v[l] = r[l % 4][l / 4];
+  return o;
+}
+inline FQ fq_mul(FQ a, const FQ& b) {
+  for (int l = 0; l < 16; ++l) a.v[l] *= b.v[l];
   return a;
 }
-inline float hsum8(FA a) { return hsum(a); }
+inline FQ fq_fma(const FQ& a, const FQ& b, FQ c) {
+  for (int l = 0; l < 16; ++l) c.v[l] = std::fma(a.v[l], b.v[l], c.v[l]);
+  return c;
+}
+inline FQ fq_fma_sums(const QS& s, const FQ& d, FQ a) {
+  for (int l = 0; l < 16; ++l) a.v[l] = std::fma(float(s.v[l]), d.v[l], a.v[l]);
+  return a;
+}
+inline void fq_rows(const FQ& a, float* out) {
+  for (int i = 0; i < 4; ++i) out[i] = (a.v[i] + a.v[4 + i]) + (a.v[8 + i] + a.v[12 + i]);
+}
 #include "qmm_isa.h"
 #include "qmm_fast.h"
 }  // namespace isa_portable

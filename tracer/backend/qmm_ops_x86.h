@@ -37,6 +37,7 @@ template <int BITS>
 inline Group group(float s, float b) {
   return {splat(s), splat(b)};
 }
+
 template <int BITS>
 inline void dequant(const uint8_t* p, const Group& g, F* w) {
   if constexpr (BITS == 4) {
@@ -51,54 +52,101 @@ inline void dequant(const uint8_t* p, const Group& g, F* w) {
 // The fast contract: unsigned weight bytes times signed x bytes by maddubs,
 // 4 bits as they are (a pair sums to at most 2 * 15 * 127: no saturation),
 // 8 bits split into nibbles (each by maddubs, the high ones weighted 16 by madd).
-constexpr int kFastRows(int mt) { return mt == 1 ? 2 : 1; }
-struct WP {
-  __m256i a, b, a_hi, b_hi;  // halves A and B of blocks i | i + 4 (8 bits: their low nibbles; a_hi, b_hi the high)
-};
+// A quad's 16 lanes in two vectors: blocks 0, 1 (lanes 0-7), blocks 2, 3 (8-15).
+constexpr int kFastTile = 4;
+constexpr int kFastQuads(int) { return 1; }
 inline __m256i load_pair(const uint8_t* p0, const uint8_t* p1) {
   return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1);
 }
+inline __m256i loadu256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+struct WR {
+  __m256i a[2], b[2];  // halves A, B of blocks 0-1 ([0]) and 2-3 ([1]); 8 bits: their low nibbles
+  __m256i a_hi[2], b_hi[2];  // 8 bits: the high nibbles
+};
 template <int BITS>
-inline WP unpack_pair(const uint8_t* p0, const uint8_t* p1) {
+inline WR unpack4(const uint8_t* p) {
   const __m256i m = _mm256_set1_epi8(0x0f);
-  if constexpr (BITS == 4) {
-    const __m256i v = load_pair(p0, p1);
-    return {_mm256_and_si256(v, m), _mm256_and_si256(_mm256_srli_epi16(v, 4), m), v, v};
-  } else {
-    const __m256i a = load_pair(p0, p1), b = load_pair(p0 + 16, p1 + 16);
-    return {_mm256_and_si256(a, m), _mm256_and_si256(b, m), _mm256_and_si256(_mm256_srli_epi16(a, 4), m),
-            _mm256_and_si256(_mm256_srli_epi16(b, 4), m)};
+  WR w;
+  for (int h = 0; h < 2; ++h) {
+    if constexpr (BITS == 4) {
+      const __m256i v = loadu256(p + 32 * h);
+      w.a[h] = _mm256_and_si256(v, m), w.b[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+    } else {
+      const uint8_t* q = p + 64 * h;
+      const __m256i a = load_pair(q, q + 32), b = load_pair(q + 16, q + 48);
+      w.a[h] = _mm256_and_si256(a, m), w.b[h] = _mm256_and_si256(b, m);
+      w.a_hi[h] = _mm256_and_si256(_mm256_srli_epi16(a, 4), m), w.b_hi[h] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+    }
   }
+  return w;
 }
 template <int BITS>
-inline __m256i pair_dot(const WP& w, const int8_t* x) {
-  const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)),
-                xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
-  const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(w.a, xa), _mm256_maddubs_epi16(w.b, xb));
-  if constexpr (BITS == 4) {
-    return _mm256_madd_epi16(lo, _mm256_set1_epi16(1));
-  } else {
-    const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(w.a_hi, xa), _mm256_maddubs_epi16(w.b_hi, xb));
-    return _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_set1_epi16(1)), _mm256_madd_epi16(hi, _mm256_set1_epi16(16)));
+inline WR unpack4_n(const uint8_t* p, int n) {
+  constexpr int bb = kBlock * BITS / 8;
+  alignas(32) uint8_t tmp[4 * bb] = {};
+  for (int blk = 0; blk < n; ++blk) std::memcpy(tmp + blk * bb, p + blk * bb, bb);
+  return unpack4<BITS>(tmp);
+}
+struct P {
+  __m256i v[2];
+};
+template <int BITS>
+inline P dot4(const WR& w, const int8_t* x) {
+  P r;
+  for (int h = 0; h < 2; ++h) {
+    const __m256i xa = loadu256(x + 32 * h), xb = loadu256(x + 64 + 32 * h);
+    const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(w.a[h], xa), _mm256_maddubs_epi16(w.b[h], xb));
+    if constexpr (BITS == 4) {
+      r.v[h] = _mm256_madd_epi16(lo, _mm256_set1_epi16(1));
+    } else {
+      const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(w.a_hi[h], xa), _mm256_maddubs_epi16(w.b_hi[h], xb));
+      r.v[h] = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_set1_epi16(1)), _mm256_madd_epi16(hi, _mm256_set1_epi16(16)));
+    }
   }
+  return r;
 }
-// Lane b = block b's sum, from 4 pair sums (lanes 0-3: block i, 4-7: block i + 4).
-inline __m256i reduce4(__m256i v0, __m256i v1, __m256i v2, __m256i v3) {
-  return _mm256_hadd_epi32(_mm256_hadd_epi32(v0, v1), _mm256_hadd_epi32(v2, v3));
+// In each 128-bit lane, 4 vectors' 4 partial sums a block -> lane i: vector i's sum.
+inline __m256i transpose_sum(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
+  const __m256i t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
+  const __m256i t1 = _mm256_add_epi32(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
+  return _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1));
 }
-using I = __m256i;
-inline I i_zero() { return _mm256_setzero_si256(); }
-using FA = __m256;
-inline FA fa_zero() { return _mm256_setzero_ps(); }
-inline FA fa_mul(const float* a, const float* b) { return _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b)); }
-inline FA fa_add(FA a, FA b) { return _mm256_add_ps(a, b); }
-inline FA fa_mul_n(const float* a, const float* b, int n) {  // reads only the first n of each
-  const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  return _mm256_mul_ps(_mm256_maskload_ps(a, m), _mm256_maskload_ps(b, m));
+struct QS {
+  __m256i v[2];
+};
+inline QS reduce_quad(const P& p0, const P& p1, const P& p2, const P& p3) {
+  return {transpose_sum(p0.v[0], p1.v[0], p2.v[0], p3.v[0]), transpose_sum(p0.v[1], p1.v[1], p2.v[1], p3.v[1])};
 }
-inline FA fa_fma_blocks(I s, FA d, FA a) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, a); }
-inline float hsum8(FA a) { return hsum(a); }
+struct FQ {
+  __m256 v[2];
+};
+inline FQ fq_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline FQ fq_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline FQ fq_gather4(const float* r0, const float* r1, const float* r2, const float* r3) {
+  __m128 c0 = _mm_loadu_ps(r0), c1 = _mm_loadu_ps(r1), c2 = _mm_loadu_ps(r2), c3 = _mm_loadu_ps(r3);
+  _MM_TRANSPOSE4_PS(c0, c1, c2, c3);  // c_j = [r0[j], r1[j], r2[j], r3[j]]
+  return {_mm256_set_m128(c1, c0), _mm256_set_m128(c3, c2)};
+}
+inline FQ fq_gather4_n(const float* r0, const float* r1, const float* r2, const float* r3, int n) {
+  const __m128i m = _mm_cmpgt_epi32(_mm_set1_epi32(n), _mm_setr_epi32(0, 1, 2, 3));
+  __m128 c0 = _mm_maskload_ps(r0, m), c1 = _mm_maskload_ps(r1, m), c2 = _mm_maskload_ps(r2, m), c3 = _mm_maskload_ps(r3, m);
+  _MM_TRANSPOSE4_PS(c0, c1, c2, c3);
+  return {_mm256_set_m128(c1, c0), _mm256_set_m128(c3, c2)};
+}
+inline FQ fq_mul(FQ a, const FQ& b) { return {_mm256_mul_ps(a.v[0], b.v[0]), _mm256_mul_ps(a.v[1], b.v[1])}; }
+inline FQ fq_fma(const FQ& a, const FQ& b, const FQ& c) {
+  return {_mm256_fmadd_ps(a.v[0], b.v[0], c.v[0]), _mm256_fmadd_ps(a.v[1], b.v[1], c.v[1])};
+}
+inline FQ fq_fma_sums(const QS& s, const FQ& d, const FQ& a) {
+  return {_mm256_fmadd_ps(_mm256_cvtepi32_ps(s.v[0]), d.v[0], a.v[0]),
+          _mm256_fmadd_ps(_mm256_cvtepi32_ps(s.v[1]), d.v[1], a.v[1])};
+}
+inline void fq_rows(const FQ& a, float* out) {
+  const __m128 l01 = _mm_add_ps(_mm256_castps256_ps128(a.v[0]), _mm256_extractf128_ps(a.v[0], 1));
+  const __m128 l23 = _mm_add_ps(_mm256_castps256_ps128(a.v[1]), _mm256_extractf128_ps(a.v[1], 1));
+  _mm_storeu_ps(out, _mm_add_ps(l01, l23));
+}
 #include "qmm_isa.h"
 #include "qmm_fast.h"
 }  // namespace isa_avx2
@@ -108,7 +156,7 @@ inline float hsum8(FA a) { return hsum(a); }
 #pragma GCC target("avx512f,avx512bw,avx512vl,fma,f16c")
 namespace isa_avx512 {
 constexpr int L = 16, kTile = 8;
-constexpr int kRows(int mt) { return mt == 1 ? 4 : 2; }
+constexpr int kRows(int mt) { return mt <= 4 ? 4 : 2; }
 constexpr int kAcc(int mt) { return mt <= 2 ? 2 : 1; }
 QMM_X86_OPS(__m512, _mm512)
 inline float hsum(F a) { return _mm512_reduce_add_ps(a); }
@@ -149,28 +197,79 @@ inline void dequant(const uint8_t* p, const Group& g, F* w) {
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")
 namespace isa_avx512_vnni {
 using namespace isa_avx512;
-constexpr int kFastRows(int mt) { return mt == 1 ? 4 : mt == 2 ? 2 : 1; }
-using isa_avx2::FA, isa_avx2::I, isa_avx2::i_zero, isa_avx2::reduce4, isa_avx2::load_pair;
-using isa_avx2::fa_zero, isa_avx2::fa_mul, isa_avx2::fa_mul_n, isa_avx2::fa_add, isa_avx2::fa_fma_blocks;
-struct WP {
-  __m256i a, b;
+constexpr int kFastTile = 8;
+constexpr int kFastQuads(int) { return 1; }
+struct WR {
+  __m512i a, b;  // halves A and B of the 4 blocks
 };
 template <int BITS>
-inline WP unpack_pair(const uint8_t* p0, const uint8_t* p1) {
+inline WR unpack4(const uint8_t* p) {
   if constexpr (BITS == 4) {
-    const __m256i v = load_pair(p0, p1), m = _mm256_set1_epi8(0x0f);
-    return {_mm256_and_si256(v, m), _mm256_and_si256(_mm256_srli_epi16(v, 4), m)};
-  } else {
-    return {load_pair(p0, p1), load_pair(p0 + 16, p1 + 16)};
+// two 32-byte loads: one 64-byte load a row per step streams from memory slower (measured)
+    // two 32-byte loads (one 64-byte load a row and step streamed slower, measured)
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+                                         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), 1);
+    const __m512i m = _mm512_set1_epi8(0x0f);
+    return {_mm512_and_si512(v, m), _mm512_and_si512(_mm512_srli_epi16(v, 4), m)};
+  } else {  // blocks 0, 1 then 2, 3: their 16-byte halves A are lanes 0 and 2 of each
+    const auto two = [](const uint8_t* q) {
+      return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))),
+                                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32)), 1);
+    };
+    const __m512i v0 = two(p), v1 = two(p + 64);
+    return {_mm512_shuffle_i64x2(v0, v1, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_i64x2(v0, v1, _MM_SHUFFLE(3, 1, 3, 1))};
   }
 }
 template <int BITS>
-inline I pair_dot(const WP& w, const int8_t* x) {
-  const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)),
-                xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32));
-  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w.a, xa), w.b, xb);
+inline WR unpack4_n(const uint8_t* p, int n) {
+  const int bytes = n * kBlock * BITS / 8;  // < 64 at 4 bits, < 128 at 8
+  const auto mask = [](int b) { return b >= 64 ? ~__mmask64(0) : b <= 0 ? __mmask64(0) : (__mmask64(1) << b) - 1; };
+  if constexpr (BITS == 4) {
+    const __m512i v = _mm512_maskz_loadu_epi8(mask(bytes), p), m = _mm512_set1_epi8(0x0f);
+    return {_mm512_and_si512(v, m), _mm512_and_si512(_mm512_srli_epi16(v, 4), m)};
+  } else {
+    const __m512i v0 = _mm512_maskz_loadu_epi8(mask(bytes), p), v1 = _mm512_maskz_loadu_epi8(mask(bytes - 64), p + 64);
+    return {_mm512_shuffle_i64x2(v0, v1, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_i64x2(v0, v1, _MM_SHUFFLE(3, 1, 3, 1))};
+  }
 }
-inline float hsum8(FA a) { return isa_avx2::hsum(a); }
+using P = __m512i;  // 128-bit lane j: block j's 4 partial sums
+template <int BITS>
+inline P dot4(const WR& w, const int8_t* x) {
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w.a, _mm512_loadu_si512(x)), w.b,
+                             _mm512_loadu_si512(x + 64));
+}
+using QS = __m512i;
+inline QS reduce_quad(P p0, P p1, P p2, P p3) {
+  const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(p0, p1), _mm512_unpackhi_epi32(p0, p1));
+  const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(p2, p3), _mm512_unpackhi_epi32(p2, p3));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+}
+using FQ = __m512;
+inline FQ fq_zero() { return _mm512_setzero_ps(); }
+inline FQ fq_load(const float* p) { return _mm512_loadu_ps(p); }
+inline FQ fq_gather4(const float* r0, const float* r1, const float* r2, const float* r3) {
+  __m512 v = _mm512_castps128_ps512(_mm_loadu_ps(r0));  // lane 4 i + j: r_i[j]
+  v = _mm512_insertf32x4(v, _mm_loadu_ps(r1), 1);
+  v = _mm512_insertf32x4(v, _mm_loadu_ps(r2), 2);
+  v = _mm512_insertf32x4(v, _mm_loadu_ps(r3), 3);
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), v);
+}
+inline FQ fq_gather4_n(const float* r0, const float* r1, const float* r2, const float* r3, int n) {
+  const __mmask8 m = __mmask8((1u << n) - 1);
+  __m512 v = _mm512_castps128_ps512(_mm_maskz_loadu_ps(m, r0));
+  v = _mm512_insertf32x4(v, _mm_maskz_loadu_ps(m, r1), 1);
+  v = _mm512_insertf32x4(v, _mm_maskz_loadu_ps(m, r2), 2);
+  v = _mm512_insertf32x4(v, _mm_maskz_loadu_ps(m, r3), 3);
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), v);
+}
+inline FQ fq_mul(FQ a, FQ b) { return _mm512_mul_ps(a, b); }
+inline FQ fq_fma(FQ a, FQ b, FQ c) { return _mm512_fmadd_ps(a, b, c); }
+inline FQ fq_fma_sums(QS s, FQ d, FQ a) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, a); }
+inline void fq_rows(FQ a, float* out) {
+  const __m128 l0 = _mm512_castps512_ps128(a), l1 = _mm512_extractf32x4_ps(a, 1), l2 = _mm512_extractf32x4_ps(a, 2),
+               l3 = _mm512_extractf32x4_ps(a, 3);
+  _mm_storeu_ps(out, _mm_add_ps(_mm_add_ps(l0, l1), _mm_add_ps(l2, l3)));
+}
 #include "qmm_fast.h"
 }  // namespace isa_avx512_vnni
 #pragma GCC pop_options
