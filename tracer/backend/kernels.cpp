@@ -232,43 +232,64 @@ void softmax_row(float* row, int S) {
   }
 }
 
+// Calls fn(b, h) for every (row, key head) pair of an attention, on qmm's
+// pool: each pair is computed by one thread with the same calls, so the bits
+// do not depend on the thread count. Scratch is per thread.
+template <class Fn>
+void over_heads(int B, int nk, const Fn& fn) {
+  struct Ctx {
+    const Fn* fn;
+    int nk;
+  } ctx{&fn, nk};
+  tracer_qmm::parallel_for(
+      B * nk,
+      [](const void* c, int i) {
+        const Ctx& t = *static_cast<const Ctx*>(c);
+        (*t.fn)(i / t.nk, i % t.nk);
+      },
+      &ctx);
+}
+
 // Decode attention: q [B, nk, R, D] (scaled), keys/values [B, nk, S, D] blocks,
 // bias [B, S] -> o [B, nk * R * D]: mx.addmm(bias, q, k^T), softmax, @ v, as
-// MLX runs them (one sgemm per (row, key head)). `scores`: [R, S] scratch.
+// MLX runs them (one sgemm per (row, key head)).
 void attention_rows(const float* q, const View& k, const View& v, const float* bias, int B, int nk, int R, int D,
-                    float* scores, float* o) {
+                    float* o) {
   const int S = k.dim(2);
-  const float* kp = k.p;
-  const float* vp = v.p;
-  for (int b = 0; b < B; ++b) {
-    for (int h = 0; h < nk; ++h) {
-      const size_t i = size_t(b) * nk + h;
-      for (int r = 0; r < R; ++r) {
-        std::memcpy(scores + size_t(r) * S, bias + size_t(b) * S, sizeof(float) * S);
-      }
-      const float* ki = kp + b * k.strides[0] + h * k.strides[1];
-      const float* vi = vp + b * v.strides[0] + h * v.strides[1];
-      cblas_sgemm(kRowMajor, kNoTrans, kTrans, R, S, D, 1.0f, q + i * R * D, D, ki, D, 1.0f, scores, S);
-      for (int r = 0; r < R; ++r) {
-        softmax_row(scores + size_t(r) * S, S);
-      }
-      cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, R, D, S, 1.0f, scores, S, vi, D, 0.0f, o + i * R * D, D);
+  over_heads(B, nk, [&](int b, int h) {
+    thread_local std::vector<float> scratch;
+    scratch.resize(size_t(R) * S);
+    float* scores = scratch.data();  // [R, S]
+    const size_t i = size_t(b) * nk + h;
+    for (int r = 0; r < R; ++r) {
+      std::memcpy(scores + size_t(r) * S, bias + size_t(b) * S, sizeof(float) * S);
     }
-  }
+    const float* ki = k.p + b * k.strides[0] + h * k.strides[1];
+    const float* vi = v.p + b * v.strides[0] + h * v.strides[1];
+    cblas_sgemm(kRowMajor, kNoTrans, kTrans, R, S, D, 1.0f, q + i * R * D, D, ki, D, 1.0f, scores, S);
+    for (int r = 0; r < R; ++r) {
+      softmax_row(scores + size_t(r) * S, S);
+    }
+    cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, R, D, S, 1.0f, scores, S, vi, D, 0.0f, o + i * R * D, D);
+  });
 }
 
 // Window attention: q [B, nk, R, L, D] (scaled), keys/values [B, nk, S, D]
 // blocks, mask [B, L, S] (nonzero: visible) -> o [B, L, nk * R * D]: the lean
 // forward's window attention on MLX's ops (scores by one sgemm per (row, key
 // head, query head), float32's lowest where masked, softmax, @ v), its
-// result transposed to tokens first. `scores` [L, S], `ov` [L, D]: scratch.
+// result transposed to tokens first.
 void attention_window(const float* q, const View& k, const View& v, const bool* mask, int B, int nk, int R, int L,
-                      int D, float* scores, float* ov, float* o) {
+                      int D, float* o) {
   const int S = k.dim(2), nqD = nk * R * D;
   const float low = mx::numeric_limits<float>::lowest();
-  for (int b = 0; b < B; ++b) {
+  over_heads(B, nk, [&](int b, int h) {
+    thread_local std::vector<float> scratch;
+    scratch.resize(size_t(L) * (S + D));
+    float* scores = scratch.data();             // [L, S]
+    float* ov = scores + size_t(L) * S;         // [L, D]
     const bool* mb = mask + size_t(b) * L * S;
-    for (int h = 0; h < nk; ++h) {
+    {
       const float* ki = k.p + b * k.strides[0] + h * k.strides[1];
       const float* vi = v.p + b * v.strides[0] + h * v.strides[1];
       for (int r = 0; r < R; ++r) {
@@ -287,7 +308,7 @@ void attention_window(const float* q, const View& k, const View& v, const bool* 
         }
       }
     }
-  }
+  });
 }
 
 // gu [M, 2F] -> silu(gate) * up [M, F] (gate: the first F columns).
@@ -643,13 +664,11 @@ class LayerMid : public Kernel {
       const bool window = q.shape.size() == 5;
       const int B = q.dim(0), nk = q.dim(1), R = q.dim(2), L = window ? q.dim(3) : 1, D = q.dim(-1);
       const int M = h.dim(0), hid = h.dim(1), F = act.dim(1), nqD = nk * R * D, S = k.dim(2);
-      std::vector<float> scores(size_t(window ? L : R) * S), o(size_t(M) * nqD), a(size_t(M) * hid),
-          x(size_t(M) * hid), gu(size_t(M) * 2 * F);
+      std::vector<float> o(size_t(M) * nqD), a(size_t(M) * hid), x(size_t(M) * hid), gu(size_t(M) * 2 * F);
       if (window) {
-        std::vector<float> ov(size_t(L) * D);
-        attention_window(q.p, k, v, mask, B, nk, R, L, D, scores.data(), ov.data(), o.data());
+        attention_window(q.p, k, v, mask, B, nk, R, L, D, o.data());
       } else {
-        attention_rows(q.p, k, v, bias, B, nk, R, D, scores.data(), o.data());
+        attention_rows(q.p, k, v, bias, B, nk, R, D, o.data());
       }
       matmul(o.data(), M, nqD, wo, hid, bo, a.data());
       norm_rows(h.p, a.data(), nw.p, eps, M, hid, h_mid, x.data());

@@ -483,6 +483,10 @@ void tracer_qmm::matmul(const float* x, size_t ldx, int M, const Packed& w, floa
       fast ? Contract::fast : Contract::exact);
 }
 
+void tracer_qmm::parallel_for(int count, void (*fn)(const void* ctx, int i), const void* ctx) {
+  Pool::the().run(count, fn, ctx, count < 2);
+}
+
 void register_qmm(nb::module_& m) {
   m.def("qmm", &qmm, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"),
         nb::arg("bits"), nb::arg("contract") = "exact",

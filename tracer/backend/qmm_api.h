@@ -25,4 +25,9 @@ struct Packed {
 // primitive's for the same operands.
 void matmul(const float* x, size_t ldx, int M, const Packed& w, float* out, bool fast);
 
+// fn(ctx, i) for i in [0, count) on qmm's thread pool (the caller and its
+// workers pull the indices from one counter; each i runs on one thread, so
+// work that is a function of i alone gives the same bits on any thread).
+void parallel_for(int count, void (*fn)(const void* ctx, int i), const void* ctx);
+
 }  // namespace tracer_qmm
