@@ -136,6 +136,20 @@ def test_greedy_rows_in_a_sampled_batch_stay_greedy():
     assert [out[u] for u in uids] == plain
 
 
+def test_the_policy_does_not_time_a_step_that_traced():
+    """The first step of a kind traces (and builds kernels): timing it would
+    make verify look many times dearer than it is and the auto policy would
+    never verify again (benchmarks/speculative.py read 9.5x)."""
+    eng = Engine(tiny_model("llama"), buckets=(1,), prefill_chunks=(8, 16), speculative="prompt-lookup", draft_tokens=4)
+    eng.add([5, 6, 7, 5, 6], max_tokens=8)
+    traces = eng.compiled.trace_count
+    eng.step()  # admission, then the first decode step: it traces
+    assert eng.compiled.trace_count > traces and ("decode", 1) not in eng.speculator.step_s
+    traces = eng.compiled.trace_count
+    eng.step()
+    assert eng.compiled.trace_count == traces and ("decode", 1) in eng.speculator.step_s
+
+
 def test_prompt_lookup_proposes_what_followed_the_newest_match():
     d = PromptLookup(ngram=3)
     assert d.propose([1, 2, 3, 4, 5, 1, 2, 3], 2) == [4, 5]
