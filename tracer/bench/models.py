@@ -10,6 +10,7 @@ does not depend on the values, and it spares a long prefill.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Optional, Tuple
 
 import mlx.core as mx
@@ -92,7 +93,8 @@ def load_bench_model(name: str, path: Optional[str] = None, weights: str = "as-i
         from ..loading import load_model
 
         model = load_model(path, weights=weights, log=log)[0]
-        return model, f"SmolLM2-135M {model.mlx_tracer_weights}"
+        name = "SmolLM2-135M" if path is None else Path(path).name  # --model: the file or folder the row ran
+        return model, f"{name} {model.mlx_tracer_weights}"
     return random_model(family, width), f"{family} 4x{width} fp32 (random)"
 
 
