@@ -234,6 +234,21 @@ def test_window_layers_equal_the_lean_ops(B, L, nq, nk, D, S, packed):
                          norm=post.weight, **slot("w_gu", gu)), eps=1e-5)
 
 
+@pytest.mark.parametrize("path", ["portable", "avx2", "avx512"])
+@pytest.mark.parametrize("contract", ["exact", "fast"])
+def test_packed_layer_kernels_on_every_isa_path(path, contract):
+    """The layer kernels' packed projections run qmm on the path it picks:
+    forced one by one, each still gives the ops path's bits (on that path)."""
+    before = K.qmm_isa()
+    try:
+        if K.qmm_set_isa(path) != path:
+            pytest.skip(f"this CPU has no {path}")
+        test_layer_kernels_on_packed_blocks_equal_the_lean_ops_on_qmm(3, 4, 32, mx.float16, True, contract)
+        test_window_layers_equal_the_lean_ops(2, 3, 4, 2, 16, 9, True)
+    finally:
+        K.qmm_set_isa(before)
+
+
 def test_packed_weights_are_checked_with_what_to_pass():
     nq, nk, D, hid = 2, 1, 8, 64
     rot = rotation(1, nq, nk, D, [3])
