@@ -50,8 +50,9 @@
 // (+FMA, F16C) and portable C++ (qmm_ops_x86.h, qmm_ops_portable.h), compiled
 // with target pragmas (the module itself is built without -march), chosen by
 // __builtin_cpu_supports; MLX_TRACER_QMM_ISA=avx512|avx2|portable forces one
-// for both contracts (one the CPU lacks falls back to the best it has, said
-// on stderr). MLX_TRACER_QMM_THREADS=N pins the thread count (default: the
+// for both contracts and for the layer kernels' vector math (vmath_x86.h;
+// none on the portable path) (one the CPU lacks falls back to the best it
+// has, said on stderr). MLX_TRACER_QMM_THREADS=N pins the thread count (default: the
 // cores this process may run on). tests/test_qmm.py checks every path.
 
 #include <sched.h>
@@ -67,6 +68,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -80,7 +82,9 @@
 #include <pthread.h>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -213,6 +217,7 @@ void row_params(const QmmJob& j, int n, float* s, float* b, Halves halves) {
 
 #if defined(__x86_64__)
 #include "qmm_ops_x86.h"
+#include "vmath_x86.h"
 #endif
 
 // ------------------------------------------------------------ ISA choice
@@ -223,15 +228,20 @@ struct Path {
   void (*dequant)(const QmmJob&, int n0, int n1, float* panel);
   void (*fast)(const QmmJob&, int n0, int n1);
   void (*quantize_x)(const QmmJob&, int8_t* xq, float* xd, float* xg);
+  // The layer kernels' vector math (vmath_x86.h); null: MLX's one-lane functors serve.
+  void (*exp_shifted)(const float* x, float shift, float* out, int n);
+  void (*swiglu)(const float* a, const float* b, float* out, int n);
 };
 
 const Path kPaths[] = {  // worst to best
     {"portable", [] { return true; }, isa_portable::rows_small, isa_portable::dequant_rows, isa_portable::fast_rows,
-     isa_portable::quantize_x_rows},
+     isa_portable::quantize_x_rows, nullptr, nullptr},
 #if defined(__x86_64__)
-    {"avx2", has_avx2, isa_avx2::rows_small, isa_avx2::dequant_rows, isa_avx2::fast_rows, isa_avx2::quantize_x_rows},
+    {"avx2", has_avx2, isa_avx2::rows_small, isa_avx2::dequant_rows, isa_avx2::fast_rows, isa_avx2::quantize_x_rows,
+     vmath_avx2::exp_shifted, vmath_avx2::swiglu},
     {"avx512", has_avx512, isa_avx512::rows_small, isa_avx512::dequant_rows, fast_avx512,
-     isa_avx2::quantize_x_rows},  // the same bytes on every path
+     isa_avx2::quantize_x_rows,  // the same bytes on every path
+     vmath_avx512::exp_shifted, vmath_avx512::swiglu},
 #endif
 };
 constexpr int kPathCount = int(sizeof(kPaths) / sizeof(kPaths[0]));
@@ -483,6 +493,16 @@ void tracer_qmm::matmul(const float* x, size_t ldx, int M, const Packed& w, floa
       fast ? Contract::fast : Contract::exact);
 }
 
+bool tracer_qmm::exp_shifted(const float* x, float shift, float* out, int n) {
+  const auto f = path().exp_shifted;
+  return f != nullptr && (f(x, shift, out, n), true);
+}
+
+bool tracer_qmm::swiglu(const float* a, const float* b, float* out, int n) {
+  const auto f = path().swiglu;
+  return f != nullptr && (f(a, b, out, n), true);
+}
+
 void tracer_qmm::parallel_for(int count, void (*fn)(const void* ctx, int i), const void* ctx) {
   Pool::the().run(count, fn, ctx, count < 2);
 }
@@ -493,6 +513,16 @@ void register_qmm(nb::module_& m) {
         "x [M, K] float32 @ mx.dequantize(w, scales, biases, group_size, bits).T -> [M, N] float32; contract "
         "'exact' (each weight dequantized in float32, float32 sums) or 'fast' (x in int8 per 32-block, integer dot "
         "products)");
+  m.def("vector_math", [](const std::string& name, std::vector<float> a, std::vector<float> b, float shift) {
+        need(name == "exp" || name == "swiglu", "vector_math: name must be 'exp' or 'swiglu'");
+        need(name == "exp" || b.size() == a.size(), "vector_math: swiglu takes a and b of one length");
+        std::vector<float> out(a.size());
+        const bool done = name == "exp" ? tracer_qmm::exp_shifted(a.data(), shift, out.data(), int(a.size()))
+                                        : tracer_qmm::swiglu(a.data(), b.data(), out.data(), int(a.size()));
+        return done ? std::optional<std::vector<float>>(std::move(out)) : std::nullopt;
+      }, nb::arg("name"), nb::arg("a"), nb::arg("b") = std::vector<float>{}, nb::arg("shift") = 0.0f,
+      "The layer kernels' vector math on the ISA path in use (tests): 'exp' (exp(a - shift)) or 'swiglu' "
+      "(a * sigmoid(a) * b); None where the path has none (MLX's one-lane functors serve)");
   m.def("qmm_isa", [] { return std::string(path().name); }, "qmm's kernels in use: avx512, avx2 or portable");
   m.def("qmm_set_isa", &set_isa, nb::arg("name"), "Use that ISA path from now on (the best one the CPU has if it lacks it); returns the one in use");
   m.def("qmm_threads", [] { return Pool::the().threads(); });

@@ -25,6 +25,12 @@ struct Packed {
 // primitive's for the same operands.
 void matmul(const float* x, size_t ldx, int M, const Packed& w, float* out, bool fast);
 
+// MLX's exp(x[j] - shift) and (a[j] * sigmoid(a[j])) * b[j] for j < n, its
+// bits, vectorized on the ISA path in use (vmath_x86.h); false, doing
+// nothing, where the path has none (the caller runs MLX's functors).
+bool exp_shifted(const float* x, float shift, float* out, int n);
+bool swiglu(const float* a, const float* b, float* out, int n);
+
 // fn(ctx, i) for i in [0, count) on qmm's thread pool (the caller and its
 // workers pull the indices from one counter; each i runs on one thread, so
 // work that is a function of i alone gives the same bits on any thread).
