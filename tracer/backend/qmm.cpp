@@ -44,8 +44,8 @@
 // a 16-entry table per group (scale * q + bias for q = 0..15, computed as
 // above), the same values as computing each.
 // Weights stream from memory (a decode step reads every matrix once): the
-// kernels read them in plain order, with software prefetches only where a
-// tile consumes them slowly (kPrefetchMinM), and read x from 64-byte aligned
+// kernels read them in plain order, with software prefetches a few tiles
+// ahead (kPrefetchMinM), and read x from 64-byte aligned
 // copies. Kernels exist for AVX-512 (its fast contract with VNNI, else AVX2's), AVX2
 // (+FMA, F16C) and portable C++ (qmm_ops_x86.h, qmm_ops_portable.h), compiled
 // with target pragmas (the module itself is built without -march), chosen by
@@ -116,10 +116,13 @@ constexpr size_t kPoolBytes = 64 << 10;      // less work than this (~6 us at M 
 constexpr size_t kPanelBytes = 512 << 10;    // a dequantized panel of the many-row path
 constexpr int kBlock = 32;                   // weights a kernel step: 16 bytes at 4 bits, 32 at 8
 // Tiles of at least this many x rows ask the caches for the packed bytes of
-// the rows kPrefetchTiles tiles ahead as they read theirs (once a cache line):
-// they read weights slower than the hardware prefetchers follow (measured;
-// with one x row, software prefetches made the reads slower).
-constexpr int kPrefetchMinM = 2;
+// the rows kPrefetchTiles tiles ahead as they read theirs (once a cache line).
+// One x row too: a decode step reads each matrix once, from memory, and there
+// the prefetches paid (single thread, exact contract, CPU ms a matrix over
+// 40 distinct 3072x576 4-bit and 2 49152x576 8-bit ones, 3 interleaved
+// runs: 4-bit 0.17-0.22 -> 0.15-0.17, 8-bit 6.0-7.0 -> 4.3-5.0; measured
+// on a matrix the caches already held, they had made reads slower).
+constexpr int kPrefetchMinM = 1;
 constexpr int kPrefetchTiles = 2;
 
 enum class Scale { f32, f16, bf16 };

@@ -115,13 +115,18 @@ void over_tiles(const QmmJob& j, int n0, int n1, const Tile& t) {
   }
 }
 
-// The exact contract's tiles: the rows' scales [rows, G], then biases [rows, G].
+// The exact contract's tiles: the rows' scales [rows, G], then biases [rows, G]
+// (float32 ones where they lie; others widened into the thread's buffer).
 template <int BITS>
 struct ExactTile {
   const QmmJob& j;
   static constexpr int rows(int mt) { return kRows(mt); }
   Params params(int n0, int n1, std::vector<float>& buffer) const {
     const size_t G = j.K / j.group, rows = n1 - n0;
+    if (j.scale == Scale::f32) {  // read in place: no copy to make
+      const float* s = static_cast<const float*>(j.scales) + n0 * G;
+      return {s, static_cast<const float*>(j.biases) + n0 * G, int(G), int(G), n0};
+    }
     buffer.resize(2 * rows * G);
     widen(j.scales, j.scale, n0 * G, rows * G, buffer.data(), halves);
     widen(j.biases, j.scale, n0 * G, rows * G, buffer.data() + rows * G, halves);
