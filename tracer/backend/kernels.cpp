@@ -843,6 +843,7 @@ std::pair<uint64_t, uint64_t> cache_writes() {
 }  // namespace
 
 void register_qmm(nb::module_& m);  // qmm.cpp
+void register_logprobs(nb::module_& m);  // logprobs.cpp
 
 NB_MODULE(_mlx_tracer_kernels, m) {
   m.def("layer_in", &layer_in, nb::arg("inputs"), nb::arg("eps"), nb::arg("nq"), nb::arg("nk"), nb::arg("D"),
@@ -852,4 +853,5 @@ NB_MODULE(_mlx_tracer_kernels, m) {
   m.def("inputs", &inputs_of, nb::arg("kernel"));
   m.def("cache_writes", &cache_writes);
   register_qmm(m);
+  register_logprobs(m);
 }

@@ -78,7 +78,7 @@ from typing import Optional
 from ..home import cache_dir, check_kept, keep_built, writable_cache_dir
 
 ENV = "MLX_TRACER_KERNELS"
-SOURCES = [Path(__file__).with_name(name) for name in ("kernels.cpp", "qmm.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("kernels.cpp", "qmm.cpp", "logprobs.cpp")]
 HEADERS = [Path(__file__).with_name(name)  # included by qmm.cpp
            for name in ("qmm_api.h", "qmm_isa.h", "qmm_pool.h", "qmm_fast.h", "qmm_ops_portable.h", "qmm_ops_x86.h",
                         "vmath_x86.h")]

@@ -112,6 +112,16 @@ class NewTraceError(AssertionError):
     """Raised by ``CompiledModel.no_new_traces`` when a region traced."""
 
 
+def log_softmax(logits: mx.array) -> mx.array:
+    """``logits - logsumexp(logits)`` over the last axis: the native kernel
+    where it is built (the same bits, its exponentials on vector lanes), else
+    those MLX ops."""
+    native = kernels.load()
+    if native is not None and logits.dtype == mx.float32 and hasattr(native, "logprobs"):
+        return native.logprobs(logits)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
 def bucket_for(n: int, buckets: Sequence[int]) -> int:
     """Smallest batch-width bucket holding ``n`` live rows."""
     for b in buckets:
@@ -364,7 +374,7 @@ class CompiledModel:
                 flat = {k: mx.repeat(v, L, axis=0) for k, v in procs.items() if k != "window"}  # [Bk*L, ...]
                 flat["window"] = verify_windows(procs["window"], tokens).reshape(Bk * L, -1)  # [Bk*L, W]
                 logits = process(logits.reshape(Bk * L, V), flat).reshape(Bk, L, V)
-            logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # [Bk, L, V]
+            logprobs = log_softmax(logits)  # [Bk, L, V]
             emitted, count, lps, keys = accept(logprobs, tokens, extra["ndraft"], extra.get("sampler"))
             out.update(tokens=emitted, count=count, logprobs=lps)
             if keys is not None:
@@ -387,7 +397,7 @@ class CompiledModel:
             last = logits[:, -1, :]  # [Bk, V]
             if procs is not None:
                 last = process(last, procs)
-            logprobs = last - mx.logsumexp(last, axis=-1, keepdims=True)
+            logprobs = log_softmax(last)
             if sampler_kind == "greedy":
                 toks = mx.argmax(logprobs, axis=-1).astype(mx.int32)
             else:
