@@ -45,6 +45,7 @@ class RunningBatch:
         self.caches: Optional[List[StaticKVCache]] = None
         self.pipeline: Deque[InflightStep] = deque()
         self._last_read = 0.0
+        self.last_step_s = 0.0  # wall time the step read last took (after the one read before it)
         self._bias: tuple = (None, None)  # (what it was built for, the [Bk, V] logit-bias buffer)
 
     @property
@@ -142,7 +143,8 @@ class RunningBatch:
         self.stats.steps += 1
         self.stats.decode_tokens += len(self.rows)
         self.stats.host_s += step.host_s
-        self.stats.decode_s += now - max(step.t0, self._last_read)
+        self.last_step_s = now - max(step.t0, self._last_read)  # this step's share of the wall time
+        self.stats.decode_s += self.last_step_s
         self._last_read = now
         return events
 

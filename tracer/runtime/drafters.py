@@ -18,7 +18,7 @@ speculative-sampling rule is one-hot (see :mod:`.speculative`).
 from __future__ import annotations
 
 from functools import partial
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -34,28 +34,44 @@ class PromptLookup:
     """
 
     name = "prompt-lookup"
+    LONGEST = 8  # the longest match length reported
 
     def __init__(self, ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= ngram:
             raise ValueError(f"prompt lookup needs 1 <= min_ngram <= ngram, got {min_ngram} and {ngram}")
         self.ngram, self.min_ngram = ngram, min_ngram
 
+    cheap = True  # the speculator may look at its drafts to decide whether to stop pipelining plain steps
+
     def propose(self, context: Sequence[int], k: int) -> List[int]:
         """Up to ``k`` tokens that followed the newest earlier match of the
         context's suffix (empty when nothing matches)."""
+        return self.propose_match(context, k)[0]
+
+    def propose_match(self, context: Sequence[int], k: int) -> Tuple[List[int], int]:
+        """:meth:`propose`, and how many tokens the match is long: the
+        ``ngram`` tried first extended backwards (up to ``LONGEST``) while the
+        context before the match and before the suffix agree; a longer match
+        predicts a longer accepted run (quoted text)."""
         if k <= 0 or len(context) < 2:
-            return []
+            return [], 0
         ctx = np.asarray(context, dtype=np.int64)
+        # the context as 8-byte words: bytes.rfind finds the newest match at C speed (a step's host time counts)
+        buf, width = ctx.tobytes(), ctx.itemsize
         for n in range(min(self.ngram, len(ctx) - 1), self.min_ngram - 1, -1):
-            suffix = ctx[-n:]
-            # windows of n tokens that end before the suffix itself starts
-            windows = np.lib.stride_tricks.sliding_window_view(ctx[:-1], n)  # [len-n, n]
-            hits = np.nonzero((windows == suffix).all(axis=1))[0]
-            hits = hits[hits + n < len(ctx)]
-            if hits.size:
-                start = int(hits[-1]) + n
-                return ctx[start : start + k].tolist()
-        return []
+            suffix = buf[-n * width:]
+            end = len(buf) - width  # matches lie in the context without its last token
+            hit = buf.rfind(suffix, 0, end)
+            while hit >= 0 and hit % width:  # straddles two tokens: look further back
+                hit = buf.rfind(suffix, 0, hit + len(suffix) - 1)
+            if hit >= 0:
+                hit //= width
+                m = n
+                while m < self.LONGEST and hit - (m - n) > 0 and ctx[hit - (m - n) - 1] == ctx[-m - 1]:
+                    m += 1
+                start = hit + n
+                return ctx[start : start + k].tolist(), m
+        return [], 0
 
 
 class DraftModel:

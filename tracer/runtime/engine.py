@@ -306,25 +306,44 @@ class Engine:
         return events + self._retire()
 
     def _speculative_step(self) -> List[TokenEvent]:
-        """A verify step when the rows' drafts are expected to pay, else a plain
-        decode step; never pipelined (the next drafts need this step's tokens)."""
-        self.admit()
-        if not self.batch.rows:
-            return []
-        width = self.batch.width
-        drafts = self.speculator.drafts(self.batch.rows, width)
-        traces, t0 = self.compiled.trace_count, time.perf_counter()
-        if drafts is not None:
-            events = self.batch.verify(drafts, self.speculator.k, self.speculator)
-            kind = "verify"
-        else:
-            self.batch.dispatch()
-            events = self.batch.read()
-            kind = "decode"
-            self.speculator.plain_step(self.batch.rows)
-        if self.compiled.trace_count == traces:  # a step that traced timed its trace, not the step
-            self.speculator.observe(kind, width, time.perf_counter() - t0)
+        """A verify step when the rows' drafts are expected to pay, else plain
+        decode steps, pipelined as without speculation for as long as the
+        speculator judges (on the rows' tokens read so far, one step behind)
+        that a verify step could not pay; the pipeline then drains, and the
+        next step drafts on every token. Under the ``always`` policy plain
+        steps are not pipelined (every token is looked at for drafts)."""
+        spec, batch = self.speculator, self.batch
+        declined = False
+        if not batch.pipeline:
+            self.admit()
+            if not batch.rows:
+                return []
+            width = batch.width
+            drafts = spec.drafts(batch.rows, width)
+            if drafts is not None:
+                traces, t0 = self.compiled.trace_count, time.perf_counter()
+                events = batch.verify(drafts, spec.window - 1, spec)
+                if self.compiled.trace_count == traces:  # a step that traced timed its trace, not the step
+                    spec.observe("verify", width, time.perf_counter() - t0, spec.window)
+                return events + self._retire()
+            declined = True
+        width = batch.width
+        traces = self.compiled.trace_count
+        if not batch.pipeline:
+            batch.dispatch()
+        plain = declined and spec.cheap  # a cheap drafter's drafts were just judged on these very tokens
+        if (spec.policy == "auto" and len(batch.pipeline) < 2 and batch.needs_more() and not self._admission_waits()
+                and (plain or not spec.may_pay(batch.rows, width))):
+            batch.dispatch()  # pipelined: fed by the step in flight, on the device
+        events = batch.read()
+        spec.plain_step(batch.rows)
+        if self.compiled.trace_count == traces:  # the step read, and the one dispatched beside it, did not trace
+            spec.observe("decode", width, batch.last_step_s)
         return events + self._retire()
+
+    def _admission_waits(self) -> bool:
+        """Whether requests wait to be admitted (admission needs the pipeline drained)."""
+        return self.admission.job is not None or bool(self.scheduler.admission(len(self.batch.rows)))
 
     def run(self) -> Iterable[TokenEvent]:
         while self.has_work():

@@ -1,20 +1,37 @@
-"""The host side of speculative decoding: which rows draft, and when a verify step pays.
+"""The host side of speculative decoding: which rows draft, when a verify step
+pays, and how long its window is.
 
 Per step every row may propose up to its own draft length (adapted to its
-recent acceptance). A verify step runs only when it is expected to emit more
-tokens per second than a plain decode step:
+recent acceptance). A verify step of window ``L`` (each row's last token and
+up to ``L - 1`` drafts) runs only when it is expected to emit more tokens per
+second than a plain decode step:
 
     expected tokens of a verify step = sum over rows of 1 + p * n
-    (n: the row's drafts, p: the share of its recent drafts accepted; drafts
-    are accepted in runs — a quoted span matches as a whole — so the share
-    predicts the count better than an independent per-draft chance would),
+    (n: the row's drafts that fit the window, p: the share of its drafts
+    expected accepted; drafts are accepted in runs — a quoted span matches
+    as a whole — so a share predicts the count better than an independent
+    per-draft chance would. With a drafter that says how long a match its
+    drafts follow (prompt lookup), p is the engine's share for matches that
+    long, times the row's recent share against the prior; else the row's
+    recent share),
 
-divided by the verify step's measured time, against ``rows / decode step
-time``. Both step times are measured per bucket as the engine runs (the
-first verify of a bucket is tried at a guessed cost). A row's ``p`` moves
-back toward its prior while it runs plain steps, so a row whose text starts
-repeating gets tried again. One trace serves every verify step of a bucket:
-the window is always ``k + 1`` long and short drafts are padded.
+divided by the window's measured time, against ``rows / decode step time``.
+Step times are measured per bucket (and window length) as the engine runs;
+a window not measured yet is priced from the nearest one measured at that
+bucket (its cost per column beyond the decode step's), or guessed
+(``GUESSED_COLUMN_COST`` decode steps a column) before any was; when
+choosing among windows, slightly optimistically (``EXPLORE``), so that a
+neighbouring length is tried once when it may pay (but a verify step runs
+only if the chosen window pays at its plain estimate). The auto policy chooses the window among
+``WINDOWS`` (up to ``k + 1``): on a CPU a window's cost grows with its
+rows (each costs compute, not only the weights read once), and by steps
+where the matmul kernels tile their rows, so the best length depends on the
+machine, the bucket and the rows' acceptance. One trace serves every verify
+step of a (bucket, window): short drafts are padded. The ``always`` policy
+verifies whenever a row has a draft, always in windows of ``k + 1``.
+
+A row's ``p`` moves back toward its prior while it runs plain steps, so a
+row whose text starts repeating gets tried again.
 """
 
 from __future__ import annotations
@@ -26,8 +43,13 @@ from .options import SPEC_POLICIES
 from .requests import Request
 
 PRIOR = 0.5  # per-draft acceptance assumed for a new row
-GUESSED_VERIFY_COST = 1.5  # verify step time / decode step time before it is measured
+GUESSED_COLUMN_COST = 0.125  # a verify window's time per column beyond the first, in decode steps, before one is measured
+EXPLORE = 0.9  # a window length not measured yet is priced at this share of its estimate
 RECOVERY = 0.01  # share of the way back to PRIOR per plain step (a failed row retries after ~30 plain steps)
+# the share of drafts accepted assumed, before any is judged, by the length of the match they follow (1, 2, 3 or more
+# tokens; a drafter that reports it: prompt lookup); then learned from every verify step of the engine
+MATCH_PRIOR = (0.15, 0.35, 0.6)
+WINDOWS = (2, 3, 4, 5, 9, 17)  # the verify windows the auto policy chooses among (those <= k + 1, and k + 1)
 
 
 @dataclass
@@ -44,17 +66,27 @@ class Speculator:
     Args:
         drafter: proposes tokens (``propose(context, k)`` per row, or
             ``propose_batch(rows, ks)`` for the whole batch).
-        k: the most drafts per row and step (the verify window is ``k + 1``).
-        policy: ``"auto"`` (a verify step when it is expected to pay) or
-            ``"always"`` (whenever some row has a draft: to measure or test).
+        k: the most drafts per row and step (the longest verify window is ``k + 1``).
+        policy: ``"auto"`` (a verify step when it is expected to pay, in the
+            window expected to pay most) or ``"always"`` (whenever some row
+            has a draft, in windows of ``k + 1``: to measure or test).
+
+    After :meth:`drafts` returned drafts, :attr:`window` is the verify window
+    they are for.
     """
 
     POLICIES = SPEC_POLICIES
 
     def __init__(self, drafter, k: int, policy: str = "auto"):
         self.drafter, self.k, self.policy = drafter, k, policy  # checked by options.check_engine_options
-        self.step_s: Dict[tuple, float] = {}  # (kind, width) -> smoothed seconds per step
+        self.windows = sorted({L for L in WINDOWS if L <= k + 1} | {k + 1}) if policy == "auto" else [k + 1]
+        self.window = k + 1
+        # ("decode", width) -> smoothed seconds per plain step (pipelined as the engine runs them);
+        # ("verify", width, L) -> smoothed seconds per verify step of window L
+        self.step_s: Dict[tuple, float] = {}
         self.rows: Dict[int, DraftState] = {}  # request uid -> its state, while it runs
+        self.by_match = list(MATCH_PRIOR)  # share of drafts accepted by the length of the match they follow
+        self._matches: Dict[int, int] = {}  # uid -> match length of its drafts now being verified
 
     def row(self, uid: int) -> DraftState:
         """The drafting state of request ``uid`` (a new row starts at ``k`` drafts and the prior)."""
@@ -67,35 +99,106 @@ class Speculator:
         """A row that left the batch."""
         self.rows.pop(uid, None)
 
-    def drafts(self, rows: Sequence[Request], width: int) -> Optional[List[List[int]]]:
-        """Each row's drafts for the next verify step, or None for a plain step."""
+    def _caps(self, rows: Sequence[Request]) -> List[int]:
         # the budget's last token needs no draft
-        ks = [max(0, min(self.row(r.uid).draft_len, self.k, r.budget - 1)) for r in rows]
-        if not any(ks) or not self._worth_trying(rows, ks, width):
+        return [max(0, min(self.row(r.uid).draft_len, self.k, r.budget - 1)) for r in rows]
+
+    def drafts(self, rows: Sequence[Request], width: int) -> Optional[List[List[int]]]:
+        """Each row's drafts for the next verify step (at most ``window - 1``
+        each), or None for a plain step."""
+        ks = self._caps(rows)
+        if not any(ks) or self._choose(rows, ks, width) is None:
             return None
+        out, matches = self._propose(rows, ks)
+        L = self._choose(rows, [len(d) for d in out], width, matches) if any(out) else None
+        if L is None:
+            return None
+        self.window = L
+        self._matches = {r.uid: m for r, m in zip(rows, matches)} if matches else {}
+        return [d[: L - 1] for d in out]
+
+    def _propose(self, rows, ks):
+        """Each row's drafts, and the lengths of the matches they follow (None
+        when the drafter does not say)."""
         if hasattr(self.drafter, "propose_batch"):
-            out = [list(d)[:n] for d, n in zip(self.drafter.propose_batch(rows, ks), ks)]
-        else:
-            out = [list(self.drafter.propose(r.context, n))[:n] if n > 0 else [] for r, n in zip(rows, ks)]
-        if not any(out) or not self._worth_trying(rows, [len(d) for d in out], width):
-            return None
-        return out
+            return [list(d)[:n] for d, n in zip(self.drafter.propose_batch(rows, ks), ks)], None
+        if hasattr(self.drafter, "propose_match"):
+            pairs = [self.drafter.propose_match(r.context, n) if n > 0 else ([], 0) for r, n in zip(rows, ks)]
+            return [list(d)[:n] for (d, _), n in zip(pairs, ks)], [m for _, m in pairs]
+        return [list(self.drafter.propose(r.context, n))[:n] if n > 0 else [] for r, n in zip(rows, ks)], None
 
-    def _worth_trying(self, rows, ns, width) -> bool:
-        if self.policy == "always":
-            return True
-        expected = sum(1 + self.row(r.uid).accept_rate * n for r, n in zip(rows, ns))
-        decode = self.step_s.get(("decode", width))
-        verify = self.step_s.get(("verify", width))
-        if decode is None:  # measure a plain step first
+    @property
+    def cheap(self) -> bool:
+        """Whether the drafter is cheap enough to ask every step (prompt
+        lookup): :meth:`may_pay` then looks at its drafts, and a plain step
+        chosen on its drafts is as good as a check."""
+        return bool(getattr(self.drafter, "cheap", False))
+
+    def may_pay(self, rows: Sequence[Request], width: int) -> bool:
+        """Whether a verify step could pay now, judged without drafting (the
+        rows' draft lengths and acceptance only): the engine keeps plain
+        steps pipelined while it cannot. With a drafter that says it is
+        ``cheap`` (prompt lookup), its drafts are looked at too."""
+        ks = self._caps(rows)
+        if not any(ks) or self._choose(rows, ks, width) is None:
             return False
-        verify = verify if verify is not None else GUESSED_VERIFY_COST * decode
-        return expected / verify > len(rows) / decode
+        if not self.cheap:
+            return True
+        out, matches = self._propose(rows, ks)
+        return any(out) and self._choose(rows, [len(d) for d in out], width, matches) is not None
 
-    def observe(self, kind: str, width: int, seconds: float):
-        """A step of ``kind`` ("decode" or "verify") at ``width`` took ``seconds``."""
-        old = self.step_s.get((kind, width))
-        self.step_s[(kind, width)] = seconds if old is None else 0.8 * old + 0.2 * seconds
+    def _share(self, state: DraftState, match: Optional[int]) -> float:
+        """The share of a row's drafts expected accepted: the engine's for
+        drafts that follow a match that long, scaled by the row's own recent
+        share against the prior (both are evidence: free text fails with
+        short matches, a row that quotes keeps its run going)."""
+        if match is None:
+            return state.accept_rate
+        return min(1.0, state.accept_rate / PRIOR * self.by_match[min(max(match, 1), len(self.by_match)) - 1])
+
+    def _choose(self, rows, ns, width, matches=None) -> Optional[int]:
+        """The window expected to emit the most tokens per second, or None
+        when a plain step is expected to emit more."""
+        longest = min(max(ns) + 1, self.k + 1)
+        if self.policy == "always":
+            return self.k + 1
+        decode = self.step_s.get(("decode", width))
+        if decode is None:  # measure a plain step first
+            return None
+        rates = [self._share(self.row(r.uid), matches[i] if matches else None) for i, r in enumerate(rows)]
+        best, best_rate = None, 0.0
+        for L in self.windows:  # the window expected to pay most (a length not measured yet: priced optimistically)
+            rate = sum(1 + p * min(n, L - 1) for p, n in zip(rates, ns)) / self.cost(width, L, EXPLORE)
+            if rate > best_rate:
+                best, best_rate = L, rate
+            if L >= longest:  # a longer window adds no drafts
+                break
+        # and whether it pays, at its estimate (exploring never turns a plain step into a verify step)
+        expected = sum(1 + p * min(n, best - 1) for p, n in zip(rates, ns))
+        return best if expected / self.cost(width, best) > len(rows) / decode else None
+
+    def cost(self, width: int, L: int, unmeasured: float = 1.0) -> float:
+        """The expected seconds of a verify step of window ``L`` at bucket
+        ``width`` (see module docstring), times ``unmeasured`` where it was
+        not measured; needs a measured decode step."""
+        measured = self.step_s.get(("verify", width, L))
+        if measured is not None:
+            return measured
+        decode = self.step_s[("decode", width)]
+        known = [(key[2], s) for key, s in self.step_s.items() if key[0] == "verify" and key[1] == width]
+        if known:
+            L0, s0 = min(known, key=lambda m: (abs(m[0] - L), m[0]))
+            per_column = max(0.0, s0 - decode) / (L0 - 1)
+        else:
+            per_column = GUESSED_COLUMN_COST * decode
+        return unmeasured * (decode + per_column * (L - 1))
+
+    def observe(self, kind: str, width: int, seconds: float, window: Optional[int] = None):
+        """A step of ``kind`` ("decode" or "verify", of ``window``: ``k + 1``
+        when not given) at ``width`` took ``seconds``."""
+        key = ("decode", width) if kind == "decode" else ("verify", width, window or self.k + 1)
+        old = self.step_s.get(key)
+        self.step_s[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
     def plain_step(self, rows: Sequence[Request]):
         for r in rows:
@@ -104,12 +207,18 @@ class Speculator:
                 state.accept_rate += RECOVERY * (PRIOR - state.accept_rate)
 
     def update(self, row: Request, drafted: int, accepted: int):
-        """Adapt a row's draft length and acceptance to one verify step."""
+        """Adapt a row's draft length and acceptance to one verify step: the
+        length doubles after a step that accepted every draft (a quoted span
+        goes on) and halves (to 2 at least) after one that accepted less than half."""
         if drafted == 0:
             return
         state = self.row(row.uid)
         state.accept_rate = 0.7 * state.accept_rate + 0.3 * (accepted / drafted)
+        match = self._matches.get(row.uid)
+        if match:
+            i = min(match, len(self.by_match)) - 1
+            self.by_match[i] = 0.9 * self.by_match[i] + 0.1 * (accepted / drafted)
         if accepted == drafted:
-            state.draft_len = min(self.k, state.draft_len + 1)
+            state.draft_len = min(self.k, max(state.draft_len, drafted) * 2)
         elif accepted < drafted // 2:
-            state.draft_len = max(1, state.draft_len - 1)
+            state.draft_len = max(min(2, self.k), min(state.draft_len, drafted) // 2)
