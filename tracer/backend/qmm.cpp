@@ -83,6 +83,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -384,6 +385,13 @@ void run(QmmJob j, Contract contract) {
   small ? run_small(j, p) : run_large(j, p);
 }
 
+// Time in the qmm primitive's tasks (MLX_TRACER_KERNEL_PROFILE=1), read and reset by qmm_profile().
+const bool g_qmm_profile = [] {
+  const char* e = std::getenv("MLX_TRACER_KERNEL_PROFILE");
+  return e != nullptr && *e != 0 && *e != '0';
+}();
+std::atomic<uint64_t> g_qmm_ns{0}, g_qmm_calls{0};
+
 // ------------------------------------------------------------ primitive
 void need(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("mlx_tracer qmm: " + what);
@@ -414,7 +422,14 @@ class Qmm : public mx::Primitive {
     const QmmJob j{x.data<float>(), x.shape(0) == 1 ? size_t(x.shape(1)) : size_t(x.strides()[0]), w.data<uint32_t>(),
                    s.data<void>(), b.data<void>(), scale, x.shape(0), w.shape(0), x.shape(1), group_, bits_,
                    out.data<float>()};
-    enc.dispatch([j, c = contract_] { run(j, c); });
+    enc.dispatch([j, c = contract_] {
+      const auto t0 = g_qmm_profile ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
+      run(j, c);
+      if (g_qmm_profile) {
+        g_qmm_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+        ++g_qmm_calls;
+      }
+    });
   }
   void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
     throw std::runtime_error("mlx_tracer qmm: CPU only");
@@ -526,6 +541,8 @@ void register_qmm(nb::module_& m) {
       }, nb::arg("name"), nb::arg("a"), nb::arg("b") = std::vector<float>{}, nb::arg("shift") = 0.0f,
       "The layer kernels' vector math on the ISA path in use (tests): 'exp' (exp(a - shift)) or 'swiglu' "
       "(a * sigmoid(a) * b); None where the path has none (MLX's one-lane functors serve)");
+  m.def("qmm_profile", [] { return std::make_pair(g_qmm_ns.exchange(0), g_qmm_calls.exchange(0)); },
+        "(nanoseconds, calls) in the qmm primitive's tasks since the last call (MLX_TRACER_KERNEL_PROFILE=1)");
   m.def("qmm_isa", [] { return std::string(path().name); }, "qmm's kernels in use: avx512, avx2 or portable");
   m.def("qmm_set_isa", &set_isa, nb::arg("name"), "Use that ISA path from now on (the best one the CPU has if it lacks it); returns the one in use");
   m.def("qmm_threads", [] { return Pool::the().threads(); });
