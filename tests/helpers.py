@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -94,3 +95,18 @@ def save_model_dir(path, family: str = "llama", seed: int = 0):
     from .tiny_models import _config, tiny_model
 
     return write_model_dir(tiny_model(family, seed=seed), _config(family), path)
+
+
+@contextlib.contextmanager
+def forced_isa(kernels_module, name: str):
+    """The native kernels' ISA path ``name`` forced for the block (skipped
+    where this CPU lacks it); the path in use before restored after."""
+    import pytest
+
+    before = kernels_module.qmm_isa()
+    try:
+        if kernels_module.qmm_set_isa(name) != name:
+            pytest.skip(f"this CPU has no {name}")
+        yield name
+    finally:
+        kernels_module.qmm_set_isa(before)

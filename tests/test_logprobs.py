@@ -13,6 +13,8 @@ import pytest
 
 from mlx_tracer.backend import kernels
 
+from .helpers import forced_isa
+
 K = kernels.load()
 pytestmark = pytest.mark.skipif(K is None, reason=f"native kernels unavailable: {kernels.status()}")
 
@@ -30,13 +32,8 @@ def assert_same_bits(got, want, what=""):
 
 @pytest.fixture(params=["avx512", "avx2", "portable"])
 def isa(request):
-    before = K.qmm_isa()
-    got = K.qmm_set_isa(request.param)
-    if got != request.param:
-        K.qmm_set_isa(before)
-        pytest.skip(f"this CPU has no {request.param}")
-    yield got
-    K.qmm_set_isa(before)
+    with forced_isa(K, request.param) as got:
+        yield got
 
 
 @pytest.mark.parametrize("shape", [(1, 49152), (3, 1000), (2, 5, 77), (4, 1), (8, 33)])

@@ -20,6 +20,8 @@ import pytest
 
 from mlx_tracer.backend import kernels
 
+from .helpers import forced_isa
+
 K = kernels.load()
 PATHS = ("portable", "avx2", "avx512")
 # (M, N, K, group): decode rows, verify windows and prefill on both sides of the
@@ -41,13 +43,8 @@ pytestmark = pytest.mark.skipif(K is None, reason=f"native kernels unavailable: 
 @pytest.fixture
 def isa(request):
     """Forces an ISA path for one test (skipped where the CPU lacks it)."""
-    before = K.qmm_isa()
-    got = K.qmm_set_isa(request.param)
-    if got != request.param:
-        K.qmm_set_isa(before)
-        pytest.skip(f"this CPU has no {request.param}")
-    yield got
-    K.qmm_set_isa(before)
+    with forced_isa(K, request.param) as got:
+        yield got
 
 
 @pytest.fixture

@@ -13,6 +13,8 @@ import pytest
 
 from mlx_tracer.backend import kernels
 
+from .helpers import forced_isa
+
 K = kernels.load()
 pytestmark = pytest.mark.skipif(K is None, reason=f"native kernels unavailable: {kernels.status()}")
 
@@ -35,13 +37,8 @@ def same_bits(got, want) -> np.ndarray:
 
 @pytest.fixture(params=["avx512", "avx2"])
 def isa(request):
-    before = K.qmm_isa()
-    got = K.qmm_set_isa(request.param)
-    if got != request.param:
-        K.qmm_set_isa(before)
-        pytest.skip(f"this CPU has no {request.param}")
-    yield got
-    K.qmm_set_isa(before)
+    with forced_isa(K, request.param) as got:
+        yield got
 
 
 @pytest.mark.parametrize("shift", [0.0, 3.25, -17.5])
