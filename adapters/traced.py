@@ -19,7 +19,7 @@ from typing import Callable, Dict, Optional
 import mlx.core as mx
 
 from ..caches.masks import MaskGeometry
-from ..caches.storage import KVFormat, first
+from ..caches.storage import KVFormat, first, shapes
 
 
 class FamilyMasks:
@@ -84,7 +84,7 @@ class TracedCache:
         """Take the buffers a kernel returned after writing this decode step's
         keys and values at :attr:`column` itself (what ``update_and_fetch``
         does with MLX ops)."""
-        if self.column is None or keys.shape != self.keys.shape or values.shape != self.values.shape:
+        if self.column is None or shapes(keys) != shapes(self.keys) or shapes(values) != shapes(self.values):
             raise ValueError(f"layer {self.layer}: a written cache needs a decode step and buffers shaped as its own")
         self.updates += 1
         self.keys, self.values = keys, values

@@ -47,11 +47,6 @@ class KVFormat:
     def quantized(self) -> bool:
         return self.bits is not None
 
-    @property
-    def native(self) -> bool:
-        """Whether a float32 model's caches stay float32 (what the native kernels read)."""
-        return not self.quantized and self.dtype in (None, "float32")
-
     def describe(self) -> str:
         if self.quantized:
             return f"{self.bits}-bit (group {self.group_size})"

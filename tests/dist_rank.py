@@ -92,6 +92,23 @@ def in_place_growth(model) -> float:
     return worst / total
 
 
+def forward_in_use(compiled) -> dict:
+    """Which forward the compiled step runs: the lean one (on which layers, and
+    why not on the native kernels) or the model's own."""
+    lean = compiled.lean
+    if lean is None or not lean.active:
+        return {"lean": False}
+    return {"lean": True, "layers": lean.layers.name, "native_off": lean.native_off}
+
+
+def own_forward_equal(model, trace: np.ndarray) -> bool:
+    """Whether ``trace`` (the lean forward's logits) equals, bit for bit, the
+    model's own (sharded) forward compiled over the same steps."""
+    from mlx_tracer.runtime.step import CompiledModel
+
+    return bool(np.array_equal(logits_trace(CompiledModel(model, fuse=False)), trace))
+
+
 def _traces(compiled) -> dict:
     return {repr(k): n for k, n in compiled.traces.items()}
 
@@ -115,6 +132,7 @@ def main_scenario(out: Path, bad: str, dirs):
                "sharded_size": sharded_size(gen.model),
                "kv_heads": [layer.kv_heads for layer in gen.engine.compiled.layout]}
         res["phase_s"] = {"load": time.perf_counter() - t0}
+        res["forward"] = forward_in_use(gen.engine.compiled)
         q_proj = gen.model.layers[0].self_attn.q_proj
         res["reshard_noop"] = shard_model(gen.model, lock.group) is gen.model and gen.model.layers[0].self_attn.q_proj is q_proj
         res["tokens"] = run_plan(gen.engine, lock.step)
@@ -133,7 +151,10 @@ def main_scenario(out: Path, bad: str, dirs):
         res["checks"] = lock.checks
         res["in_place_growth"] = in_place_growth(gen.model)
         res["phase_s"]["in_place"] = time.perf_counter() - t0
-        np.save(out / f"{Path(d).name}.rank{rank}.npy", logits_trace(gen.engine.compiled))
+        trace = logits_trace(gen.engine.compiled)
+        np.save(out / f"{Path(d).name}.rank{rank}.npy", trace)
+        res["own_forward_equal"] = own_forward_equal(gen.model, trace)
+        res["phase_s"]["own_forward"] = time.perf_counter() - t0
         res["seconds"] = time.perf_counter() - t0
         (out / f"{Path(d).name}.rank{rank}.json").write_text(json.dumps(res))
         if gen.is_primary:

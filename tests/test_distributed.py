@@ -148,6 +148,19 @@ def test_two_ranks_equal_one_process(launched, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_each_rank_runs_the_lean_forward_as_the_sharded_model_computes(launched, family):
+    """The lean forward serves the sharded model: each rank runs its shard on
+    MLX's ops layers (the layer kernels add o/down into the residual stream,
+    where the all-sum must go between), and its logits equal the model's own
+    sharded forward bit for bit (the single-process comparison is above)."""
+    for r in (0, 1):
+        res = launched["res"][family, r]
+        assert res["forward"]["lean"] and res["forward"]["layers"] == "mlx-ops", res["forward"]
+        assert "sharded" in res["forward"]["native_off"], res["forward"]
+        assert res["own_forward_equal"], f"rank {r}: the lean logits differ from the model's own sharded forward"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_each_rank_keeps_the_compiled_step_guarantees(launched, family):
     full = tiny_model(family).layers[0].self_attn.n_kv_heads
     for r in (0, 1):

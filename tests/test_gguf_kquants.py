@@ -246,8 +246,10 @@ def test_a_q4_k_model_is_4_bit_blocks_and_decodes_as_its_float_reference(kquant_
 def test_a_file_mixing_q4_k_and_q6_k_loads_and_generates(tmp_path, monkeypatch, capsys):
     """(d) As a Q4_K_M file: layer 0's attn_v and ffn_down and the head are Q6_K
     (float16), the rest Q4_K; layer 0's q/k/v then mixes 4-bit blocks and a
-    float layer, which the lean forward does not fuse, so mlx-lm's forward
-    (compiled) serves the model."""
+    float layer. The lean forward serves it: q/k as one quantized matmul (on
+    qmm where it takes them), v as the float16 Linear, concatenated; layer 0
+    on MLX's ops (the layer kernels take one weight per slot), layer 1 on the
+    kernels."""
     path = tmp_path / "mixed.gguf"
     tiny_kquant_llama(path, seed=1, mixed=True)
     weights, meta = gguf.read_gguf(path)
@@ -257,7 +259,7 @@ def test_a_file_mixing_q4_k_and_q6_k_loads_and_generates(tmp_path, monkeypatch, 
     assert type(l0.mlp.down_proj) is nn.Linear and type(model.lm_head) is nn.Linear
     assert all(type(m) is nn.QuantizedLinear and m.bits == 4 and m.group_size == 32
                for m in (l0.self_attn.q_proj, l0.self_attn.k_proj, l1.self_attn.v_proj, l1.mlp.down_proj))
-    assert "cannot share one matmul" in why_not(model)
+    assert why_not(model) is None
     # read-only: Q6_K is not read there, so mx.load of a temporary copy, then the same Q4_K triples
     monkeypatch.setattr(gguf, "opens_for_writing", lambda p: False)
     again, _ = gguf.read_gguf(path)
@@ -274,3 +276,26 @@ def test_a_file_mixing_q4_k_and_q6_k_loads_and_generates(tmp_path, monkeypatch, 
     assert _margins(exact, PROMPT, want).min() > 0.05
     assert eager_greedy(model, PROMPT, STEPS) == want  # float16 Q6_K layers: within the margins
     assert solo_tokens(model, PROMPT, STEPS) == want
+
+    # the lean forward runs it: the same greedy tokens and, the quantized runs
+    # on qmm, logits within its contract; on mx.quantized_matmul, mlx-lm's to the bit
+    from mlx_tracer.runtime.step import CompiledModel
+
+    from .test_lean import compiled_logits, eager_logits
+
+    ref = eager_logits(model, PROMPT, STEPS)
+    lean = CompiledModel(model, fuse=True)
+    qkv = lean.lean.binding.layers[0].qkv
+    assert [(len(r.mods), r.quant) for r in qkv.runs] == [(2, (32, 4, "affine")), (1, None)]
+    if lean.lean.native is not None:
+        assert qkv.runs[0].kernel is not None
+        assert lean.lean.native_off is None and list(lean.lean.ops_at) == [0], lean.lean.ops_at
+        assert "qkv mixes formats (affine 4-bit g32 + float16)" in lean.lean.ops_at[0]
+    got = compiled_logits(lean, PROMPT, STEPS)
+    assert [mx.argmax(a).item() for a in got] == [mx.argmax(b).item() for b in ref] == want
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(np.array(a), np.array(b), rtol=0, atol=1e-4)
+    ops = CompiledModel(model, fuse=True)
+    ops.lean.use_kernels(None)
+    assert all(mx.array_equal(a, b) for a, b in zip(compiled_logits(ops, PROMPT, STEPS), ref))
+    assert solo_tokens(apply_format(model, "quantized"), PROMPT, STEPS) == want  # Q6_K as float32 Linears

@@ -16,9 +16,12 @@ import mlx.nn as nn
 import pytest
 
 from mlx_tracer.adapters.lean import HeadRotation, norm_of_sum, rope_tables
+from mlx_tracer.adapters.lean.native import stored
 from mlx_tracer.adapters.lean.ops import attention as lean_attention
+from mlx_tracer.adapters.lean.ops import quantized_mm
 from mlx_tracer.adapters.lean.weights import CONTRACT_ATTR
 from mlx_tracer.backend import kernels
+from mlx_tracer.caches.storage import KVFormat
 from mlx_tracer.runtime.prefill import feed
 from mlx_tracer.runtime.step import CompiledModel
 
@@ -71,7 +74,8 @@ def test_the_kernels_list_their_inputs_once():
     names = dict(K.inputs("layer_in"))
     assert list(names)[:2] == ["h", "act"] and names["h"] and not names["act"] and not names["q_norm"]
     assert [n for n, required in K.inputs("layer_mid") if not required] == [
-        "bias", "mask", "w_o_scales", "w_o_biases", "b_o", "w_gu_scales", "w_gu_biases", "b_gu"]
+        "k_scales", "k_biases", "v_scales", "v_biases", "bias", "mask", "w_o_scales", "w_o_biases", "b_o",
+        "w_gu_scales", "w_gu_biases", "b_gu"]
     with pytest.raises(ValueError, match="no kernel 'nope'"):
         K.inputs("nope")
 
@@ -398,3 +402,184 @@ def test_a_pipelined_decode_writes_the_cache_buffers_in_place():
     donated, copied = (b - a for b, a in zip(K.cache_writes(), before))
     # a step that changes the batch (a row retiring) may still copy; decode steps must not
     assert copied <= 2 * len(model.layers) and donated >= 2 * len(model.layers) * 8 and donated >= 10 * copied
+
+
+STORED = [KVFormat(dtype="float16"), KVFormat(dtype="bfloat16"), KVFormat(bits=8, group_size=64),
+          KVFormat(bits=8, group_size=32), KVFormat(bits=4, group_size=32), KVFormat(bits=4, group_size=128)]
+
+
+def stored_quantization(fmt):
+    return fmt.bits, fmt.group_size
+
+
+def stored_slots(fmt, k, v):
+    """k/v as layer_mid takes them in ``fmt``, and as the lean ops read them."""
+    ks, vs = fmt.encode(k), fmt.encode(v)
+    return {**stored("k", ks), **stored("v", vs)}, ks, vs
+
+
+@pytest.mark.parametrize("fmt", STORED, ids=lambda f: f.describe().replace(" ", ""))
+@pytest.mark.parametrize("B,nk,R,D,S", [(1, 3, 3, 64, 1024), (2, 2, 4, 128, 37), (3, 1, 1, 128, 5)])
+def test_layer_mid_reads_stored_kv_as_the_lean_ops_do(fmt, B, nk, R, D, S):
+    """K/V stored as float16/bfloat16 or packed 4-/8-bit: layer_mid's attention
+    reads them as stored, with the bits of the lean ops path on the same cache
+    (MLX's matmul after its promotion to float32; mx.quantized_matmul), decode
+    and windows, on the whole buffer and on a slice of a larger one."""
+    if fmt.quantized and D % fmt.group_size:
+        pytest.skip("groups run along D")
+    mx.random.seed(S + D)
+    hid, F = 48, 80
+    o, gu, post = linear(nk * R * D, hid, True), linear(hid, 2 * F, False), norm(hid, 4)
+    k, v = mx.random.normal((B, nk, S + 3, D)), mx.random.normal((B, nk, S + 3, D))
+    slots, ks, vs = stored_slots(fmt, k, v)
+    quant = stored_quantization(fmt) if fmt.quantized else None
+    rest = dict(w_o=o.weight.T, b_o=o.bias, norm=post.weight, w_gu=gu.weight.T)
+
+    def mlp(h, a):
+        gate, up = mx.split(mm(norm_of_sum(h, a, post), gu), 2, axis=-1)
+        return h + a, nn.silu(gate) * up
+
+    # decode: q [B, nk, R, D] under an additive bias, as OpsLayers runs it
+    q = mx.random.normal((B, nk, R, D)) * D**-0.5
+    bias = mx.where(mx.random.uniform(shape=(B, 1, 1, S + 3)) > 0.3, mx.array(0.0), LOW)
+    bias[..., 0] = 0.0
+    if quant is None:
+        want = attention_ref(q, ks, vs, bias)
+    else:
+        scores = quantized_mm(q, ks, True, quant) + bias
+        want = quantized_mm(mx.softmax(scores, axis=-1, precise=True), vs, False, quant).reshape(B, nk * R * D)
+    h = mx.random.normal((B, hid))
+    got = K.layer_mid(dict(q=q, bias=bias, h=h, **slots, **rest), eps=1e-5)
+    assert all(same(a, b) for a, b in zip(got, mlp(h, mm(want, o))))
+    # decode over a slice of a larger buffer (strided between blocks)
+    sliced = {n: a[:, :, :S] for n, a in slots.items()}
+    cut = (lambda b: tuple(a[:, :, :S] for a in b)) if quant else (lambda b: b[:, :, :S])
+    if quant is None:
+        want = attention_ref(q, cut(ks), cut(vs), bias[..., :S])
+    else:
+        scores = quantized_mm(q, cut(ks), True, quant) + bias[..., :S]
+        want = quantized_mm(mx.softmax(scores, axis=-1, precise=True), cut(vs), False, quant).reshape(B, nk * R * D)
+    got = K.layer_mid(dict(q=q, bias=bias[..., :S], h=h, **sliced, **rest), eps=1e-5)
+    assert all(same(a, b) for a, b in zip(got, mlp(h, mm(want, o))))
+    # a window of L tokens a row under a boolean mask: lean_attention on the stored format
+    L = 4
+    q5 = mx.random.normal((B, nk, R, L, D)) * D**-0.5
+    mask = mx.random.uniform(shape=(B, 1, 1, L, S + 3)) > 0.4
+    mask[..., 0] = True
+    want = lean_attention(q5, ks, vs, mask, quant).transpose(0, 3, 1, 2, 4).reshape(B * L, nk * R * D)
+    hw = mx.random.normal((B * L, hid))
+    got = K.layer_mid(dict(q=q5, mask=mask, h=hw, **slots, **rest), eps=1e-5)
+    assert all(same(a, b) for a, b in zip(got, mlp(hw, mm(want, o))))
+
+
+@pytest.mark.parametrize("family,fmt", [
+    ("llama", KVFormat(dtype="float16")), ("llama_mixed", KVFormat(dtype="float16")),
+    ("qwen3", KVFormat(dtype="bfloat16")), ("llama", KVFormat(bits=8)), ("llama_mixed", KVFormat(bits=8, group_size=32)),
+    ("llama_mixed", KVFormat(bits=4, group_size=32)), ("qwen3", KVFormat(bits=8))],
+    ids=lambda x: x if isinstance(x, str) else x.describe().replace(" ", ""))
+def test_the_lean_decode_on_kernels_reads_stored_kv_as_mlx_ops_do(family, fmt, tmp_path):
+    """Caches of every K/V format: the lean forward runs its prefill windows and
+    decode steps on the kernels (decode columns written in place by
+    cache_write / cache_write_quantized), with the logits of MLX's ops on the
+    same caches, bit for bit, rings across their wraps included."""
+    model = tiny_model(family, head_dim=64)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    ops, _ = decode_logits(CompiledModel(model, fuse=True, kv=fmt), prompts, 12, native=False)
+    got, cm = decode_logits(CompiledModel(model, fuse=True, kv=fmt), prompts, 12, native=True)
+    assert cm.lean.native_off is None
+    for i, (a, b) in enumerate(zip(got, ops)):
+        assert same(a, b), f"step {i}: max diff {mx.abs(a - b).max().item()}"
+    graph = cm.export_decode_graph(str(tmp_path / "g.dot"))
+    assert graph["TracerLayerIn"] == graph["TracerLayerMid"] == len(model.layers)
+    # a quantized buffer's three arrays each written by a node of its own (each can be donated)
+    assert graph["TracerCacheWrite"] == (6 if fmt.quantized else 2) * len(model.layers)
+    assert not {"Softmax", "QuantizedMatmul", "Quantize", "DynamicSliceUpdate"} & set(graph)
+
+
+@pytest.mark.parametrize("path", ["portable", "avx2"])
+def test_packed_kv_reads_on_every_path(path):
+    """layer_mid reads stored K/V on the path it picks (F16C widening and
+    AVX2 packed reads, or scalar code): forced one by one, each gives the
+    lean ops' bits (decode, windows; float16, bfloat16, 4 and 8 bits)."""
+    before = K.kv_isa()
+    try:
+        if K.kv_set_isa(path) != path:
+            pytest.skip(f"this CPU has no {path}")
+        for fmt in STORED:
+            test_layer_mid_reads_stored_kv_as_the_lean_ops_do(fmt, 2, 2, 4, 128, 37)
+            if 64 % fmt.group_size == 0:
+                test_layer_mid_reads_stored_kv_as_the_lean_ops_do(fmt, 1, 3, 3, 64, 1024)
+    finally:
+        K.kv_set_isa(before)
+
+
+@pytest.mark.parametrize("fmt", [KVFormat(), KVFormat(dtype="float16"), KVFormat(bits=8), KVFormat(bits=4, group_size=32)],
+                         ids=lambda f: f.describe().replace(" ", ""))
+def test_decode_on_kernels_writes_every_kv_format_in_place(fmt):
+    """A compiled decode step on the kernels writes its K/V columns into the
+    buffers as stored (float: cache_write; quantized: the cache's own write)
+    and reads them as stored: no copy of the buffers, no float32 copy of a
+    float16 or quantized cache."""
+    model = tiny_model("llama", head_dim=64)
+    cm = CompiledModel(model, capacities=(8192,), fuse=True, kv=fmt)
+    assert cm.lean.native_off is None
+    caches = cm.new_caches(1, rows=1)
+    out = cm.step(caches, mx.array([[1]]))
+    mx.eval(out.tokens, [c.state for c in caches])
+    total = sum(c.nbytes for c in caches)
+    for t in range(3):
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        out = cm.step(caches, mx.array([[t + 2]]))
+        mx.eval(out.tokens, [c.state for c in caches])
+        assert mx.get_peak_memory() - base < total // 4, "the step copied (or widened) the K/V buffers"
+
+
+def test_stored_kv_are_checked_with_what_to_pass():
+    B, nk, R, D, S, hid = 1, 2, 2, 64, 8, 16
+    fmt = KVFormat(bits=8)
+    k, v = fmt.encode(mx.random.normal((B, nk, S, D))), fmt.encode(mx.random.normal((B, nk, S, D)))
+    good = dict(q=mx.ones((B, nk, R, D)), bias=mx.zeros((B, 1, 1, S)), w_o=mx.ones((nk * R * D, hid)),
+                h=mx.ones((B, hid)), norm=mx.ones((hid,)), w_gu=mx.ones((hid, 8)), **stored("k", k), **stored("v", v))
+    assert len(K.layer_mid(good, eps=1e-5)) == 2
+    with pytest.raises(ValueError, match="need k_scales, k_biases, v_scales and v_biases"):
+        K.layer_mid({n: a for n, a in good.items() if n != "v_biases"}, eps=1e-5)
+    with pytest.raises(ValueError, match="stored alike"):
+        K.layer_mid(dict(good, v=mx.ones((B, nk, S, D), dtype=mx.float16)), eps=1e-5)
+    with pytest.raises(ValueError, match="scales and biases of packed keys/values must be float32"):
+        K.layer_mid(dict(good, k_scales=mx.ones((B, nk, S, 3))), eps=1e-5)
+    with pytest.raises(ValueError, match="must be float32"):
+        K.layer_mid(dict(good, k_scales=good["k_scales"].astype(mx.float16)), eps=1e-5)
+    f16 = mx.zeros((B, nk, S, D), dtype=mx.float16)
+    with pytest.raises(ValueError, match="float ones none"):
+        K.layer_mid(dict({n: a for n, a in good.items() if not n.startswith(("k", "v"))}, k=f16, v=f16,
+                         k_scales=good["k_scales"]), eps=1e-5)
+    with pytest.raises(ValueError, match="buf must be float32, float16 or bfloat16"):
+        K.cache_write(k[0], mx.ones((B, nk, 1, D // 4)), mx.array([0], dtype=mx.int32))
+
+
+@pytest.mark.parametrize("bits,group", [(8, 64), (8, 32), (4, 32), (4, 128), (8, 128)])
+def test_cache_write_quantized_equals_quantize_and_slice_update(bits, group):
+    """A quantized buffer's column written by the kernel: the packed words,
+    scales and biases mx.quantize gives, where mx.slice_update puts them,
+    on groups of every kind (random, constant, zero, one sign, tiny, huge)."""
+    mx.random.seed(bits + group)
+    B, H, S, D = 3, 2, 9, 256
+    fmt = KVFormat(bits=bits, group_size=group)
+    new = mx.random.normal((B, H, 1, D)) * mx.array([1e-30, 1e-3, 1.0, 1e4])[mx.random.randint(0, 4, (B, H, 1, D))]
+    new[0, 0, 0, :group] = 0.0  # a zero group
+    new[0, 1, 0, :group] = 0.5  # a constant group
+    new[1, 0, 0, :group] = mx.abs(new[1, 0, 0, :group])  # one sign each way
+    new[1, 1, 0, :group] = -mx.abs(new[1, 1, 0, :group])
+    new[2, 0, 0, group:2 * group] = mx.array(-2.0)
+    buf = fmt.encode(mx.random.normal((B, H, S, D)))
+    want = fmt.encode(new)
+    for c in (0, 4, S - 1):
+        col = mx.array([c], dtype=mx.int32)
+        for a, w, part in zip(buf, want, ("packed", "scales", "biases")):
+            got = K.cache_write_quantized(a, new, col, part, bits, group)
+            assert same(got, mx.slice_update(a, w, col, axes=(2,))), (part, c)
+    with pytest.raises(ValueError, match="part must be 'packed', 'scales' or 'biases'"):
+        K.cache_write_quantized(buf[0], new, mx.array([0], dtype=mx.int32), "words", bits, group)
+    with pytest.raises(ValueError, match=r"buf \(scales\) must be float32"):
+        K.cache_write_quantized(buf[1].astype(mx.float16), new, mx.array([0], dtype=mx.int32), "scales", bits, group)

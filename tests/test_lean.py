@@ -116,6 +116,75 @@ def test_quantized_projections_fuse_within_tolerance_and_keep_greedy_tokens():
     assert tokens(plain) == tokens(lean)
 
 
+@pytest.mark.parametrize("family", sorted(LEAN))
+def test_groups_of_mixed_formats_run_one_matmul_per_run_bit_for_bit(family):
+    """A group whose members differ in format (here a float16 v_proj and
+    up_proj beside float32 ones, as a GGUF Q4_K_M file's Q6_K tensors sit beside
+    Q4_K) is served: one matmul per run that fuses, concatenated; the kernels
+    take one weight per slot, so layer 1 runs on MLX's ops between native
+    layers, and the logits equal mlx-lm's bit for bit."""
+    model = tiny_model(family)
+    layer = model.model.layers[1]
+    layer.self_attn.v_proj.weight = layer.self_attn.v_proj.weight.astype(mx.float16)
+    layer.mlp.up_proj.weight = layer.mlp.up_proj.weight.astype(mx.float16)
+    mx.eval(model.parameters())
+    assert why_not(model) is None
+    ref = eager_logits(model, PROMPTS[0], 10)
+    cm = CompiledModel(model, fuse=True)
+    assert {"qkv1.0", "qkv1.1", "gu1.0", "gu1.1", "qkv0", "gu2"} <= set(cm.lean.buffers)
+    assert cm.lean.buffers["qkv1.1"]["wt"].dtype == mx.float16
+    if cm.lean.native is not None:
+        assert cm.lean.native_off is None and list(cm.lean.ops_at) == [1], cm.lean.ops_at
+        assert "qkv mixes formats (float32 + float16)" in cm.lean.ops_at[1] and "gu mixes formats" in cm.lean.ops_at[1]
+        assert cm.lean.layers.name == "native (layers [1] on mlx-ops)"
+    for i, (a, b) in enumerate(zip(compiled_logits(cm, PROMPTS[0], 10), ref)):
+        assert mx.array_equal(a, b), f"{family} step {i}: max diff {mx.abs(a - b).max().item()}"
+
+
+def test_partly_quantized_groups_keep_greedy_tokens_and_are_exact_on_mlx_ops():
+    """q/k quantized beside a float v (layer 0), gate beside a float up (layer 1):
+    the quantized runs on qmm (its contract: within tolerance, the same greedy
+    tokens); without the kernels, on mx.quantized_matmul, bit for bit mlx-lm's."""
+    model = tiny_model("llama")
+    parts = ("layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj", "layers.1.mlp.gate_proj")
+    nn.quantize(model, group_size=32, bits=4, class_predicate=lambda path, m: path.endswith(parts))
+    mx.eval(model.parameters())
+    assert why_not(model) is None
+    ref = eager_logits(model, PROMPTS[0], 8)
+    lean = CompiledModel(model, fuse=True)
+    qkv = lean.lean.binding.layers[0].qkv
+    assert [len(r.mods) for r in qkv.runs] == [2, 1] and qkv.runs[0].quant == (32, 4, "affine")
+    if lean.lean.native is not None:
+        assert qkv.runs[0].kernel is not None and sorted(lean.lean.ops_at) == [0, 1]
+    for a, b in zip(compiled_logits(lean, PROMPTS[0], 8), ref):
+        assert np.allclose(np.array(a), np.array(b), atol=1e-4), mx.abs(a - b).max().item()
+        assert mx.argmax(a).item() == mx.argmax(b).item()
+    ops = CompiledModel(model, fuse=True)
+    ops.lean.use_kernels(None)
+    for a, b in zip(compiled_logits(ops, PROMPTS[0], 8), ref):
+        assert mx.array_equal(a, b), mx.abs(a - b).max().item()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_sharded_model_runs_the_lean_forward_on_the_ops_layers(family):
+    """mlx-lm's ``shard()`` (here over a group of one process: the sharded
+    linears with an all-sum that sums one rank) is served: all-to-sharded
+    linears fuse as Linear, each sharded-to-all one all-sums before its bias,
+    on MLX's ops layers (the kernels add o/down into the residual stream);
+    bit for bit the sharded model's own logits. 2 ranks: tests/test_distributed.py."""
+    model = tiny_qwen2() if family == "qwen2" else tiny_model(family)
+    model.shard(mx.distributed.init())
+    mx.eval(model.parameters())
+    assert type(model.model.layers[0].self_attn.o_proj) is nn.ShardedToAllLinear and why_not(model) is None
+    ref = eager_logits(model, PROMPTS[0], 8)
+    cm = CompiledModel(model, fuse=True)
+    assert cm.lean.layers.name == "mlx-ops" and cm.lean.binding.layers[0].o.reduce is not None
+    if cm.lean.native is not None:
+        assert cm.lean.native_off.startswith("layer 0: sharded")
+    for a, b in zip(compiled_logits(cm, PROMPTS[0], 8), ref):
+        assert mx.array_equal(a, b), mx.abs(a - b).max().item()
+
+
 def test_fusing_keeps_the_models_own_output_and_memory():
     model = tiny_model("llama")
     x = mx.array([PROMPTS[0]])

@@ -2,8 +2,10 @@
 
 :class:`LeanForward` binds the model's weights (:func:`~.weights.bind`),
 then *plans* once per binding which layer implementation serves its steps —
-the native kernels (:class:`~.native.NativeLayers`) where they apply, else
-MLX's ops (:class:`~.ops.OpsLayers`), for decode and window steps alike —
+the native kernels (:class:`~.native.NativeLayers`) where they apply (layers
+they cannot run, such as a group of mixed formats, on MLX's ops between the
+native ones), else MLX's ops (:class:`~.ops.OpsLayers`; a sharded model's
+layers, whose o/down all-sum before the residual), for decode and window steps alike —
 and runs: embedding, the planned layers, then the final norm and output
 head (written once, here, for every path).
 
@@ -21,7 +23,7 @@ from typing import Dict, Optional
 import mlx.core as mx
 
 from ...caches.storage import KVFormat
-from .native import NativeLayers, why_not_native
+from .native import NativeLayers, ops_layers, why_not_native
 from .ops import OpsLayers
 from .qualify import why_not
 from .step_tables import StepTables
@@ -35,7 +37,8 @@ class LeanForward:
         model: an mlx-lm model (:func:`~.qualify.why_not` is None).
         native: the native kernels module (``mlx_tracer.backend.kernels.load()``),
             or None for MLX's ops everywhere.
-        kv: the caches' K/V storage format (the kernels read float32 caches only).
+        kv: the caches' K/V storage format (the kernels read every one: float32,
+            float16/bfloat16, 4-/8-bit quantized).
     """
 
     def __init__(self, model, native=None, kv: KVFormat = KVFormat()):
@@ -47,6 +50,7 @@ class LeanForward:
         self.binding: Optional[Binding] = None
         self.layers = self.ops_layers = None  # the planned layers; MLX's ops (the reference)
         self.native_off: Optional[str] = None  # why the steps do not run on the kernels
+        self.ops_at: Dict[int, str] = {}  # layers on MLX's ops between native ones: why, by index
         self._set_watch([])
         self.refresh(force=True)
 
@@ -72,10 +76,11 @@ class LeanForward:
     def _plan(self):
         b = self.binding
         self.ops_layers = OpsLayers(b.layers)  # the reference
-        self.native_off = why_not_native(b, self.native)
-        if self.native_off is None and not self.kv.native:  # the kernels read float32 caches only: decode on the ops
-            self.native_off = f"K/V stored as {self.kv.describe()} (the kernels read float32 caches)"
-        self.layers = NativeLayers(b.layers, self.native, b.contract) if self.native_off is None else self.ops_layers
+        self.native_off = why_not_native(b, self.native, self.kv)
+        # the layers the kernels cannot run (mixed formats, sharded, ...) run on the ops between the native ones
+        self.ops_at = ops_layers(b) if self.native_off is None else {}
+        self.layers = (NativeLayers(b.layers, self.native, b.contract, self.ops_at) if self.native_off is None
+                       else self.ops_layers)
 
     def _set_watch(self, watch):
         # the per-step check runs as C-level map() loops over these three

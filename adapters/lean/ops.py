@@ -88,37 +88,43 @@ class OpsLayers:
 
     def __call__(self, h: mx.array, caches, t: StepTables) -> mx.array:
         """``h [B * L, hidden]`` through every layer (writing each layer's cache)."""
-        B, L = t.offsets.shape[0], t.L
         for s, cache in zip(self.layers, caches):
-            nq, nk, R, D = s.nq, s.nk, s.R, s.D
-            y = s.qkv(s.input_norm(h))  # [B * L, (nq + 2 nk) * D]
-            heads = (B, nq + 2 * nk, 1, D) if L == 1 else (B, L, nq + 2 * nk, D)
-            if s.qk_norms is not None:  # qwen3: per-head norms before the rotation
-                rot = t.rotation(s, y.dtype, rotate_values=False)
-                q, k, v = mx.split(y.reshape(heads), [nq, nq + nk], axis=rot.axis)
-                qk = mx.concatenate([s.qk_norms[0](q), s.qk_norms[1](k)], axis=rot.axis)
-                q, k = mx.split(rot(qk), [nq], axis=rot.axis)
-            else:
-                rot = t.rotation(s, y.dtype)
-                q, k, v = mx.split(rot(y), [nq, nq + nk], axis=rot.axis)
-            if L == 1:
-                # decode: k/v are [B, nk, 1, D] already; the R query heads of each
-                # key head as the rows of one matmul, the mask added by it
-                k, v = cache.update_and_fetch(k, v)
-                quant, bias = stored_quantization(cache), t.bias(s.index, y.dtype, (nk, R))
-                if quant is None:
-                    scores = mx.addmm(bias, q.reshape(B, nk, R, D), k.swapaxes(-1, -2))  # [B, nk, R, S]
-                    o = (mx.softmax(scores, axis=-1, precise=True) @ v).reshape(B, nq * D)
-                else:  # the stored columns as they are: [B, nk, R, S], then [B, nk, R, D]
-                    scores = quantized_mm(q.reshape(B, nk, R, D), k, True, quant) + bias
-                    o = quantized_mm(mx.softmax(scores, axis=-1, precise=True), v, False, quant).reshape(B, nq * D)
-            else:
-                # heads first: q [B, nk, R, L, D] (R query heads per key head), k/v [B, nk, L, D]
-                q = q.reshape(B, L, nk, R, D).transpose(0, 2, 3, 1, 4)
-                k, v = cache.update_and_fetch(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
-                o = attention(q, k, v, t.mask(s.index), stored_quantization(cache))  # [B, nk, R, L, D]
-                o = o.transpose(0, 3, 1, 2, 4).reshape(B * L, nq * D)
-            a = s.o(o)
-            gate, up = mx.split(s.gu(norm_of_sum(h, a, s.post_norm)), 2, axis=-1)
-            h = (h - (-a)) + s.down(nn.silu(gate) * up)  # (h + a) + down, to the bit
+            h = self.layer(s, h, cache, t)
+        return h
+
+    @staticmethod
+    def layer(s: LayerSpec, h: mx.array, cache, t: StepTables) -> mx.array:
+        """``h [B * L, hidden]`` through the one layer ``s`` (writing its cache)."""
+        B, L = t.offsets.shape[0], t.L
+        nq, nk, R, D = s.nq, s.nk, s.R, s.D
+        y = s.qkv(s.input_norm(h))  # [B * L, (nq + 2 nk) * D]
+        heads = (B, nq + 2 * nk, 1, D) if L == 1 else (B, L, nq + 2 * nk, D)
+        if s.qk_norms is not None:  # qwen3: per-head norms before the rotation
+            rot = t.rotation(s, y.dtype, rotate_values=False)
+            q, k, v = mx.split(y.reshape(heads), [nq, nq + nk], axis=rot.axis)
+            qk = mx.concatenate([s.qk_norms[0](q), s.qk_norms[1](k)], axis=rot.axis)
+            q, k = mx.split(rot(qk), [nq], axis=rot.axis)
+        else:
+            rot = t.rotation(s, y.dtype)
+            q, k, v = mx.split(rot(y), [nq, nq + nk], axis=rot.axis)
+        if L == 1:
+            # decode: k/v are [B, nk, 1, D] already; the R query heads of each
+            # key head as the rows of one matmul, the mask added by it
+            k, v = cache.update_and_fetch(k, v)
+            quant, bias = stored_quantization(cache), t.bias(s.index, y.dtype, (nk, R))
+            if quant is None:
+                scores = mx.addmm(bias, q.reshape(B, nk, R, D), k.swapaxes(-1, -2))  # [B, nk, R, S]
+                o = (mx.softmax(scores, axis=-1, precise=True) @ v).reshape(B, nq * D)
+            else:  # the stored columns as they are: [B, nk, R, S], then [B, nk, R, D]
+                scores = quantized_mm(q.reshape(B, nk, R, D), k, True, quant) + bias
+                o = quantized_mm(mx.softmax(scores, axis=-1, precise=True), v, False, quant).reshape(B, nq * D)
+        else:
+            # heads first: q [B, nk, R, L, D] (R query heads per key head), k/v [B, nk, L, D]
+            q = q.reshape(B, L, nk, R, D).transpose(0, 2, 3, 1, 4)
+            k, v = cache.update_and_fetch(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+            o = attention(q, k, v, t.mask(s.index), stored_quantization(cache))  # [B, nk, R, L, D]
+            o = o.transpose(0, 3, 1, 2, 4).reshape(B * L, nq * D)
+        a = s.o(o)
+        gate, up = mx.split(s.gu(norm_of_sum(h, a, s.post_norm)), 2, axis=-1)
+        h = (h - (-a)) + s.down(nn.silu(gate) * up)  # (h + a) + down, to the bit
         return h

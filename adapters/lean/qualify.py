@@ -5,18 +5,32 @@ families (``llama``, ``mistral`` — llama's module —, ``qwen2``, ``qwen3``), 
 it takes a model only when every module it replaces is the family's own:
 another block, attention, projection or norm type would compute something
 else. :func:`why_not` says which part disqualifies a model.
+
+Projections are computed as their own type computes them: mlx's ``Linear``
+and ``QuantizedLinear``, and the tensor-parallel linears mlx-lm's
+``shard()`` puts in their place (``AllToShardedLinear`` computes what
+``Linear`` does on its rows; ``ShardedToAllLinear`` multiplies, all-sums
+over its group, then adds the bias; likewise their quantized twins). A group
+the lean forward would fuse (q/k/v, gate/up) whose members differ in format
+(a GGUF Q4_K_M file's Q4_K and Q6_K tensors) is computed as runs of
+consecutive members that can share one matmul (:func:`runs`).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 
 KINDS = frozenset({"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3"})  # mistral is llama's
 ARRAYS = ("weight", "scales", "biases", "bias")  # what a linear holds, in the order groups concatenate them
-LINEARS = (nn.Linear, nn.QuantizedLinear)
+DENSE = (nn.Linear, nn.AllToShardedLinear)  # x @ weight.T (+ bias, by addmm)
+QUANT = (nn.QuantizedLinear, nn.QuantizedAllToShardedLinear)  # mx.quantized_matmul (+ bias)
+SUMMED = (nn.ShardedToAllLinear, nn.QuantizedShardedToAllLinear)  # the matmul, all_sum over the group, + bias
+LINEARS = DENSE + QUANT + SUMMED  # the projections the lean forward computes
+PROJECTIONS = tuple(("self_attn", k) for k in ("q_proj", "k_proj", "v_proj", "o_proj")) + tuple(
+    ("mlp", k) for k in ("gate_proj", "up_proj", "down_proj"))
 
 
 def _kind_ok(obj, name: str) -> bool:
@@ -24,13 +38,27 @@ def _kind_ok(obj, name: str) -> bool:
 
 
 def fusable(mods) -> bool:
-    """Linears that can share one matmul: same type, same arrays, same quantization."""
+    """Linears that can share one matmul: same type, same arrays of the same
+    dtypes, same quantization; an all-summed (sharded-to-all) linear only alone
+    (a ring all-sum of a concatenation may sum in another order)."""
     t = type(mods[0])
-    if t not in LINEARS or any(type(m) is not t for m in mods):
+    if t not in LINEARS or any(type(m) is not t for m in mods) or (t in SUMMED and len(mods) > 1):
         return False
-    if len({tuple(k for k in ARRAYS if k in m) for m in mods}) != 1:
+    if len({tuple((k, m[k].dtype) for k in ARRAYS if k in m) for m in mods}) != 1:
         return False
-    return t is nn.Linear or len({(m.group_size, m.bits, m.mode) for m in mods}) == 1
+    return t in DENSE or t in SUMMED or len({(m.group_size, m.bits, m.mode) for m in mods}) == 1
+
+
+def runs(mods) -> List[list]:
+    """``mods`` (one group, in order) as maximal runs of consecutive linears
+    that can share one matmul: one run where the group fuses whole."""
+    out = [[mods[0]]]
+    for m in mods[1:]:
+        if fusable(out[-1] + [m]):
+            out[-1].append(m)
+        else:
+            out.append([m])
+    return out
 
 
 def table_rope(rope) -> Optional[tuple]:
@@ -62,9 +90,11 @@ def why_not(model) -> Optional[str]:
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if not (_kind_ok(layer, "TransformerBlock") and _kind_ok(attn, "Attention") and _kind_ok(mlp, "MLP")):
             return f"layer {i}: block, attention or MLP is not the family's own"
-        for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj), (attn.o_proj,), (mlp.down_proj,)):
-            if not fusable(group):
-                return f"layer {i}: projections {[type(m).__name__ for m in group]} cannot share one matmul"
+        for parent, name in PROJECTIONS:
+            m = getattr(attn if parent == "self_attn" else mlp, name, None)
+            if type(m) not in LINEARS:
+                return (f"layer {i}: {name} is a {type(m).__name__} (the lean forward computes mlx's Linear, "
+                        "QuantizedLinear and their sharded forms)")
         if table_rope(attn.rope) is None:
             return f"layer {i}: {type(attn.rope).__name__} (the lean forward rotates with nn.RoPE's non-traditional tables)"
         if attn.n_heads % attn.n_kv_heads:

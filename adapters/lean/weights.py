@@ -12,6 +12,15 @@ new binding and new traces.
 q/k/v and gate/up are concatenated along the output axis into one buffer
 each; the model's own ``q_proj`` / ``k_proj`` / ... then hold *views* of it,
 so memory does not grow and the model's own forward computes what it did.
+A group whose members differ in format (a GGUF Q4_K_M file: Q4_K blocks
+beside Q6_K tensors loaded as float16 ``Linear`` s) is a :class:`SplitGroup`:
+one matmul per run of members that do fuse, the results concatenated in the
+group's order (the layer then reads them as it reads a fused result).
+
+Sharded models (mlx-lm's ``shard()``): an ``AllToShardedLinear`` is
+``Linear``'s arithmetic on this rank's rows and fuses like it; a
+``ShardedToAllLinear`` (o/down) is a group of its own whose matmul is
+all-summed over the module's group before its bias is added, where mlx puts it.
 
 Quantized groups run on the native quantized matmul (``qmm``, handed in by
 the runtime) where the residual stream is float32 and the quantization is
@@ -30,9 +39,9 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from .qualify import ARRAYS, table_rope
+from .qualify import ARRAYS, SUMMED, runs, table_rope
 
-QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
+QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding, nn.QuantizedAllToShardedLinear, nn.QuantizedShardedToAllLinear)
 QMM_BITS, QMM_GROUPS = (4, 8), (32, 64, 128)
 QMM_SCALES = (mx.float16, mx.bfloat16, mx.float32)
 CONTRACT_ATTR = "mlx_tracer_qmm_contract"  # a model attribute: qmm's contract ("exact" when absent, or "fast")
@@ -40,14 +49,16 @@ QMM_CONTRACTS = ("exact", "fast")
 
 
 class LinearGroup:
-    """Linears that read the same input (q/k/v, gate/up), computed as one.
+    """Linears that read the same input (q/k/v, gate/up) and share one matmul
+    (:func:`~.qualify.fusable`), computed as one.
 
     Its arrays ``p`` are constants of the lean trace: a dense weight as its
     transposed view ``wt`` (the matmul reads the same memory the same way as
     ``x @ weight.T``, with no transpose node), quantized ones as they are.
     ``qmm``: the native quantized matmul, used where it takes the group's
     quantization (:attr:`kernel`), else ``mx.quantized_matmul``; under
-    ``contract`` ("exact" or "fast").
+    ``contract`` ("exact" or "fast"). ``reduce``: the group a sharded-to-all
+    linear all-sums its matmul over (None: no all-sum).
     """
 
     def __init__(self, mods, qmm=None, contract: str = "exact"):
@@ -55,7 +66,9 @@ class LinearGroup:
         self.contract = contract
         m0 = self.mods[0]
         self.quant = (m0.group_size, m0.bits, m0.mode) if type(m0) in QUANTIZED else None
+        self.reduce = m0.group if type(m0) in SUMMED else None
         self.keys = [k for k in ARRAYS if k in m0]
+        self.runs = [self]  # the matmuls of the group: this one
         self.p = self._build()
         self.kernel = qmm if qmm is not None and self._qmm_takes() else None
 
@@ -98,18 +111,72 @@ class LinearGroup:
 
     def __call__(self, x: mx.array) -> mx.array:
         """``x [M, in]`` through the group: ``[M, sum of outputs]``, computed
-        as mlx's ``Linear`` / ``QuantizedLinear`` computes each part."""
+        as mlx's ``Linear`` / ``QuantizedLinear`` (or their sharded forms) computes each part."""
         p = self.p
         if self.quant is None:
-            return mx.addmm(p["bias"], x, p["wt"]) if "bias" in p else x @ p["wt"]
-        group_size, bits, mode = self.quant
-        if self.kernel is not None:  # 2-D in and out (the head gets [B, L, hidden])
+            if self.reduce is None:
+                return mx.addmm(p["bias"], x, p["wt"]) if "bias" in p else x @ p["wt"]
+            y = x @ p["wt"]  # ShardedToAllLinear: no addmm, the bias comes after the sum
+        elif self.kernel is not None:  # 2-D in and out (the head gets [B, L, hidden])
+            group_size, bits, _ = self.quant
             y = self.kernel(x.reshape(-1, x.shape[-1]), p["weight"], p["scales"], p["biases"], group_size=group_size,
                             bits=bits, contract=self.contract).reshape(*x.shape[:-1], -1)
-            return y + p["bias"] if "bias" in p else y
-        y = mx.quantized_matmul(x, p["weight"], scales=p["scales"], biases=p.get("biases"), transpose=True,
-                                group_size=group_size, bits=bits, mode=mode)
+        else:
+            group_size, bits, mode = self.quant
+            y = mx.quantized_matmul(x, p["weight"], scales=p["scales"], biases=p.get("biases"), transpose=True,
+                                    group_size=group_size, bits=bits, mode=mode)
+        if self.reduce is not None:
+            y = mx.distributed.all_sum(y, group=self.reduce)
         return y + p["bias"] if "bias" in p else y
+
+
+class SplitGroup:
+    """Linears that read the same input but do not all share one matmul (their
+    formats differ): one :class:`LinearGroup` per run of consecutive members
+    that do (:func:`~.qualify.runs`), each computed as its modules compute
+    it (quantized runs on ``qmm`` where it takes them), the results
+    concatenated in the group's order. The native layer kernels take one
+    weight per slot: layers with such a group run on MLX's ops."""
+
+    quant = None
+    reduce = None
+    kernel = None
+
+    def __init__(self, parts, qmm=None, contract: str = "exact"):
+        self.runs = [LinearGroup(run, qmm, contract) for run in parts]
+        self.mods = [m for g in self.runs for m in g.mods]
+        self.contract = contract
+
+    @property
+    def outputs(self) -> int:
+        return sum(g.outputs for g in self.runs)
+
+    def dense_f32(self) -> bool:
+        return False
+
+    def watch(self) -> List[tuple]:
+        return [w for g in self.runs for w in g.watch()]
+
+    def describe(self) -> str:
+        """The runs' formats, in order (for the reasons the kernels give)."""
+        return " + ".join(_format(g) for g in self.runs)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.concatenate([g(x) for g in self.runs], axis=-1)
+
+
+def _format(g: LinearGroup) -> str:
+    if g.quant is not None:
+        group_size, bits, mode = g.quant
+        return f"{mode} {bits}-bit g{group_size}"
+    return str(g.p["wt"].dtype).replace("mlx.core.", "")
+
+
+def linear_group(mods, qmm=None, contract: str = "exact"):
+    """The group of ``mods`` (in order): a :class:`LinearGroup` where they share
+    one matmul, else a :class:`SplitGroup` of the runs that do."""
+    parts = runs(list(mods))
+    return LinearGroup(parts[0], qmm, contract) if len(parts) == 1 else SplitGroup(parts, qmm, contract)
 
 
 @dataclass
@@ -125,9 +192,9 @@ class LayerSpec:
     input_norm: nn.RMSNorm
     post_norm: nn.RMSNorm
     qk_norms: Optional[Tuple[nn.RMSNorm, nn.RMSNorm]]  # qwen3's per-head norms, before the rotation
-    qkv: LinearGroup
+    qkv: "LinearGroup | SplitGroup"
     o: LinearGroup
-    gu: LinearGroup
+    gu: "LinearGroup | SplitGroup"
     down: LinearGroup
 
     @property
@@ -135,8 +202,16 @@ class LayerSpec:
         """Query heads per key head."""
         return self.nq // self.nk
 
-    def groups(self) -> Dict[str, LinearGroup]:
+    def groups(self) -> Dict[str, "LinearGroup | SplitGroup"]:
         return {"qkv": self.qkv, "o": self.o, "gu": self.gu, "down": self.down}
+
+    def split(self) -> List[str]:
+        """Names of the groups that do not share one matmul (mixed formats)."""
+        return [name for name, g in self.groups().items() if len(g.runs) > 1]
+
+    def sharded(self) -> bool:
+        """Whether an o/down projection all-sums over a group (a sharded model)."""
+        return any(g.reduce is not None for g in self.groups().values())
 
 
 @dataclass
@@ -158,8 +233,15 @@ class Binding:
         return _embedding_dtype(self.embed)
 
     def buffers(self) -> Dict[str, Dict[str, mx.array]]:
-        """The groups' arrays by name (``qkv0``, ..., ``head``)."""
-        out = {f"{name}{s.index}": g.p for s in self.layers for name, g in s.groups().items()}
+        """The groups' arrays by name (``qkv0``, ..., ``head``; a split group's
+        runs as ``qkv0.0``, ``qkv0.1``, ...)."""
+        out = {}
+        for s in self.layers:
+            for name, g in s.groups().items():
+                if len(g.runs) == 1:
+                    out[f"{name}{s.index}"] = g.p
+                else:
+                    out.update({f"{name}{s.index}.{j}": r.p for j, r in enumerate(g.runs)})
         if self.head is not None:
             out["head"] = self.head.p
         return out
@@ -195,7 +277,7 @@ def bind(model, qmm=None) -> Binding:
         groups = {}
         for name, parent, keys in (("qkv", attn, ("q_proj", "k_proj", "v_proj")), ("o", attn, ("o_proj",)),
                                    ("gu", mlp, ("gate_proj", "up_proj")), ("down", mlp, ("down_proj",))):
-            group = groups[name] = LinearGroup([parent[k] for k in keys], qmm, contract)
+            group = groups[name] = linear_group([parent[k] for k in keys], qmm, contract)
             watch += [(parent, k, m) for k, m in zip(keys, group.mods)] + group.watch()
         nq, nk = attn.n_heads, attn.n_kv_heads
         qk = (attn.q_norm, attn.k_norm) if "q_norm" in attn else None
@@ -205,7 +287,7 @@ def bind(model, qmm=None) -> Binding:
         watch += [(layer, "input_layernorm", layer.input_layernorm), (layer, "post_attention_layernorm", layer.post_attention_layernorm)]
         watch += [(attn, k, attn[k]) for k in ("q_norm", "k_norm") if k in attn]
     head_module = inner.embed_tokens if tied else model.lm_head
-    head_types = (nn.Linear, nn.Embedding) + (QUANTIZED if qmm is not None else ())
+    head_types = (nn.Linear, nn.Embedding) + ((nn.QuantizedLinear, nn.QuantizedEmbedding) if qmm is not None else ())
     head = LinearGroup([head_module], qmm, contract) if type(head_module) in head_types else None
     watch += [(inner, "embed_tokens", inner.embed_tokens), (inner, "norm", inner.norm)]
     if not tied:

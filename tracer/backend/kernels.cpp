@@ -14,14 +14,24 @@
 //    bias copied into the output first, as mx.addmm does);
 //  * or, for a projection given as MLX's packed affine blocks (4 or 8 bits),
 //    the qmm call the lean forward's MLX-ops path makes for it (qmm.cpp,
-//    its exact or fast contract), the bias added after, as `y + bias`.
+//    its exact or fast contract), the bias added after, as `y + bias`;
+//  * cached K/V as stored: float16/bfloat16 widened (exactly) a block at a
+//    time and multiplied with the sgemm MLX's matmul makes after its
+//    promotion to float32; packed 4-/8-bit K/V with the arithmetic of MLX's
+//    CPU quantized_matmul (_qmm_t / _qmm: scalar on x86, every product and
+//    sum rounded in order; here scalar or AVX2 lanes, the same bits).
 // tests/test_kernels.py checks each against the MLX ops, bit for bit.
 //
 // Built and loaded by mlx_tracer/backend/kernels.py (see there).
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <optional>
 #include <stdexcept>
@@ -44,6 +54,10 @@
 #include "mlx/types/limits.h"
 #include "qmm_api.h"
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 // The BLAS MLX's matmuls call (the process's global cblas_sgemm: the fast
 // BLAS shim when active, else the one libmlx links).
 extern "C" void cblas_sgemm(int order, int trans_a, int trans_b, int M, int N, int K, float alpha, const float* A,
@@ -64,6 +78,32 @@ constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 
 // Cache buffers cache_write wrote in place / into a copy (cache_writes()).
 std::atomic<uint64_t> g_donated{0}, g_copied{0};
+
+// Where a layer's time goes (MLX_TRACER_KERNEL_PROFILE=1; off: one branch a
+// phase): nanoseconds and calls per phase, read and reset by profile().
+enum Phase : int { kDown, kNorm, kQkv, kRope, kWrite, kAttn, kO, kGu, kSwiglu, kTaskIn, kTaskMid, kPhases };
+const char* const kPhaseNames[kPhases] = {"down", "norm", "qkv", "rope", "cache_write", "attention",
+                                          "o", "gu", "swiglu", "layer_in_task", "layer_mid_task"};
+std::atomic<uint64_t> g_phase_ns[kPhases], g_phase_calls[kPhases];
+const bool g_profile = [] {
+  const char* e = std::getenv("MLX_TRACER_KERNEL_PROFILE");
+  return e != nullptr && *e != 0 && *e != '0';
+}();
+
+struct Timed {
+  Phase phase;
+  std::chrono::steady_clock::time_point t0;
+  explicit Timed(Phase p) : phase(p) {
+    if (g_profile) t0 = std::chrono::steady_clock::now();
+  }
+  ~Timed() {
+    if (g_profile) {
+      const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0);
+      g_phase_ns[phase] += uint64_t(ns.count());
+      ++g_phase_calls[phase];
+    }
+  }
+};
 
 // ------------------------------------------------------------ array helpers
 void alloc(std::vector<array>& outputs) {
@@ -92,6 +132,27 @@ struct View {
   int dim(int i) const {
     return shape[i < 0 ? i + int(shape.size()) : i];
   }
+};
+
+// Cached keys or values as attention reads them, [B, nk, S, D]: each (row,
+// key head) block row-major (any strides between blocks), stored as float32,
+// float16 or bfloat16, or as MLX's packed affine blocks (mx.quantize's layout
+// along D, mlx-lm's QuantizedKVCache: uint32 [B, nk, S, D bits / 32] with
+// float32 scales and biases [B, nk, S, D / group]).
+struct KV {
+  enum Kind { f32, f16, bf16, packed };
+  struct Blocks {  // one array's blocks: data and the strides between blocks, in elements
+    const char* p = nullptr;
+    int64_t sb = 0, sh = 0;
+    size_t item = 0;
+    template <class T>
+    const T* at(int b, int h) const {
+      return reinterpret_cast<const T*>(p + (b * sb + h * sh) * int64_t(item));
+    }
+  };
+  Kind kind = f32;
+  Blocks data, scales, biases;  // scales and biases: packed only
+  int S = 0, D = 0, bits = 0, group = 0;
 };
 
 // A projection's right operand as a task sees it: a float32 matrix as
@@ -219,17 +280,358 @@ void softmax_row(float* row, int S) {
   }
   const float top = max(vmaximum);
   Simd<float, 1> vnormalizer(0.0);
-  for (int j = 0; j < S; ++j) {
-    Simd<float, 1> vexp = load<float, 1>(row + j);
-    vexp = exp(vexp - top);
-    store(row + j, vexp);
-    vnormalizer = vnormalizer + vexp;
+  if (tracer_qmm::exp_shifted(row, top, row, S)) {  // the same exps on vector lanes, summed in order below
+    for (int j = 0; j < S; ++j) {
+      vnormalizer = vnormalizer + load<float, 1>(row + j);
+    }
+  } else {
+    for (int j = 0; j < S; ++j) {
+      Simd<float, 1> vexp = load<float, 1>(row + j);
+      vexp = exp(vexp - top);
+      store(row + j, vexp);
+      vnormalizer = vnormalizer + vexp;
+    }
   }
   float normalizer = sum(vnormalizer);
   normalizer = 1 / normalizer;
   for (int j = 0; j < S; ++j) {
     store(row + j, Simd<float, 1>(load<float, 1>(row + j) * normalizer));
   }
+}
+
+// ------------------------------------------------- cached K/V as stored
+// float16/bfloat16 to float32: exact (every half is a float32), so any
+// correct widening gives MLX's astype bits; F16C where the CPU has it.
+#if defined(__x86_64__)
+__attribute__((target("avx,f16c"))) void widen_f16_f16c(const uint16_t* src, float* dst, size_t n) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  }
+  for (; i < n; ++i) {
+    dst[i] = _cvtsh_ss(src[i]);
+  }
+}
+const bool g_f16c = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+}();
+// The vector paths of the K/V reads (F16C widening, AVX2 packed reads), on
+// where the CPU has AVX2; kv_set_isa("portable") turns them off (tests).
+std::atomic<bool> g_kv_avx2{[] {
+  __builtin_cpu_init();
+  return bool(__builtin_cpu_supports("avx2"));
+}()};
+#endif
+
+void widen(const KV& kv, const void* src, float* dst, size_t n) {
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  if (kv.kind == KV::bf16) {
+    for (size_t i = 0; i < n; ++i) {
+      const uint32_t u = uint32_t(s[i]) << 16;
+      std::memcpy(dst + i, &u, 4);
+    }
+    return;
+  }
+#if defined(__x86_64__)
+  if (g_f16c && g_kv_avx2.load(std::memory_order_relaxed)) {
+    widen_f16_f16c(s, dst, n);
+    return;
+  }
+#endif
+  for (size_t i = 0; i < n; ++i) {
+    mx::float16_t h;
+    h.bits_ = s[i];
+    dst[i] = static_cast<float>(h);
+  }
+}
+
+// Block (b, h) of float keys/values as float32 [S, D]: the cache's own
+// memory for float32, else widened into `scratch` (one block, per thread:
+// what MLX's matmul reads after its astype to float32, never a copy of the cache).
+const float* float_block(const KV& kv, int b, int h, std::vector<float>& scratch) {
+  if (kv.kind == KV::f32) {
+    return kv.data.at<float>(b, h);
+  }
+  const size_t n = size_t(kv.S) * kv.D;
+  scratch.resize(n);
+  widen(kv, kv.data.at<char>(b, h), scratch.data(), n);
+  return scratch.data();
+}
+
+// Element d of a packed row (mx.quantize: element d at bits (d % per word)
+// * bits of word d / per word, per word = 32 / bits; 4 or 8 bits).
+inline float packed_at(const uint8_t* row, int d, int bits) {
+  return bits == 8 ? float(row[d]) : float((row[d >> 1] >> ((d & 1) * 4)) & 15);
+}
+
+// scores [M, S] = x [M, D] @ dequantize(block (b, h) of k).T, each as MLX's
+// CPU quantized_matmul (transpose = true, float32: its scalar _qmm_t on this
+// CPU) computes it: from 0, along D in order, sum + x_d * (scale * q_d + bias),
+// every product and sum rounded (no fused multiply-add). Tiles of keys are
+// dequantized once (the same scale * q + bias) for all M rows.
+__attribute__((optimize("fp-contract=off"))) void packed_scores(const float* x, int M, const KV& k, int b, int h,
+                                                                float* scores) {
+  constexpr int T = 16;  // keys a tile
+  const int S = k.S, D = k.D, G = D / k.group, row_bytes = D * k.bits / 8;
+  const uint8_t* w = k.data.at<uint8_t>(b, h);
+  const float* sc = k.scales.at<float>(b, h);
+  const float* bi = k.biases.at<float>(b, h);
+  thread_local std::vector<float> tile;
+  tile.assign(size_t(D) * T, 0.0f);  // [D, T]
+  float* deq = tile.data();
+  for (int s0 = 0; s0 < S; s0 += T) {
+    const int n = std::min(T, S - s0);
+    for (int j = 0; j < n; ++j) {
+      const int s = s0 + j;
+      const uint8_t* row = w + size_t(s) * row_bytes;
+      for (int d = 0; d < D; ++d) {
+        const int g = s * G + d / k.group;
+        deq[d * T + j] = Add()(Multiply()(sc[g], packed_at(row, d, k.bits)), bi[g]);
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      const float* xm = x + size_t(m) * D;
+      float acc[T] = {};
+      for (int d = 0; d < D; ++d) {
+        const float xd = xm[d];
+        const float* dd = deq + d * T;
+        for (int j = 0; j < T; ++j) {
+          acc[j] = Add()(acc[j], Multiply()(xd, dd[j]));
+        }
+      }
+      std::memcpy(scores + size_t(m) * S + s0, acc, sizeof(float) * n);
+    }
+  }
+}
+
+// out [M, D] (rows ldo floats apart) = p [M, S] @ dequantize(block (b, h) of
+// v), each as MLX's CPU quantized_matmul (transpose = false: its scalar _qmm)
+// computes it: from 0, along S in order, out + p_s * (scale * q_s + bias).
+__attribute__((optimize("fp-contract=off"))) void packed_values(const float* p, int M, const KV& v, int b, int h,
+                                                                float* out, size_t ldo) {
+  const int S = v.S, D = v.D, G = D / v.group, row_bytes = D * v.bits / 8;
+  const uint8_t* w = v.data.at<uint8_t>(b, h);
+  const float* sc = v.scales.at<float>(b, h);
+  const float* bi = v.biases.at<float>(b, h);
+  thread_local std::vector<float> rowbuf;
+  rowbuf.resize(D);
+  float* deq = rowbuf.data();
+  for (int m = 0; m < M; ++m) {
+    std::fill(out + m * ldo, out + m * ldo + D, 0.0f);
+  }
+  for (int s = 0; s < S; ++s) {
+    const uint8_t* row = w + size_t(s) * row_bytes;
+    for (int d = 0; d < D; ++d) {
+      const int g = s * G + d / v.group;
+      deq[d] = Add()(Multiply()(sc[g], packed_at(row, d, v.bits)), bi[g]);
+    }
+    for (int m = 0; m < M; ++m) {
+      const float pm = p[size_t(m) * S + s];
+      float* o = out + m * ldo;
+      for (int d = 0; d < D; ++d) {
+        o[d] = Add()(o[d], Multiply()(pm, deq[d]));
+      }
+    }
+  }
+}
+
+// The same two on AVX2, 8 keys (scores) or 8 values (p @ v) a vector: each
+// lane does the scalar code's operations in its order (mul, then add: AVX2
+// without FMA, nothing contracted), so the bits are the scalar code's.
+#if defined(__x86_64__)
+// 8 rows of 8 bytes -> the 8 columns: column i in the low 8 bytes of c[i / 2]
+// (i even) or its high 8 bytes (i odd).
+__attribute__((target("avx2"))) inline void transpose8x8(const __m128i r[8], __m128i c[4]) {
+  const __m128i a0 = _mm_unpacklo_epi8(r[0], r[1]), a1 = _mm_unpacklo_epi8(r[2], r[3]);
+  const __m128i a2 = _mm_unpacklo_epi8(r[4], r[5]), a3 = _mm_unpacklo_epi8(r[6], r[7]);
+  const __m128i b0 = _mm_unpacklo_epi16(a0, a1), b1 = _mm_unpackhi_epi16(a0, a1);
+  const __m128i b2 = _mm_unpacklo_epi16(a2, a3), b3 = _mm_unpackhi_epi16(a2, a3);
+  c[0] = _mm_unpacklo_epi32(b0, b2), c[1] = _mm_unpackhi_epi32(b0, b2);
+  c[2] = _mm_unpacklo_epi32(b1, b3), c[3] = _mm_unpackhi_epi32(b1, b3);
+}
+
+__attribute__((target("avx2"), optimize("fp-contract=off"))) inline __m256 dequant8(__m128i q8, __m256 scale,
+                                                                                  __m256 bias) {
+  return _mm256_add_ps(_mm256_mul_ps(scale, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q8))), bias);
+}
+
+__attribute__((target("avx2"), optimize("fp-contract=off"))) void packed_scores_avx2(const float* x, int M, const KV& k,
+                                                                                   int b, int h, float* scores) {
+  constexpr int T = 16;  // keys a tile: two vectors of 8
+  const int S = k.S, D = k.D, group = k.group, G = D / group, bits = k.bits, row_bytes = D * bits / 8;
+  const int group_bytes = group * bits / 8;
+  const uint8_t* w = k.data.at<uint8_t>(b, h);
+  const float* sc = k.scales.at<float>(b, h);
+  const float* bi = k.biases.at<float>(b, h);
+  thread_local std::vector<float> tile;
+  tile.resize(size_t(D) * T);
+  float* deq = tile.data();  // [D, T]: the tile's keys side by side
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int s0 = 0; s0 < S; s0 += T) {
+    const int n = std::min(T, S - s0);
+    for (int half = 0; half < T; half += 8) {
+      int key[8];
+      for (int j = 0; j < 8; ++j) {
+        key[j] = s0 + std::min(half + j, n - 1);  // past the end: the last key again (not stored)
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m256 vs = _mm256_setr_ps(sc[key[0] * G + g], sc[key[1] * G + g], sc[key[2] * G + g],
+                                         sc[key[3] * G + g], sc[key[4] * G + g], sc[key[5] * G + g],
+                                         sc[key[6] * G + g], sc[key[7] * G + g]);
+        const __m256 vb = _mm256_setr_ps(bi[key[0] * G + g], bi[key[1] * G + g], bi[key[2] * G + g],
+                                         bi[key[3] * G + g], bi[key[4] * G + g], bi[key[5] * G + g],
+                                         bi[key[6] * G + g], bi[key[7] * G + g]);
+        for (int o = g * group_bytes; o < (g + 1) * group_bytes; o += 8) {
+          __m128i r[8], c[4];
+          for (int j = 0; j < 8; ++j) {
+            r[j] = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + size_t(key[j]) * row_bytes + o));
+          }
+          transpose8x8(r, c);
+          for (int i = 0; i < 8; ++i) {
+            const __m128i col = (i & 1) ? _mm_unpackhi_epi64(c[i / 2], c[i / 2]) : c[i / 2];
+            if (bits == 8) {
+              _mm256_storeu_ps(deq + (o + i) * T + half, dequant8(col, vs, vb));
+            } else {
+              const __m128i lo = _mm_and_si128(col, low4), hi = _mm_and_si128(_mm_srli_epi16(col, 4), low4);
+              _mm256_storeu_ps(deq + 2 * (o + i) * T + half, dequant8(lo, vs, vb));
+              _mm256_storeu_ps(deq + (2 * (o + i) + 1) * T + half, dequant8(hi, vs, vb));
+            }
+          }
+        }
+      }
+    }
+    // two rows at a time: four independent sums along D, each in order
+    int m = 0;
+    for (; m + 2 <= M; m += 2) {
+      const float *x0 = x + size_t(m) * D, *x1 = x0 + D;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+      for (int d = 0; d < D; ++d) {
+        const __m256 lo = _mm256_loadu_ps(deq + d * T), hi = _mm256_loadu_ps(deq + d * T + 8);
+        const __m256 v0 = _mm256_set1_ps(x0[d]), v1 = _mm256_set1_ps(x1[d]);
+        a0 = _mm256_add_ps(a0, _mm256_mul_ps(v0, lo));
+        a1 = _mm256_add_ps(a1, _mm256_mul_ps(v0, hi));
+        b0 = _mm256_add_ps(b0, _mm256_mul_ps(v1, lo));
+        b1 = _mm256_add_ps(b1, _mm256_mul_ps(v1, hi));
+      }
+      float out[2][T];
+      _mm256_storeu_ps(out[0], a0), _mm256_storeu_ps(out[0] + 8, a1);
+      _mm256_storeu_ps(out[1], b0), _mm256_storeu_ps(out[1] + 8, b1);
+      std::memcpy(scores + size_t(m) * S + s0, out[0], sizeof(float) * n);
+      std::memcpy(scores + size_t(m + 1) * S + s0, out[1], sizeof(float) * n);
+    }
+    for (; m < M; ++m) {
+      const float* x0 = x + size_t(m) * D;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+      for (int d = 0; d < D; ++d) {
+        const __m256 v0 = _mm256_set1_ps(x0[d]);
+        a0 = _mm256_add_ps(a0, _mm256_mul_ps(v0, _mm256_loadu_ps(deq + d * T)));
+        a1 = _mm256_add_ps(a1, _mm256_mul_ps(v0, _mm256_loadu_ps(deq + d * T + 8)));
+      }
+      float out[T];
+      _mm256_storeu_ps(out, a0), _mm256_storeu_ps(out + 8, a1);
+      std::memcpy(scores + size_t(m) * S + s0, out, sizeof(float) * n);
+    }
+  }
+}
+
+__attribute__((target("avx2"), optimize("fp-contract=off"))) void packed_values_avx2(const float* p, int M, const KV& v,
+                                                                                   int b, int h, float* out,
+                                                                                   size_t ldo) {
+  constexpr int T = 32;  // values a tile, dequantized together [T, D]
+  const int S = v.S, D = v.D, group = v.group, G = D / group, bits = v.bits, row_bytes = D * bits / 8;
+  const uint8_t* w = v.data.at<uint8_t>(b, h);
+  const float* sc = v.scales.at<float>(b, h);
+  const float* bi = v.biases.at<float>(b, h);
+  thread_local std::vector<float> tile;
+  tile.resize(size_t(T) * D);
+  float* deq = tile.data();
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int m = 0; m < M; ++m) {
+    std::fill(out + m * ldo, out + m * ldo + D, 0.0f);
+  }
+  for (int s0 = 0; s0 < S; s0 += T) {
+    const int n = std::min(T, S - s0);
+    for (int j = 0; j < n; ++j) {
+      const int s = s0 + j;
+      const uint8_t* row = w + size_t(s) * row_bytes;
+      for (int g = 0; g < G; ++g) {
+        const __m256 vs = _mm256_set1_ps(sc[s * G + g]), vb = _mm256_set1_ps(bi[s * G + g]);
+        for (int d = g * group; d < (g + 1) * group; d += 8) {
+          __m128i q;
+          if (bits == 8) {
+            q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d));
+          } else {
+            int32_t four;
+            std::memcpy(&four, row + d / 2, 4);
+            const __m128i x4 = _mm_cvtsi32_si128(four);
+            q = _mm_unpacklo_epi8(_mm_and_si128(x4, low4), _mm_and_si128(_mm_srli_epi16(x4, 4), low4));
+          }
+          _mm256_storeu_ps(deq + j * D + d, dequant8(q, vs, vb));
+        }
+      }
+    }
+    // each output row, 32 values at a time in registers, along the tile's values in order
+    for (int m = 0; m < M; ++m) {
+      const float* pm = p + size_t(m) * S + s0;
+      float* o = out + m * ldo;
+      for (int d = 0; d < D; d += 32) {  // D: whole groups, a multiple of 32
+        __m256 c0 = _mm256_loadu_ps(o + d), c1 = _mm256_loadu_ps(o + d + 8), c2 = _mm256_loadu_ps(o + d + 16),
+               c3 = _mm256_loadu_ps(o + d + 24);
+        for (int j = 0; j < n; ++j) {
+          const __m256 pj = _mm256_set1_ps(pm[j]);
+          const float* dj = deq + j * D + d;
+          c0 = _mm256_add_ps(c0, _mm256_mul_ps(pj, _mm256_loadu_ps(dj)));
+          c1 = _mm256_add_ps(c1, _mm256_mul_ps(pj, _mm256_loadu_ps(dj + 8)));
+          c2 = _mm256_add_ps(c2, _mm256_mul_ps(pj, _mm256_loadu_ps(dj + 16)));
+          c3 = _mm256_add_ps(c3, _mm256_mul_ps(pj, _mm256_loadu_ps(dj + 24)));
+        }
+        _mm256_storeu_ps(o + d, c0), _mm256_storeu_ps(o + d + 8, c1);
+        _mm256_storeu_ps(o + d + 16, c2), _mm256_storeu_ps(o + d + 24, c3);
+      }
+    }
+  }
+}
+#endif
+
+// The packed scores / values on the best path this CPU has (the bits do not depend on it).
+void packed_scores_any(const float* x, int M, const KV& k, int b, int h, float* scores) {
+#if defined(__x86_64__)
+  if (g_kv_avx2.load(std::memory_order_relaxed)) {
+    return packed_scores_avx2(x, M, k, b, h, scores);
+  }
+#endif
+  packed_scores(x, M, k, b, h, scores);
+}
+
+void packed_values_any(const float* p, int M, const KV& v, int b, int h, float* out, size_t ldo) {
+#if defined(__x86_64__)
+  if (g_kv_avx2.load(std::memory_order_relaxed)) {
+    return packed_values_avx2(p, M, v, b, h, out, ldo);
+  }
+#endif
+  packed_values(p, M, v, b, h, out, ldo);
+}
+
+// "avx2" or "portable": the path of the K/V reads; kv_set_isa forces one
+// ("portable" always exists; "avx2" only where the CPU has it). For tests.
+std::string kv_isa() {
+#if defined(__x86_64__)
+  return g_kv_avx2.load() ? "avx2" : "portable";
+#else
+  return "portable";
+#endif
+}
+
+std::string kv_set_isa(const std::string& name) {
+  if (name != "avx2" && name != "portable") {
+    throw std::invalid_argument("mlx_tracer kernels: kv_set_isa takes 'avx2' or 'portable', got '" + name + "'");
+  }
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  g_kv_avx2.store(name == "avx2" && __builtin_cpu_supports("avx2"));
+#endif
+  return kv_isa();
 }
 
 // Calls fn(b, h) for every (row, key head) pair of an attention, on qmm's
@@ -252,61 +654,97 @@ void over_heads(int B, int nk, const Fn& fn) {
 
 // Decode attention: q [B, nk, R, D] (scaled), keys/values [B, nk, S, D] blocks,
 // bias [B, S] -> o [B, nk * R * D]: mx.addmm(bias, q, k^T), softmax, @ v, as
-// MLX runs them (one sgemm per (row, key head)).
-void attention_rows(const float* q, const View& k, const View& v, const float* bias, int B, int nk, int R, int D,
+// MLX runs them (one sgemm per (row, key head)); float16/bfloat16 blocks
+// widened first, as MLX's matmul promotes them (astype: the same sgemm on the
+// same values). Packed keys/values: mx.quantized_matmul(q, k) + bias,
+// softmax, mx.quantized_matmul(p, v), as the lean ops run them.
+void attention_rows(const float* q, const KV& k, const KV& v, const float* bias, int B, int nk, int R, int D,
                     float* o) {
-  const int S = k.dim(2);
+  const int S = k.S;
   over_heads(B, nk, [&](int b, int h) {
-    thread_local std::vector<float> scratch;
+    thread_local std::vector<float> scratch, wide;
     scratch.resize(size_t(R) * S);
     float* scores = scratch.data();  // [R, S]
     const size_t i = size_t(b) * nk + h;
-    for (int r = 0; r < R; ++r) {
-      std::memcpy(scores + size_t(r) * S, bias + size_t(b) * S, sizeof(float) * S);
+    const float* bb = bias + size_t(b) * S;
+    if (k.kind == KV::packed) {
+      packed_scores_any(q + i * R * D, R, k, b, h, scores);
+      for (int r = 0; r < R; ++r) {
+        float* row = scores + size_t(r) * S;
+        for (int j = 0; j < S; ++j) {
+          row[j] = Add()(row[j], bb[j]);
+        }
+      }
+    } else {
+      for (int r = 0; r < R; ++r) {
+        std::memcpy(scores + size_t(r) * S, bb, sizeof(float) * S);
+      }
+      cblas_sgemm(kRowMajor, kNoTrans, kTrans, R, S, D, 1.0f, q + i * R * D, D, float_block(k, b, h, wide), D, 1.0f,
+                  scores, S);
     }
-    const float* ki = k.p + b * k.strides[0] + h * k.strides[1];
-    const float* vi = v.p + b * v.strides[0] + h * v.strides[1];
-    cblas_sgemm(kRowMajor, kNoTrans, kTrans, R, S, D, 1.0f, q + i * R * D, D, ki, D, 1.0f, scores, S);
     for (int r = 0; r < R; ++r) {
       softmax_row(scores + size_t(r) * S, S);
     }
-    cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, R, D, S, 1.0f, scores, S, vi, D, 0.0f, o + i * R * D, D);
+    if (v.kind == KV::packed) {
+      packed_values_any(scores, R, v, b, h, o + i * R * D, D);
+    } else {
+      cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, R, D, S, 1.0f, scores, S, float_block(v, b, h, wide), D, 0.0f,
+                  o + i * R * D, D);
+    }
   });
 }
 
 // Window attention: q [B, nk, R, L, D] (scaled), keys/values [B, nk, S, D]
 // blocks, mask [B, L, S] (nonzero: visible) -> o [B, L, nk * R * D]: the lean
 // forward's window attention on MLX's ops (scores by one sgemm per (row, key
-// head, query head), float32's lowest where masked, softmax, @ v), its
-// result transposed to tokens first.
-void attention_window(const float* q, const View& k, const View& v, const bool* mask, int B, int nk, int R, int L,
+// head, query head), float32's lowest where masked, softmax, @ v; float16/
+// bfloat16 widened first; packed: mx.quantized_matmul's, for all R L query
+// rows of a key head at once), its result transposed to tokens first.
+void attention_window(const float* q, const KV& k, const KV& v, const bool* mask, int B, int nk, int R, int L,
                       int D, float* o) {
-  const int S = k.dim(2), nqD = nk * R * D;
+  const int S = k.S, nqD = nk * R * D;
   const float low = mx::numeric_limits<float>::lowest();
   over_heads(B, nk, [&](int b, int h) {
-    thread_local std::vector<float> scratch;
+    const bool* mb = mask + size_t(b) * L * S;
+    auto masked_softmax = [&](float* scores, int rows) {  // rows of [rows, S], row m: token m % L
+      for (int m = 0; m < rows; ++m) {
+        float* row = scores + size_t(m) * S;
+        const bool* ml = mb + size_t(m % L) * S;
+        for (int j = 0; j < S; ++j) {
+          row[j] = ml[j] ? row[j] : low;
+        }
+        softmax_row(row, S);
+      }
+    };
+    auto put = [&](const float* ov, int r) {  // ov [L, D]: query head r's outputs
+      for (int l = 0; l < L; ++l) {
+        std::memcpy(o + (size_t(b) * L + l) * nqD + (size_t(h) * R + r) * D, ov + size_t(l) * D, sizeof(float) * D);
+      }
+    };
+    thread_local std::vector<float> scratch, wide_k, wide_v;
+    const float* qh = q + (size_t(b) * nk + h) * R * L * D;  // [R L, D]
+    if (k.kind == KV::packed) {
+      scratch.resize(size_t(R) * L * (S + D));
+      float* scores = scratch.data();               // [R L, S]
+      float* ov = scores + size_t(R) * L * S;       // [R L, D]
+      packed_scores_any(qh, R * L, k, b, h, scores);
+      masked_softmax(scores, R * L);
+      packed_values_any(scores, R * L, v, b, h, ov, D);
+      for (int r = 0; r < R; ++r) {
+        put(ov + size_t(r) * L * D, r);
+      }
+      return;
+    }
     scratch.resize(size_t(L) * (S + D));
     float* scores = scratch.data();             // [L, S]
     float* ov = scores + size_t(L) * S;         // [L, D]
-    const bool* mb = mask + size_t(b) * L * S;
-    {
-      const float* ki = k.p + b * k.strides[0] + h * k.strides[1];
-      const float* vi = v.p + b * v.strides[0] + h * v.strides[1];
-      for (int r = 0; r < R; ++r) {
-        const float* qi = q + ((size_t(b) * nk + h) * R + r) * L * D;
-        cblas_sgemm(kRowMajor, kNoTrans, kTrans, L, S, D, 1.0f, qi, D, ki, D, 0.0f, scores, S);
-        for (int l = 0; l < L; ++l) {
-          float* row = scores + size_t(l) * S;
-          for (int j = 0; j < S; ++j) {
-            row[j] = mb[size_t(l) * S + j] ? row[j] : low;
-          }
-          softmax_row(row, S);
-        }
-        cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, L, D, S, 1.0f, scores, S, vi, D, 0.0f, ov, D);
-        for (int l = 0; l < L; ++l) {
-          std::memcpy(o + (size_t(b) * L + l) * nqD + (size_t(h) * R + r) * D, ov + size_t(l) * D, sizeof(float) * D);
-        }
-      }
+    const float* ki = float_block(k, b, h, wide_k);
+    const float* vi = float_block(v, b, h, wide_v);
+    for (int r = 0; r < R; ++r) {
+      cblas_sgemm(kRowMajor, kNoTrans, kTrans, L, S, D, 1.0f, qh + size_t(r) * L * D, D, ki, D, 0.0f, scores, S);
+      masked_softmax(scores, L);
+      cblas_sgemm(kRowMajor, kNoTrans, kNoTrans, L, D, S, 1.0f, scores, S, vi, D, 0.0f, ov, D);
+      put(ov, r);
     }
   });
 }
@@ -317,6 +755,9 @@ void swiglu_rows(const float* gu, size_t M, int F, float* out) {
     const float* A = gu + m * 2 * F;
     const float* B = A + F;
     float* C = out + m * F;
+    if (tracer_qmm::swiglu(A, B, C, F)) {  // the same functors on vector lanes
+      continue;
+    }
     for (int i = 0; i < F; ++i) {
       float tmp_D = Sigmoid()(A[i]);
       float tmp_E = Multiply()(A[i], tmp_D);
@@ -339,7 +780,8 @@ void swiglu_rows(const float* gu, size_t M, int F, float* out) {
 struct Slot {
   const char* name;
   bool required;
-  char kind;  // 'f': float32; 'b': bool; 'w': a weight (float32 or packed); 'q': a packed weight's scales or biases
+  char kind;  // 'f': float32; 'b': bool; 'w': a weight (float32 or packed); 'q': a packed weight's scales or biases;
+              // 'k': cached keys or values (float32, float16, bfloat16, or packed with float32 scales and biases)
 };
 
 #define TRACER_SLOT_ENUM(name, required, kind) name,
@@ -369,8 +811,12 @@ struct Slot {
 // D], with bias) or a window of L tokens a row (q [B, nk, R, L, D], with mask).
 #define TRACER_LAYER_MID(X)                                                        \
   X(q, 1, 'f')           /* scaled queries */                                      \
-  X(k, 1, 'f')           /* [B, nk, S, D] what the step attends (cache written) */ \
-  X(v, 1, 'f')           /* [B, nk, S, D] */                                       \
+  X(k, 1, 'k')           /* [B, nk, S, D] what the step attends (cache written) */ \
+  X(k_scales, 0, 'f')    /* packed k only: [B, nk, S, D / group] */                \
+  X(k_biases, 0, 'f')                                                              \
+  X(v, 1, 'k')           /* [B, nk, S, D] */                                       \
+  X(v_scales, 0, 'f')    /* packed v only */                                       \
+  X(v_biases, 0, 'f')                                                              \
   X(bias, 0, 'f')        /* decode: [B, 1, 1, S] 0 where visible, float32's lowest else */ \
   X(mask, 0, 'b')        /* window: [B, 1, 1, L, S] true where visible */          \
   X(w_o, 1, 'w')         /* [nq D, hidden] */                                      \
@@ -422,11 +868,13 @@ class Inputs {
         const bool ok = kind == 'f'   ? t == mx::float32
                         : kind == 'b' ? t == mx::bool_
                         : kind == 'w' ? t == mx::float32 || t == mx::uint32
+                        : kind == 'k' ? t == mx::float32 || t == mx::float16 || t == mx::bfloat16 || t == mx::uint32
                                       : t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
         need(ok, std::string(kernel) + ": input '" + slots[s].name + "' must be " +
                      (kind == 'f'   ? "float32"
                       : kind == 'b' ? "bool"
                       : kind == 'w' ? "float32 (a matrix) or uint32 (packed blocks)"
+                      : kind == 'k' ? "float32, float16, bfloat16 or uint32 (packed blocks)"
                                     : "float32, float16 or bfloat16"));
         at_[s] = int(out.size());
         out.push_back(*it->second);
@@ -499,6 +947,28 @@ class Kernel : public mx::Primitive {
     return at.has(slot) ? std::optional<array>(dense(at(in, slot))) : std::nullopt;
   }
 
+  // Keys or values in slot `slot` (packed: with `scales`, `biases`) of head
+  // dimension D as attention reads them (KV; the shapes checked by the binding).
+  KV kv(const Inputs& at, const std::vector<array>& in, int slot, int scales, int biases, int D) {
+    KV out;
+    auto blocks = [&](const array& given) {
+      const array a = blocks_dense(given);
+      return KV::Blocks{a.data<char>(), a.strides()[0], a.strides()[1], a.itemsize()};
+    };
+    const array& a = at(in, slot);
+    out.data = blocks(a);
+    out.S = a.shape(2), out.D = D;
+    if (a.dtype() == mx::uint32) {
+      const array& sc = at(in, scales);
+      out.kind = KV::packed;
+      out.scales = blocks(sc), out.biases = blocks(at(in, biases));
+      out.bits = a.shape(3) * 32 / D, out.group = D / sc.shape(3);
+    } else {
+      out.kind = a.dtype() == mx::float16 ? KV::f16 : a.dtype() == mx::bfloat16 ? KV::bf16 : KV::f32;
+    }
+    return out;
+  }
+
   // The weight in slot `w` of a projection from K inputs: a float32 matrix
   // as MLX's matmul hands it to cblas_sgemm ([K, N] row-major: no
   // transpose; a transposed view of a row-major [N, K], as a Linear's
@@ -562,16 +1032,26 @@ class LayerIn : public Kernel {
     run([h = View(h), act = act ? View(*act) : View(), wd, bd = ptr(bd), nw = View(nw), wq, bq = ptr(bq), C = View(C), S = View(S), F = View(F), qn = ptr(qn), kn = ptr(kn),
          h_new = carry ? outputs[0].data<float>() : nullptr, q = outputs[o].data<float>(),
          k = outputs[o + 1].data<float>(), v = outputs[o + 2].data<float>(), eps, nq, nk, D, L, carry, qk_eps]() {
+      Timed task(kTaskIn);
       const int M = h.dim(0), hid = h.dim(1), N = (nq + 2 * nk) * D;
       std::vector<float> x(size_t(M) * hid), y(size_t(M) * N);
       if (carry) {
         std::vector<float> down(size_t(M) * hid);
-        matmul(act.p, M, act.dim(1), wd, hid, bd, down.data());
+        {
+          Timed t(kDown);
+          matmul(act.p, M, act.dim(1), wd, hid, bd, down.data());
+        }
+        Timed t(kNorm);
         norm_rows(h.p, down.data(), nw.p, eps, M, hid, h_new, x.data());
       } else {
+        Timed t(kNorm);
         norm_rows(h.p, nullptr, nw.p, eps, M, hid, nullptr, x.data());
       }
-      matmul(x.data(), M, hid, wq, N, bq, y.data());
+      {
+        Timed t(kQkv);
+        matmul(x.data(), M, hid, wq, N, bq, y.data());
+      }
+      Timed t(kRope);
       if (qn != nullptr) {
         qk_norm_rows(y.data(), qn, kn, qk_eps, M, nq, nk, D);
       }
@@ -589,8 +1069,49 @@ class LayerIn : public Kernel {
   bool fast_;
 };
 
+// One group of `group` floats as MLX's CPU mx.quantize packs it (affine, 4 or
+// 8 bits: its quantize<float, uint32_t>, operation for operation): the
+// group's min and max, the scale and bias from the edge of larger magnitude,
+// each value rint((w - bias) / scale) clipped to [0, 2^bits - 1], packed low
+// bits first; scale and bias as float32.
+void quantize_group(const float* w, int group, int bits, uint32_t* words, float* scale_out, float* bias_out) {
+  const float n_bins = float((1 << bits) - 1);
+  const float eps = 1e-7f;
+  float w_min = std::numeric_limits<float>::infinity();
+  float w_max = -w_min;
+  for (int j = 0; j < group; ++j) {
+    w_max = std::max(w_max, w[j]);
+    w_min = std::min(w_min, w[j]);
+  }
+  const bool mask = std::abs(w_min) > std::abs(w_max);
+  float scale = std::max((w_max - w_min) / n_bins, eps);
+  scale = mask ? scale : -scale;
+  const float edge = mask ? w_min : w_max;
+  const float q0 = std::rint(edge / scale);
+  float bias = 0;
+  if (q0 != 0) {
+    scale = edge / q0;
+    bias = edge;
+  }
+  const int per_word = 32 / bits;
+  for (int j = 0; j < group / per_word; ++j) {
+    uint64_t word = 0;
+    for (int k = 0; k < per_word; ++k) {
+      float v = w[j * per_word + k];
+      v = std::rint((v - bias) / scale);
+      v = std::min(std::max(v, 0.0f), n_bins);
+      word |= static_cast<uint64_t>(v) << (k * bits);
+    }
+    words[j] = uint32_t(word);
+  }
+  *scale_out = scale;
+  *bias_out = bias;
+}
+
 // A decode step's cache write: buf [B, H, S, D] with new [B, H, 1, D] at
 // column col [1] int32 (clamped to the buffer), as mx.slice_update writes it.
+// buf float32, float16 or bfloat16, new float32 (stored as new.astype(buf's
+// dtype) stores it: MLX's own conversion).
 //
 // In place when MLX may donate the buffer (array::is_donatable(): this node
 // holds the only reference to the array and its memory), as MLX's own
@@ -606,7 +1127,10 @@ class LayerIn : public Kernel {
 // array holds it, and it is copied).
 class CacheWrite : public Kernel {
  public:
-  using Kernel::Kernel;
+  // part < 0: a float buffer; else the packed words (0), scales (1) or
+  // biases (2) of a quantized one (bits, group): new quantized as mx.quantize does.
+  explicit CacheWrite(mx::Stream s, int part = -1, int bits = 0, int group = 0)
+      : Kernel(s), part_(part), bits_(bits), group_(group) {}
 
   void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
     const array& buf = in[0];
@@ -624,19 +1148,59 @@ class CacheWrite : public Kernel {
       ++g_copied;
       array src = dense(buf);
       out.set_data(mx::allocator::malloc(out.nbytes()));
-      run([src = src.data<float>(), dst = out.data<float>(), n = out.nbytes()]() { std::memcpy(dst, src, n); });
+      run([src = src.data<char>(), dst = out.data<char>(), n = out.nbytes()]() { std::memcpy(dst, src, n); });
     }
-    run([upd = View(upd), out = View(out), col]() {
+    if (part_ >= 0) {
+      run([upd = View(upd), out = View(out), col, part = part_, bits = bits_, group = group_]() {
+        Timed t(kWrite);
+        const int rows = out.dim(0) * out.dim(1), S = out.dim(2), W = out.dim(3), D = upd.dim(3);
+        const int c = std::clamp(col[0], 0, S - 1), G = D / group, words = group * bits / 32;
+        std::vector<uint32_t> packed(words);
+        for (int r = 0; r < rows; ++r) {
+          for (int g = 0; g < G; ++g) {
+            float scale, bias;
+            quantize_group(upd.p + size_t(r) * D + size_t(g) * group, group, bits, packed.data(), &scale, &bias);
+            char* at = reinterpret_cast<char*>(out.p) + ((size_t(r) * S + c) * W) * 4;  // 4-byte elements
+            if (part == 0) {
+              std::memcpy(at + size_t(g) * words * 4, packed.data(), size_t(words) * 4);
+            } else {
+              std::memcpy(at + size_t(g) * 4, part == 1 ? &scale : &bias, 4);
+            }
+          }
+        }
+      });
+      return;
+    }
+    const mx::Dtype t = out.dtype();
+    run([upd = View(upd), out = View(out), col, kind = t == mx::float16 ? 1 : t == mx::bfloat16 ? 2 : 0]() {
+      Timed t(kWrite);
       const int rows = out.dim(0) * out.dim(1), S = out.dim(2), D = out.dim(3);
       const int c = std::clamp(col[0], 0, S - 1);
       for (int r = 0; r < rows; ++r) {
-        std::memcpy(out.p + (size_t(r) * S + c) * D, upd.p + size_t(r) * D, sizeof(float) * D);
+        const float* u = upd.p + size_t(r) * D;
+        const size_t at = (size_t(r) * S + c) * D;
+        if (kind == 0) {
+          std::memcpy(out.p + at, u, sizeof(float) * D);
+        } else if (kind == 1) {  // astype(float16): MLX's own conversion
+          mx::float16_t* o = reinterpret_cast<mx::float16_t*>(out.p) + at;
+          for (int j = 0; j < D; ++j) {
+            o[j] = static_cast<mx::float16_t>(u[j]);
+          }
+        } else {
+          mx::bfloat16_t* o = reinterpret_cast<mx::bfloat16_t*>(out.p) + at;
+          for (int j = 0; j < D; ++j) {
+            o[j] = static_cast<mx::bfloat16_t>(u[j]);
+          }
+        }
       }
     });
   }
   const char* name() const override {
     return "TracerCacheWrite";
   }
+
+ private:
+  int part_, bits_, group_;
 };
 
 // A decoder layer from its attention to the MLP's activation:
@@ -649,8 +1213,9 @@ class LayerMid : public Kernel {
 
   void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
     namespace s = mid_slot;
-    array q = dense(at_(in, s::q)), k = blocks_dense(at_(in, s::k)), v = blocks_dense(at_(in, s::v));
-    array h = dense(at_(in, s::h)), nw = dense(at_(in, s::norm));
+    array q = dense(at_(in, s::q)), h = dense(at_(in, s::h)), nw = dense(at_(in, s::norm));
+    const KV k = kv(at_, in, s::k, s::k_scales, s::k_biases, q.shape(-1));
+    const KV v = kv(at_, in, s::v, s::v_scales, s::v_biases, q.shape(-1));
     std::optional<array> bias = dense_if(at_, in, s::bias), mask = dense_if(at_, in, s::mask);
     std::optional<array> bo = dense_if(at_, in, s::b_o), bg = dense_if(at_, in, s::b_gu);
     const int nqD = q.shape(1) * q.shape(2) * q.shape(q.ndim() - 1);
@@ -658,21 +1223,35 @@ class LayerMid : public Kernel {
     const WeightView wg = weight(at_, in, s::w_gu, s::w_gu_scales, s::w_gu_biases, h.shape(1), fast_);
     alloc(outputs);
     const float eps = eps_;
-    run([q = View(q), k = View(k), v = View(v), bias = ptr(bias), mask = mask ? mask->data<bool>() : nullptr, wo,
+    run([q = View(q), k, v, bias = ptr(bias), mask = mask ? mask->data<bool>() : nullptr, wo,
          bo = ptr(bo), h = View(h), nw = View(nw), wg, bg = ptr(bg), h_mid = outputs[0].data<float>(),
          act = View(outputs[1]), eps]() {
       const bool window = q.shape.size() == 5;
       const int B = q.dim(0), nk = q.dim(1), R = q.dim(2), L = window ? q.dim(3) : 1, D = q.dim(-1);
-      const int M = h.dim(0), hid = h.dim(1), F = act.dim(1), nqD = nk * R * D, S = k.dim(2);
+      const int M = h.dim(0), hid = h.dim(1), F = act.dim(1), nqD = nk * R * D;
+      Timed task(kTaskMid);
       std::vector<float> o(size_t(M) * nqD), a(size_t(M) * hid), x(size_t(M) * hid), gu(size_t(M) * 2 * F);
-      if (window) {
-        attention_window(q.p, k, v, mask, B, nk, R, L, D, o.data());
-      } else {
-        attention_rows(q.p, k, v, bias, B, nk, R, D, o.data());
+      {
+        Timed t(kAttn);
+        if (window) {
+          attention_window(q.p, k, v, mask, B, nk, R, L, D, o.data());
+        } else {
+          attention_rows(q.p, k, v, bias, B, nk, R, D, o.data());
+        }
       }
-      matmul(o.data(), M, nqD, wo, hid, bo, a.data());
-      norm_rows(h.p, a.data(), nw.p, eps, M, hid, h_mid, x.data());
-      matmul(x.data(), M, hid, wg, 2 * F, bg, gu.data());
+      {
+        Timed t(kO);
+        matmul(o.data(), M, nqD, wo, hid, bo, a.data());
+      }
+      {
+        Timed t(kNorm);
+        norm_rows(h.p, a.data(), nw.p, eps, M, hid, h_mid, x.data());
+      }
+      {
+        Timed t(kGu);
+        matmul(x.data(), M, hid, wg, 2 * F, bg, gu.data());
+      }
+      Timed t(kSwiglu);
       swiglu_rows(gu.data(), M, F, act.p);
     });
   }
@@ -742,10 +1321,29 @@ void need_vector(const Inputs& at, const std::vector<array>& in, int slot, size_
 void need_attention(const Inputs& at, const std::vector<array>& in) {
   namespace s = mid_slot;
   const array &q = at(in, s::q), &k = at(in, s::k), &v = at(in, s::v);
-  const bool window = q.ndim() == 5;
+  const bool window = q.ndim() == 5, packed = k.dtype() == mx::uint32;
+  const int D = q.shape(-1);
+  need(k.dtype() == v.dtype(), "keys and values must be stored alike (one dtype)");
   need((q.ndim() == 4 || window) && k.ndim() == 4 && k.shape() == v.shape() && k.shape(0) == q.shape(0) &&
-           k.shape(1) == q.shape(1) && k.shape(3) == q.shape(-1),
+           k.shape(1) == q.shape(1) && (packed || k.shape(3) == D),
        "attention needs q [B, nk, R, D] (decode) or [B, nk, R, L, D] (window), keys/values [B, nk, S, D]");
+  need(packed == (at.has(s::k_scales) && at.has(s::k_biases) && at.has(s::v_scales) && at.has(s::v_biases)) &&
+           (packed || !(at.has(s::k_scales) || at.has(s::k_biases) || at.has(s::v_scales) || at.has(s::v_biases))),
+       "packed (uint32) keys/values need k_scales, k_biases, v_scales and v_biases; float ones none");
+  if (packed) {
+    const int bits = k.shape(3) * 32 / D;
+    need((bits == 4 || bits == 8) && k.shape(3) * 32 == bits * D,
+         "packed keys/values must be uint32 [B, nk, S, D bits / 32] with 4 or 8 bits, got " + shape_of(k) +
+             " for D = " + std::to_string(D));
+    for (int slot : {int(s::k_scales), int(s::k_biases), int(s::v_scales), int(s::v_biases)}) {
+      const array& g = at(in, slot);
+      const int G = g.ndim() == 4 ? g.shape(3) : 0;
+      need(G > 0 && D % G == 0 && (D / G == 32 || D / G == 64 || D / G == 128) && g.shape(0) == k.shape(0) &&
+               g.shape(1) == k.shape(1) && g.shape(2) == k.shape(2) && g.shape() == at(in, s::k_scales).shape(),
+           "the scales and biases of packed keys/values must be float32 [B, nk, S, D / group] (group 32, 64 or "
+           "128), all four alike, got " + shape_of(g));
+    }
+  }
   const int B = q.shape(0), S = k.shape(2);
   if (window) {
     need(at.has(s::mask) && !at.has(s::bias) && at(in, s::mask).shape() == mx::Shape{B, 1, 1, q.shape(3), S},
@@ -800,9 +1398,33 @@ array cache_write(const array& buf, const array& upd, const array& col) {
   need(buf.ndim() == 4 && upd.ndim() == 4 && upd.shape(0) == buf.shape(0) && upd.shape(1) == buf.shape(1) &&
            upd.shape(2) == 1 && upd.shape(3) == buf.shape(3),
        "cache_write needs buf [B, H, S, D] and new [B, H, 1, D], got " + shape_of(buf) + " and " + shape_of(upd));
-  need(buf.dtype() == mx::float32 && upd.dtype() == mx::float32, "cache_write: buf and new must be float32");
+  need((buf.dtype() == mx::float32 || buf.dtype() == mx::float16 || buf.dtype() == mx::bfloat16) &&
+           upd.dtype() == mx::float32,
+       "cache_write: buf must be float32, float16 or bfloat16 and new float32");
   need(col.dtype() == mx::int32 && col.size() == 1, "cache_write: col must be int32 [1]");
-  return make<CacheWrite>({buf.shape()}, {buf, upd, col})[0];
+  return array::make_arrays({buf.shape()}, {buf.dtype()}, std::make_shared<CacheWrite>(cpu_stream()), {buf, upd, col})[0];
+}
+
+// One array of a quantized buffer (part "packed": uint32 [B, H, S, D bits /
+// 32]; "scales" / "biases": float32 [B, H, S, D / group]) with new [B, H, 1, D]
+// float32 quantized into column col, as mx.quantize and mx.slice_update write it.
+array cache_write_quantized(const array& buf, const array& upd, const array& col, const std::string& part, int bits,
+                            int group_size) {
+  const int p = part == "packed" ? 0 : part == "scales" ? 1 : part == "biases" ? 2 : -1;
+  need(p >= 0, "cache_write_quantized: part must be 'packed', 'scales' or 'biases', got '" + part + "'");
+  need((bits == 4 || bits == 8) && (group_size == 32 || group_size == 64 || group_size == 128),
+       "cache_write_quantized: bits 4 or 8, group_size 32, 64 or 128");
+  need(upd.ndim() == 4 && upd.shape(2) == 1 && upd.dtype() == mx::float32 && upd.shape(3) % group_size == 0,
+       "cache_write_quantized: new must be float32 [B, H, 1, D] with D a multiple of group_size, got " +
+           shape_of(upd));
+  const int D = upd.shape(3), W = p == 0 ? D * bits / 32 : D / group_size;
+  need(buf.ndim() == 4 && buf.shape(0) == upd.shape(0) && buf.shape(1) == upd.shape(1) && buf.shape(3) == W &&
+           buf.dtype() == (p == 0 ? mx::uint32 : mx::float32),
+       "cache_write_quantized: buf (" + part + ") must be " + (p == 0 ? "uint32" : "float32") + " [B, H, S, " +
+           std::to_string(W) + "], got " + shape_of(buf));
+  need(col.dtype() == mx::int32 && col.size() == 1, "cache_write_quantized: col must be int32 [1]");
+  return array::make_arrays({buf.shape()}, {buf.dtype()},
+                            std::make_shared<CacheWrite>(cpu_stream(), p, bits, group_size), {buf, upd, col})[0];
 }
 
 std::vector<array> layer_mid(const Named& given, float eps, const std::string& contract) {
@@ -840,6 +1462,17 @@ std::pair<uint64_t, uint64_t> cache_writes() {
   return {g_donated.load(), g_copied.load()};
 }
 
+// {phase: (nanoseconds, calls)} since the last reset (all zero unless
+// MLX_TRACER_KERNEL_PROFILE is set when the module loads).
+std::map<std::string, std::pair<uint64_t, uint64_t>> profile(bool reset) {
+  std::map<std::string, std::pair<uint64_t, uint64_t>> out;
+  for (int i = 0; i < kPhases; ++i) {
+    out[kPhaseNames[i]] = {reset ? g_phase_ns[i].exchange(0) : g_phase_ns[i].load(),
+                           reset ? g_phase_calls[i].exchange(0) : g_phase_calls[i].load()};
+  }
+  return out;
+}
+
 }  // namespace
 
 void register_qmm(nb::module_& m);  // qmm.cpp
@@ -849,9 +1482,14 @@ NB_MODULE(_mlx_tracer_kernels, m) {
   m.def("layer_in", &layer_in, nb::arg("inputs"), nb::arg("eps"), nb::arg("nq"), nb::arg("nk"), nb::arg("D"),
         nb::arg("qk_eps") = 0.0f, nb::arg("contract") = "exact", nb::arg("L") = 1);
   m.def("cache_write", &cache_write, nb::arg("buf"), nb::arg("new"), nb::arg("col"));
+  m.def("cache_write_quantized", &cache_write_quantized, nb::arg("buf"), nb::arg("new"), nb::arg("col"),
+        nb::arg("part"), nb::arg("bits"), nb::arg("group_size"));
   m.def("layer_mid", &layer_mid, nb::arg("inputs"), nb::arg("eps"), nb::arg("contract") = "exact");
   m.def("inputs", &inputs_of, nb::arg("kernel"));
   m.def("cache_writes", &cache_writes);
+  m.def("kv_isa", &kv_isa, "the path layer_mid reads packed K/V on: avx2 or portable (the same bits)");
+  m.def("kv_set_isa", &kv_set_isa, nb::arg("name"), "use that path from now on (portable where the CPU lacks it); returns the one in use");
+  m.def("profile", &profile, nb::arg("reset") = true);
   register_qmm(m);
   register_logprobs(m);
 }

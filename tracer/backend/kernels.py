@@ -12,10 +12,19 @@ kernels; ``tests/test_kernels.py``):
   down projection and residual, the input norm, the q/k/v projection,
   qwen3's per-head q/k norms where given, and RoPE;
 * ``cache_write``: the new key or value at the step's column of a cache
-  buffer, in place when MLX may donate the buffer (the test MLX's own
-  ``slice_update`` makes, ``array::is_donatable``);
+  buffer (float32, or float16/bfloat16 as ``astype`` converts), in place
+  when MLX may donate the buffer (the test MLX's own ``slice_update`` makes,
+  ``array::is_donatable``);
 * ``layer_mid``: attention, the output projection and residual, the
-  post-attention norm, gate/up and SwiGLU;
+  post-attention norm, gate/up and SwiGLU; the cached K/V read as stored:
+  float32; float16/bfloat16 widened one (row, key head) block at a time
+  into per-thread scratch and multiplied with the ``cblas_sgemm`` call MLX's
+  matmul makes after promoting them (the same bits); 4-/8-bit packed columns
+  (mlx-lm's ``QuantizedKVCache`` layout, float32 scales) with the arithmetic
+  of MLX's CPU ``quantized_matmul`` (each score or output a sum in order of
+  ``x * (scale * q + bias)``, no fused multiply-add; scalar or AVX2,
+  ``kv_isa()`` / ``kv_set_isa()``, the same bits); never a float32 copy of
+  the cache;
 
 together a decode layer is 4 graph nodes instead of 27 on MLX's ops. Both
 layer kernels also take a window of L tokens a row (verify and prefill

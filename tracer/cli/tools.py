@@ -144,8 +144,8 @@ def info(args) -> int:
         print(f"             {len(choices) - len(here)} more in {format_cache.store_path()}, measured under another "
               "MLX version, BLAS build or core count (not used here)")
     lean = "on" if mx.default_device().type == mx.DeviceType.cpu else "off (not the CPU backend)"
-    print(f"forward      lean {lean} for llama/mistral/qwen2/qwen3 (q/k/v and gate/up fused, RoPE tables once per step); "
-          "other families run their own forward")
+    print(f"forward      lean {lean} for llama/mistral/qwen2/qwen3 (q/k/v and gate/up fused, RoPE tables once per step; "
+          "sharded models and layers of mixed formats on its ops layers); other families run their own forward")
     kdir = os.path.join(os.environ.get("TMPDIR", tempfile.gettempdir()), "mlx", mx.__version__, "cpu")
     files = [os.path.join(kdir, f) for f in os.listdir(kdir)] if os.path.isdir(kdir) else []
     size = sum(os.path.getsize(f) for f in files if os.path.isfile(f))
