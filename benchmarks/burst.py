@@ -69,7 +69,8 @@ def main():
     gen = Generator.load(weights=args.weights)
     compiled = gen.engine.compiled
     settings = [int(s) for s in args.settings.split(",")]
-    run(compiled, argparse.Namespace(**{**vars(args), "newcomers": 2, "tokens": 2}), settings[0])  # trace first
+    for s in settings:  # trace first: every bucket and window shape the measured runs reach
+        run(compiled, argparse.Namespace(**{**vars(args), "tokens": 2}), s)
     print(f"load average {os.getloadavg()[0]:.2f} before; weights {gen.weights}")
     for s in settings:
         r = run(compiled, args, s)

@@ -65,6 +65,39 @@ def test_running_rows_get_a_token_every_step_while_a_newcomer_prefills(step_toke
     assert got[first] == solo(model, [1, 2, 3], 40)
 
 
+def test_newcomers_queued_together_each_go_in_one_bounded_window_a_step():
+    """Several newcomers at once: after one joins, the pipeline drains while
+    the next waits; the next one's job must still go on one window a step
+    (0.5.0 ran all but its first window in the step after that drain: in a
+    burst of 16 newcomers running streams waited up to 7x their median gap)."""
+    model = tiny_model("llama")
+    cm = CompiledModel(model)
+    eng = Engine(cm, buckets=(1, 2, 4), prefill_chunks=(8, 32, 128), prefill_step_tokens=32)
+    first = eng.add([1, 2, 3], max_tokens=80)
+    for _ in range(3):
+        eng.step()
+    late = [eng.add(LONG[k:] + LONG[:k], max_tokens=5) for k in (0, 50, 100)]
+    calls = []
+    windows_per_step(cm, calls)
+    steps, got = 0, {u: [] for u in late}
+    while not all(got.values()):  # until each newcomer has its first token
+        before = len(calls)
+        events = eng.step()
+        steps += 1
+        windows = [L for L in calls[before:] if L > 1]
+        assert len(windows) <= 1 and all(L <= 32 for L in windows), (steps, windows)
+        assert any(ev.uid == first and ev.token is not None for ev in events)  # the running row never waits a step
+        for ev in events:
+            if ev.uid in got and ev.token is not None:
+                got[ev.uid].append(ev.token)
+    assert steps >= 3 * (len(LONG) // 32)  # every prompt went in over several steps
+    for ev in eng.run():
+        if ev.uid in got and ev.token is not None:
+            got[ev.uid].append(ev.token)
+    for k, u in zip((0, 50, 100), late):
+        assert got[u] == solo(model, LONG[k:] + LONG[:k], 5)
+
+
 def test_a_newcomer_cancelled_while_it_prefills_never_joins():
     model = tiny_model("llama")
     eng = Engine(CompiledModel(model), buckets=(1, 2), prefill_chunks=(8, 32), prefill_step_tokens=8)

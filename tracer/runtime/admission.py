@@ -86,6 +86,13 @@ class Admission:
         if self.job is not None and not self.job.done:
             self.job.advance()
 
+    def ready(self) -> bool:
+        """Whether :meth:`admit` would join without prefilling more than a
+        window: no job in progress, or its prompt is in. (A pipeline that
+        drained for another reason — a row about to finish, a thread
+        recheck — must not make the job run its remaining windows at once.)"""
+        return self.job is None or self.job.done
+
     def must_drain(self) -> bool:
         """Whether the decode pipeline should drain for a join at the next step."""
         if self.job is not None:

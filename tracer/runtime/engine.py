@@ -295,7 +295,8 @@ class Engine:
         if not self.batch.pipeline:
             if follows and self.stats.steps and self.stats.steps % threads.RECHECK_STEPS == 0:  # (admit() asks too)
                 threads.apply()  # drained: a safe point to change BLAS threads
-            self.admit()
+            if self.admission.ready():  # a job still prefilling goes on one window a step, whatever drained
+                self.admit()
             if not self.batch.rows:
                 return events
             self.batch.dispatch()
