@@ -110,3 +110,20 @@ def forced_isa(kernels_module, name: str):
         yield name
     finally:
         kernels_module.qmm_set_isa(before)
+
+
+def assert_decode_writes_in_place(cm, what: str = "the compiled step copied the K/V buffers"):
+    """Three decode steps of ``cm`` on one fresh row: none may allocate a
+    quarter of the caches' bytes (their buffers are written where they are)."""
+    import mlx.core as mx
+
+    caches = cm.new_caches(1, rows=1)
+    out = cm.step(caches, mx.array([[1]]))
+    mx.eval(out.tokens, [c.state for c in caches])
+    total = sum(c.nbytes for c in caches)
+    for t in range(3):
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        out = cm.step(caches, mx.array([[t + 2]]))
+        mx.eval(out.tokens, [c.state for c in caches])
+        assert mx.get_peak_memory() - base < total // 4, what

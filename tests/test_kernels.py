@@ -25,6 +25,7 @@ from mlx_tracer.caches.storage import KVFormat
 from mlx_tracer.runtime.prefill import feed
 from mlx_tracer.runtime.step import CompiledModel
 
+from .helpers import assert_decode_writes_in_place
 from .tiny_models import tiny_model
 
 K = kernels.load()
@@ -523,16 +524,7 @@ def test_decode_on_kernels_writes_every_kv_format_in_place(fmt):
     model = tiny_model("llama", head_dim=64)
     cm = CompiledModel(model, capacities=(8192,), fuse=True, kv=fmt)
     assert cm.lean.native_off is None
-    caches = cm.new_caches(1, rows=1)
-    out = cm.step(caches, mx.array([[1]]))
-    mx.eval(out.tokens, [c.state for c in caches])
-    total = sum(c.nbytes for c in caches)
-    for t in range(3):
-        mx.reset_peak_memory()
-        base = mx.get_active_memory()
-        out = cm.step(caches, mx.array([[t + 2]]))
-        mx.eval(out.tokens, [c.state for c in caches])
-        assert mx.get_peak_memory() - base < total // 4, "the step copied (or widened) the K/V buffers"
+    assert_decode_writes_in_place(cm, "the step copied (or widened) the K/V buffers")
 
 
 def test_stored_kv_are_checked_with_what_to_pass():
