@@ -79,7 +79,11 @@ def test_ctrl_c_during_fetch_exits_130_with_one_line_and_no_partial_files(tmp_pa
         "from mlx_tracer.cli import main\n"
         "sys.exit(main(['fetch', '--force']))\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C's default action in the child, as in a terminal: a test run started in the background
+    # (`cmd &` in a script) has SIGINT ignored, the child inherits that, and Python then never raises
+    # KeyboardInterrupt (a fresh-clone CI started with `&` hung here)
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 60
         while not started.exists():
@@ -87,7 +91,7 @@ def test_ctrl_c_during_fetch_exits_130_with_one_line_and_no_partial_files(tmp_pa
             time.sleep(0.05)
         assert list(home.glob("mlx-tracer-fetch-*/*.whl")), "the fake pip wrote no partial wheel"
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=120)  # it exits at once; a slow machine gets room (one CI run hit 30 s)
+        out, err = proc.communicate(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
