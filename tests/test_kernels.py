@@ -3,7 +3,10 @@ bits of the MLX ops the lean forward otherwise runs (eagerly and inside
 mx.compile, on strided views, with padding rows), the lean forward runs a
 decode step on them with the same logits as on MLX's ops, cache buffers are
 written in place only when nothing else holds them, bad inputs are refused
-with a clear error, and MLX_TRACER_KERNELS=0 turns them off."""
+with a clear error, and MLX_TRACER_KERNELS=0 turns them off. The decode
+attention is pinned to its BLAS arithmetic here (MLX's bits); its vector
+arithmetic, which ``auto`` picks beside packed projections, is checked in
+tests/test_attention.py."""
 
 from __future__ import annotations
 
@@ -30,6 +33,20 @@ from .tiny_models import tiny_model
 
 K = kernels.load()
 LOW = mx.array(mx.finfo(mx.float32).min, mx.float32)
+
+
+@pytest.fixture(autouse=True)
+def blas_attention():
+    """MLX's bits in every attention of this module (see the docstring)."""
+    if K is None:
+        yield
+        return
+    before = K.attention_mode()
+    K.attention_mode("blas")
+    try:
+        yield
+    finally:
+        K.attention_mode(before)
 
 
 def test_the_kernels_build_and_load():

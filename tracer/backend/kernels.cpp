@@ -652,6 +652,121 @@ void over_heads(int B, int nk, const Fn& fn) {
       &ctx);
 }
 
+// -------------------------------------- decode attention on vector lanes
+// attention_rows' other arithmetic (attend_x86.h states it): for float K/V
+// read as stored, the dot products in 16 fused lanes and the values as fused
+// multiply-adds in key order, MLX's sums up to their order (not its bits).
+// Used where the layer's projections are packed blocks (qmm's contracts,
+// which already sum in their own order) unless MLX_TRACER_ATTENTION says
+// otherwise: "blas" (MLX's bits everywhere), "vector" (everywhere it can),
+// "auto" (default). The vector ISA path is qmm's (qmm_set_isa); where it has
+// none, these loops give the same bits.
+enum AttentionMode { kAttnAuto = 0, kAttnBlas = 1, kAttnVector = 2 };
+const char* const kAttentionModes[] = {"auto", "blas", "vector"};
+
+int attention_mode_named(const std::string& name) {
+  for (int i = 0; i < 3; ++i) {
+    if (name == kAttentionModes[i]) return i;
+  }
+  throw std::invalid_argument("mlx_tracer kernels: MLX_TRACER_ATTENTION / attention_mode takes auto, blas or vector, got '" +
+                              name + "'");
+}
+
+std::atomic<int> g_attention{[] {
+  const char* env = std::getenv("MLX_TRACER_ATTENTION");
+  if (env == nullptr || *env == 0) return int(kAttnAuto);
+  try {
+    return attention_mode_named(env);
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "%s; using auto\n", e.what());
+    return int(kAttnAuto);
+  }
+}()};
+
+std::string attention_mode(std::optional<std::string> name) {
+  if (name) g_attention.store(attention_mode_named(*name));
+  return kAttentionModes[g_attention.load()];
+}
+
+// Whether a decode attention over k, v with packed (or float32) projections runs on vector lanes.
+bool vector_attention(const KV& k, const KV& v, bool packed_weights) {
+  const int mode = g_attention.load(std::memory_order_relaxed);
+  return (mode == kAttnVector || (mode == kAttnAuto && packed_weights)) && k.kind != KV::packed &&
+         v.kind != KV::packed && k.D % 16 == 0 && k.D <= 256;
+}
+
+float stored_at(const KV& kv, const void* block, size_t i) {
+  if (kv.kind == KV::f32) return static_cast<const float*>(block)[i];
+  const uint16_t u = static_cast<const uint16_t*>(block)[i];
+  if (kv.kind == KV::bf16) {
+    const uint32_t w = uint32_t(u) << 16;
+    float f;
+    std::memcpy(&f, &w, 4);
+    return f;
+  }
+  mx::float16_t h;
+  h.bits_ = u;
+  return static_cast<float>(h);
+}
+
+bool masked_bias(float b) {
+  return b == -std::numeric_limits<float>::max() || b == -std::numeric_limits<float>::infinity();
+}
+
+void attend_scores_loops(const float* q, int R, int D, const KV& k, const void* block, int S, const float* bias,
+                         float* out) {
+  float kr[256];
+  for (int s = 0; s < S; ++s) {
+    const float b = bias[s];
+    if (masked_bias(b)) {
+      for (int r = 0; r < R; ++r) out[size_t(r) * S + s] = b;
+      continue;
+    }
+    for (int d = 0; d < D; ++d) kr[d] = stored_at(k, block, size_t(s) * D + d);
+    for (int r = 0; r < R; ++r) {
+      const float* qr = q + size_t(r) * D;
+      float l[16] = {};
+      for (int d = 0; d < D; ++d) l[d % 16] = std::fma(qr[d], kr[d], l[d % 16]);
+      for (int i = 0; i < 8; ++i) l[i] = l[i] + l[i + 8];
+      for (int i = 0; i < 4; ++i) l[i] = l[i] + l[i + 4];
+      for (int i = 0; i < 2; ++i) l[i] = l[i] + l[i + 2];
+      out[size_t(r) * S + s] = b + (l[0] + l[1]);
+    }
+  }
+}
+
+void attend_values_loops(const float* p, int R, int S, const KV& v, const void* block, int D, float* out) {
+  std::fill(out, out + size_t(R) * D, 0.0f);
+  for (int s = 0; s < S; ++s) {
+    bool any = false;
+    for (int r = 0; r < R; ++r) any |= p[size_t(r) * S + s] != 0.0f;
+    if (!any) continue;
+    for (int r = 0; r < R; ++r) {
+      const float pr = p[size_t(r) * S + s];
+      float* o = out + size_t(r) * D;
+      for (int d = 0; d < D; ++d) o[d] = std::fma(pr, stored_at(v, block, size_t(s) * D + d), o[d]);
+    }
+  }
+}
+
+// One (row, key head) block of a decode attention on vector lanes: scores,
+// MLX's softmax (its bits), values. q [R, D] scaled, bias [S], o [R, D].
+void attention_vector(const float* q, const KV& k, const KV& v, const float* bias, int b, int h, int R, int D,
+                      float* scores, float* o) {
+  const int S = k.S;
+  const void* kb = k.data.at<char>(b, h);
+  const void* vb = v.data.at<char>(b, h);
+  if (!tracer_qmm::attend_scores(q, R, D, kb, int(k.kind), S, bias, scores)) {
+    attend_scores_loops(q, R, D, k, kb, S, bias, scores);
+  }
+  for (int r = 0; r < R; ++r) {
+    softmax_row(scores + size_t(r) * S, S);
+  }
+  if (!tracer_qmm::attend_values(scores, R, S, vb, int(v.kind), D, o)) {
+    attend_values_loops(scores, R, S, v, vb, D, o);
+  }
+}
+
 // Decode attention: q [B, nk, R, D] (scaled), keys/values [B, nk, S, D] blocks,
 // bias [B, S] -> o [B, nk * R * D]: mx.addmm(bias, q, k^T), softmax, @ v, as
 // MLX runs them (one sgemm per (row, key head)); float16/bfloat16 blocks
@@ -659,7 +774,7 @@ void over_heads(int B, int nk, const Fn& fn) {
 // same values). Packed keys/values: mx.quantized_matmul(q, k) + bias,
 // softmax, mx.quantized_matmul(p, v), as the lean ops run them.
 void attention_rows(const float* q, const KV& k, const KV& v, const float* bias, int B, int nk, int R, int D,
-                    float* o) {
+                    float* o, bool vector) {
   const int S = k.S;
   over_heads(B, nk, [&](int b, int h) {
     thread_local std::vector<float> scratch, wide;
@@ -667,6 +782,9 @@ void attention_rows(const float* q, const KV& k, const KV& v, const float* bias,
     float* scores = scratch.data();  // [R, S]
     const size_t i = size_t(b) * nk + h;
     const float* bb = bias + size_t(b) * S;
+    if (vector) {
+      return attention_vector(q + i * R * D, k, v, bb, b, h, R, D, scores, o + i * R * D);
+    }
     if (k.kind == KV::packed) {
       packed_scores_any(q + i * R * D, R, k, b, h, scores);
       for (int r = 0; r < R; ++r) {
@@ -1236,7 +1354,7 @@ class LayerMid : public Kernel {
         if (window) {
           attention_window(q.p, k, v, mask, B, nk, R, L, D, o.data());
         } else {
-          attention_rows(q.p, k, v, bias, B, nk, R, D, o.data());
+          attention_rows(q.p, k, v, bias, B, nk, R, D, o.data(), vector_attention(k, v, wo.packed.w != nullptr));
         }
       }
       {
@@ -1478,6 +1596,44 @@ std::map<std::string, std::pair<uint64_t, uint64_t>> profile(bool reset) {
 void register_qmm(nb::module_& m);  // qmm.cpp
 void register_logprobs(nb::module_& m);  // logprobs.cpp
 
+// layer_mid's decode attention alone (tests and benchmarks/attention.py):
+// q [B, nk, R, D] float32 (scaled), keys/values [B, nk, S, D] float32,
+// float16 or bfloat16, bias [B, S] float32, all evaluated and row-contiguous;
+// `vector` picks the arithmetic. Runs it `repeat` times; returns the output
+// [B * nk * R * D] and the median nanoseconds of a run.
+std::pair<std::vector<float>, int64_t> decode_attention(const array& q, const array& k, const array& v,
+                                                        const array& bias, bool vector, int repeat) {
+  for (const array* a : {&q, &k, &v, &bias}) {
+    need(a->flags().row_contiguous && a->data_shared_ptr() != nullptr,
+         "decode_attention: evaluate its inputs (row-contiguous) first");
+  }
+  need(q.ndim() == 4 && k.ndim() == 4 && v.shape() == k.shape() && q.dtype() == mx::float32 &&
+           q.shape(0) == k.shape(0) && q.shape(1) == k.shape(1) && q.shape(3) == k.shape(3) &&
+           bias.shape() == mx::Shape{k.shape(0), k.shape(2)} && bias.dtype() == mx::float32 && k.dtype() == v.dtype(),
+       "decode_attention: q [B, nk, R, D] float32, keys/values [B, nk, S, D], bias [B, S] float32");
+  need(k.dtype() == mx::float32 || k.dtype() == mx::float16 || k.dtype() == mx::bfloat16,
+       "decode_attention: keys/values float32, float16 or bfloat16");
+  need(!vector || k.shape(3) % 16 == 0 && k.shape(3) <= 256, "decode_attention: vector needs D a multiple of 16 up to 256");
+  auto kv_of = [](const array& a) {
+    KV out;
+    out.data = KV::Blocks{a.data<char>(), a.strides()[0], a.strides()[1], a.itemsize()};
+    out.S = a.shape(2), out.D = a.shape(3);
+    out.kind = a.dtype() == mx::float16 ? KV::f16 : a.dtype() == mx::bfloat16 ? KV::bf16 : KV::f32;
+    return out;
+  };
+  const KV kk = kv_of(k), vv = kv_of(v);
+  std::vector<float> o(q.size());
+  std::vector<int64_t> ns;
+  for (int i = 0; i < std::max(1, repeat); ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    attention_rows(q.data<float>(), kk, vv, bias.data<float>(), q.shape(0), q.shape(1), q.shape(2), q.shape(3),
+                   o.data(), vector);
+    ns.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::nth_element(ns.begin(), ns.begin() + ns.size() / 2, ns.end());
+  return {std::move(o), ns[ns.size() / 2]};
+}
+
 NB_MODULE(_mlx_tracer_kernels, m) {
   m.def("layer_in", &layer_in, nb::arg("inputs"), nb::arg("eps"), nb::arg("nq"), nb::arg("nk"), nb::arg("D"),
         nb::arg("qk_eps") = 0.0f, nb::arg("contract") = "exact", nb::arg("L") = 1);
@@ -1489,6 +1645,13 @@ NB_MODULE(_mlx_tracer_kernels, m) {
   m.def("cache_writes", &cache_writes);
   m.def("kv_isa", &kv_isa, "the path layer_mid reads packed K/V on: avx2 or portable (the same bits)");
   m.def("kv_set_isa", &kv_set_isa, nb::arg("name"), "use that path from now on (portable where the CPU lacks it); returns the one in use");
+  m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("bias"),
+        nb::arg("vector"), nb::arg("repeat") = 1,
+        "layer_mid's decode attention alone (tests, benchmarks): (output [B nk R D] as a list, median ns a run)");
+  m.def("attention_mode", &attention_mode, nb::arg("name") = nb::none(),
+        "the decode attention's arithmetic: 'auto' (vector lanes where the layer's projections are packed, MLX's "
+        "bits otherwise), 'blas' (MLX's bits: its sgemm calls) or 'vector'; sets it where a name is given (tests; "
+        "MLX_TRACER_ATTENTION at load); returns the one in use");
   m.def("profile", &profile, nb::arg("reset") = true);
   register_qmm(m);
   register_logprobs(m);

@@ -222,6 +222,7 @@ void row_params(const QmmJob& j, int n, float* s, float* b, Halves halves) {
 #if defined(__x86_64__)
 #include "qmm_ops_x86.h"
 #include "vmath_x86.h"
+#include "attend_x86.h"
 #endif
 
 // ------------------------------------------------------------ ISA choice
@@ -235,17 +236,20 @@ struct Path {
   // The layer kernels' vector math (vmath_x86.h); null: MLX's one-lane functors serve.
   void (*exp_shifted)(const float* x, float shift, float* out, int n);
   void (*swiglu)(const float* a, const float* b, float* out, int n);
+  // The decode attention's products (attend_x86.h); null: kernels.cpp's portable loops serve.
+  void (*attend_scores)(const float* q, int R, int D, const void* k, int kind, int S, const float* bias, float* out);
+  void (*attend_values)(const float* p, int R, int S, const void* v, int kind, int D, float* out);
 };
 
 const Path kPaths[] = {  // worst to best
     {"portable", [] { return true; }, isa_portable::rows_small, isa_portable::dequant_rows, isa_portable::fast_rows,
-     isa_portable::quantize_x_rows, nullptr, nullptr},
+     isa_portable::quantize_x_rows, nullptr, nullptr, nullptr, nullptr},
 #if defined(__x86_64__)
     {"avx2", has_avx2, isa_avx2::rows_small, isa_avx2::dequant_rows, isa_avx2::fast_rows, isa_avx2::quantize_x_rows,
-     vmath_avx2::exp_shifted, vmath_avx2::swiglu},
+     vmath_avx2::exp_shifted, vmath_avx2::swiglu, attend_avx2::scores, attend_avx2::values},
     {"avx512", has_avx512, isa_avx512::rows_small, isa_avx512::dequant_rows, fast_avx512,
      isa_avx2::quantize_x_rows,  // the same bytes on every path
-     vmath_avx512::exp_shifted, vmath_avx512::swiglu},
+     vmath_avx512::exp_shifted, vmath_avx512::swiglu, attend_avx512::scores, attend_avx512::values},
 #endif
 };
 constexpr int kPathCount = int(sizeof(kPaths) / sizeof(kPaths[0]));
@@ -519,6 +523,17 @@ bool tracer_qmm::exp_shifted(const float* x, float shift, float* out, int n) {
 bool tracer_qmm::swiglu(const float* a, const float* b, float* out, int n) {
   const auto f = path().swiglu;
   return f != nullptr && (f(a, b, out, n), true);
+}
+
+bool tracer_qmm::attend_scores(const float* q, int R, int D, const void* k, int kind, int S, const float* bias,
+                               float* out) {
+  const auto f = path().attend_scores;
+  return f != nullptr && (f(q, R, D, k, kind, S, bias, out), true);
+}
+
+bool tracer_qmm::attend_values(const float* p, int R, int S, const void* v, int kind, int D, float* out) {
+  const auto f = path().attend_values;
+  return f != nullptr && (f(p, R, S, v, kind, D, out), true);
 }
 
 void tracer_qmm::parallel_for(int count, void (*fn)(const void* ctx, int i), const void* ctx) {

@@ -1,0 +1,158 @@
+"""The layer kernels' decode attention on vector lanes (attend_x86.h, the
+portable loops in kernels.cpp): the same bits on every ISA path, the
+attention's values up to summation order (a float64 reference and the BLAS
+arithmetic), float32 / float16 / bfloat16 keys and values read as stored,
+masked columns never reaching the result, and ``auto`` picking it exactly
+where the layer's projections are packed blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlx_tracer.backend import kernels
+
+from .helpers import forced_isa
+
+K = kernels.load()
+pytestmark = pytest.mark.skipif(K is None, reason="native kernels unavailable")
+LOW = float(np.finfo(np.float32).min)
+DTYPES = [mx.float32, mx.float16, mx.bfloat16]
+SHAPES = [(2, 3, 3, 37, 64), (3, 2, 4, 130, 128), (1, 1, 5, 9, 48), (2, 2, 1, 64, 16), (1, 2, 2, 6, 256),
+          (2, 1, 7, 33, 32), (1, 3, 3, 4, 64)]
+
+
+@pytest.fixture
+def mode():
+    before = K.attention_mode()
+    yield K.attention_mode
+    K.attention_mode(before)
+
+
+def inputs(B, nk, R, S, D, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    q = mx.array(rng.standard_normal((B, nk, R, D), dtype=np.float32) / 4)
+    bias = np.zeros((B, S), np.float32)
+    bias[0, : S // 3] = LOW  # left padding
+    bias[-1, -3:] = -np.inf  # columns past a row's end
+    bias[-1, 0] = LOW
+    bias = mx.array(bias)
+    k = mx.array(rng.standard_normal((B, nk, S, D), dtype=np.float32)).astype(dtype)
+    v = mx.array(rng.standard_normal((B, nk, S, D), dtype=np.float32)).astype(dtype)
+    mx.eval(q, k, v, bias)
+    return q, k, v, bias
+
+
+def reference(q, k, v, bias) -> np.ndarray:
+    """softmax(q k^T + bias) v in float64, the keys and values as stored."""
+    q = np.asarray(q, np.float64)
+    k = np.asarray(k.astype(mx.float32), np.float64)
+    v = np.asarray(v.astype(mx.float32), np.float64)
+    scores = np.einsum("bhrd,bhsd->bhrs", q, k) + np.asarray(bias, np.float64)[:, None, None, :]
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    return np.einsum("bhrs,bhsd->bhrd", p / p.sum(-1, keepdims=True), v).reshape(-1)
+
+
+def attend(q, k, v, bias, vector=True) -> np.ndarray:
+    return np.asarray(K.decode_attention(q, k, v, bias, vector)[0], np.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_vector_attention_same_bits_on_every_path_and_mlx_values(shape, dtype):
+    q, k, v, bias = inputs(*shape, dtype)
+    outs = {}
+    for path in ("portable", "avx2", "avx512"):
+        try:
+            with forced_isa(K, path):
+                outs[path] = attend(q, k, v, bias)
+        except pytest.skip.Exception:
+            continue
+    assert "portable" in outs and len(outs) >= 2, outs.keys()
+    bits = {p: o.view(np.int32) for p, o in outs.items()}
+    for p, b in bits.items():
+        assert np.array_equal(b, bits["portable"]), p
+    want, blas = reference(q, k, v, bias), attend(q, k, v, bias, vector=False)
+    got = outs["portable"]
+    # float32 sums in another order: errors as small as the BLAS arithmetic's
+    tol = 32 * np.finfo(np.float32).eps * np.abs(want).max()
+    assert np.abs(got - want).max() <= tol, (np.abs(got - want).max(), tol)
+    assert np.abs(blas - want).max() <= tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_masked_columns_never_reach_the_result(dtype):
+    """NaN stored in masked columns (a buffer's garbage) leaves the output of
+    the visible ones; under the BLAS arithmetic a NaN value poisons it."""
+    B, nk, R, S, D = 2, 2, 3, 41, 64
+    q, k, v, bias = inputs(B, nk, R, S, D, dtype, seed=3)
+    clean = attend(q, k, v, bias)
+    masked = np.asarray(bias) != 0  # [B, S]
+    kn, vn = np.array(k.astype(mx.float32)), np.array(v.astype(mx.float32))
+    kn[np.broadcast_to(masked[:, None, :, None], kn.shape)] = np.nan
+    vn[np.broadcast_to(masked[:, None, :, None], vn.shape)] = np.nan
+    kd, vd = mx.array(kn).astype(dtype), mx.array(vn).astype(dtype)
+    mx.eval(kd, vd)
+    dirty = attend(q, kd, vd, bias)
+    assert np.isfinite(dirty).all()
+    assert np.array_equal(dirty.view(np.int32), clean.view(np.int32))
+    assert np.isnan(attend(q, kd, vd, bias, vector=False)).any()
+
+
+def test_the_mode_is_checked_and_named(mode):
+    assert mode() in ("auto", "blas", "vector")
+    assert mode("vector") == "vector" and mode() == "vector"
+    assert mode("blas") == "blas"
+    with pytest.raises(ValueError, match="auto, blas or vector"):
+        mode("fast")
+    assert mode() == "blas"
+
+
+def test_bad_inputs_are_refused():
+    q, k, v, bias = inputs(1, 2, 3, 8, 64, mx.float32)
+    with pytest.raises(ValueError, match="evaluate its inputs"):
+        K.decode_attention(q, k, v, mx.zeros((1, 8)) + 1, True)
+    wrong = mx.zeros((1, 9))
+    mx.eval(wrong)
+    with pytest.raises(ValueError, match="bias \\[B, S\\]"):
+        K.decode_attention(q, k, v, wrong, True)
+    q2, k2, v2, b2 = inputs(1, 1, 1, 4, 40, mx.float32)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        K.decode_attention(q2, k2, v2, b2, True)
+    assert np.isfinite(attend(q2, k2, v2, b2, vector=False)).all()  # the BLAS arithmetic serves any D
+
+
+def layer_mid(packed: bool):
+    """One decode layer_mid on random inputs: float32 or packed 4-bit projections."""
+    B, nk, R, D, S, hid, F = 2, 3, 3, 64, 70, 576, 128
+    rng = np.random.default_rng(7)
+    arr = lambda *s: mx.array(rng.standard_normal(s, dtype=np.float32) / 8)  # noqa: E731
+    wo, wgu = arr(hid, nk * R * D), arr(2 * F, hid)
+
+    def slot(name, w):
+        if not packed:
+            return {name: w.T}
+        q, scales, biases = mx.quantize(w, group_size=32, bits=4)
+        return {name: q, f"{name}_scales": scales, f"{name}_biases": biases}
+
+    bias = np.zeros((B, 1, 1, S), np.float32)
+    bias[0, ..., :9] = LOW
+    ins = dict(q=arr(B, nk, R, D), k=arr(B, nk, S, D), v=arr(B, nk, S, D), bias=mx.array(bias), h=arr(B, hid),
+               norm=mx.ones((hid,)), **slot("w_o", wo), **slot("w_gu", wgu))
+    out = K.layer_mid(ins, eps=1e-5)
+    mx.eval(out)
+    return [np.asarray(o).view(np.int32) for o in out]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["float32", "packed"])
+def test_auto_is_vector_beside_packed_projections_and_blas_beside_float32(mode, packed):
+    outs = {}
+    for m in ("auto", "blas", "vector"):
+        mode(m)
+        outs[m] = layer_mid(packed)
+    assert not all(np.array_equal(a, b) for a, b in zip(outs["blas"], outs["vector"]))  # the check can fail
+    want = outs["vector" if packed else "blas"]
+    assert all(np.array_equal(a, b) for a, b in zip(outs["auto"], want))

@@ -1,0 +1,300 @@
+// The decode attention's two products on vector lanes, for float keys and
+// values read as stored (float32, float16 widened by F16C, bfloat16 by a
+// shift): no widened copy of the block, one pass over its keys, one over its
+// values. One (row, key head) block a call, R query rows against S keys of D
+// (a multiple of 16, at most 256) values each, rows D apart.
+//
+// The arithmetic (every path, kernels.cpp's portable one too, the same bits):
+//   score(r, s) = bias[s] + dot(q_r, k_s), the dot in 16 lanes, lane l the
+//     fused multiply-adds of d = l, l + 16, ... in order from 0, the lanes
+//     summed as ((l + l+8) + (l+4 ...)) : s8[i] = l[i] + l[i+8], s4[i] =
+//     s8[i] + s8[i+4], s2[i] = s4[i] + s4[i+2], s2[0] + s2[1];
+//     a key whose bias is float32's lowest or -inf gets the bias itself (what
+//     bias + dot rounds to for any |dot| < 2^103; four such keys in a row
+//     are not read);
+//   out(r, d) = the fused multiply-adds p(r, s) * v(s, d) in key order from
+//     0, a key skipped where p(r, s) == 0 for every row r of the block (a
+//     masked key: its values not read).
+// MLX's decode attention computes the same sums (mx.addmm, then the matmul
+// with the probabilities) in the BLAS's order: these are equal up to
+// summation order, as qmm's exact contract is (see kernels.cpp).
+// Included by qmm.cpp inside its anonymous namespace, on x86-64 only.
+
+namespace attend {
+enum Kind { f32 = 0, f16 = 1, bf16 = 2 };
+inline bool masked(float b) {
+  return b == -std::numeric_limits<float>::max() || b == -std::numeric_limits<float>::infinity();
+}
+}  // namespace attend
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace attend_avx2 {
+// Lanes 0..7 and 8..15 of 16 values of a stored row from element i.
+template <int K>
+inline void load16(const void* row, size_t i, __m256& lo, __m256& hi) {
+  if constexpr (K == attend::f32) {
+    const float* p = static_cast<const float*>(row) + i;
+    lo = _mm256_loadu_ps(p), hi = _mm256_loadu_ps(p + 8);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + i));
+    const __m128i a = _mm256_castsi256_si128(h), b = _mm256_extracti128_si256(h, 1);
+    if constexpr (K == attend::f16) {
+      lo = _mm256_cvtph_ps(a), hi = _mm256_cvtph_ps(b);
+    } else {
+      lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(a), 16));
+      hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(b), 16));
+    }
+  }
+}
+// Two keys' s8 (8 lanes each) -> their sums (s4, s2, s1 as attend states) in lanes 0 and 4.
+inline __m256 reduce2(__m256 s8a, __m256 s8b) {
+  const __m256 s4 = _mm256_add_ps(_mm256_permute2f128_ps(s8a, s8b, 0x20), _mm256_permute2f128_ps(s8a, s8b, 0x31));
+  const __m256 s2 = _mm256_add_ps(s4, _mm256_permute_ps(s4, 0x4E));
+  return _mm256_add_ps(s2, _mm256_permute_ps(s2, 0xB1));
+}
+// scores for keys [s, s + 4) of all R rows; CC: D / 16 where fixed, else 0 (D / 16 at run time).
+template <int K, int CC>
+inline void scores4(const float* q, int R, int D, const void* k, int S, int s, const float* b, float* out) {
+  const int C = CC > 0 ? CC : D / 16;
+  for (int r = 0; r < R; ++r) {
+    const float* qr = q + size_t(r) * D;
+    __m256 s8[4];
+    for (int j = 0; j < 4; ++j) {
+      __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+      for (int c = 0; c < C; ++c) {
+        __m256 klo, khi;
+        load16<K>(k, size_t(s + j) * D + 16 * c, klo, khi);
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 16 * c), klo, lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 16 * c + 8), khi, hi);
+      }
+      s8[j] = _mm256_add_ps(lo, hi);
+    }
+    alignas(32) float t[16];
+    _mm256_store_ps(t, reduce2(s8[0], s8[1]));
+    _mm256_store_ps(t + 8, reduce2(s8[2], s8[3]));
+    float* o = out + size_t(r) * S + s;
+    for (int j = 0; j < 4; ++j) o[j] = attend::masked(b[j]) ? b[j] : b[j] + t[4 * j];
+  }
+}
+template <int K, int CC>
+void scores_k(const float* q, int R, int D, const void* k, int S, const float* bias, float* out) {
+  int s = 0;
+  for (; s + 4 <= S; s += 4) {
+    if (attend::masked(bias[s]) && attend::masked(bias[s + 1]) && attend::masked(bias[s + 2]) &&
+        attend::masked(bias[s + 3])) {
+      for (int r = 0; r < R; ++r) std::memcpy(out + size_t(r) * S + s, bias + s, 4 * sizeof(float));
+      continue;
+    }
+    scores4<K, CC>(q, R, D, k, S, s, bias + s, out);
+  }
+  if (s < S) {  // the last keys: padded to four with masked ones (their rows not read)
+    const int n = S - s;
+    float b[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, t[64];
+    std::memcpy(b, bias + s, n * sizeof(float));
+    thread_local std::vector<uint16_t> keys;
+    const size_t item = K == attend::f32 ? 4 : 2, row = size_t(D) * item;
+    keys.assign(4 * row / 2, 0);
+    std::memcpy(keys.data(), static_cast<const char*>(k) + s * row, n * row);
+    for (int r = 0; r < R; ++r) {
+      scores4<K, CC>(q + size_t(r) * D, 1, D, keys.data(), 4, 0, b, t);
+      std::memcpy(out + size_t(r) * S + s, t, n * sizeof(float));
+    }
+  }
+}
+// out [R, D] = p [R, S] @ v [S, D]; G rows at a time in registers.
+template <int K, int CC>
+void values_k(const float* p, int R, int S, const void* v, int D, float* out) {
+  constexpr int C = CC > 0 ? CC : 1;  // with CC = 0: one 16-column slice at a time
+  constexpr int G = CC > 0 ? (CC <= 2 ? 4 : CC <= 4 ? 2 : 1) : 4;
+  const int slices = CC > 0 ? 1 : D / 16;
+  for (int sl = 0; sl < slices; ++sl) {
+    const int d0 = 16 * sl;
+    for (int r0 = 0; r0 < R; r0 += G) {
+      const int g = std::min(G, R - r0);
+      __m256 acc[G][C][2];
+      for (int i = 0; i < G; ++i)
+        for (int c = 0; c < C; ++c) acc[i][c][0] = acc[i][c][1] = _mm256_setzero_ps();
+      for (int s = 0; s < S; ++s) {
+        bool any = false;
+        for (int r = 0; r < R; ++r) any |= p[size_t(r) * S + s] != 0.0f;
+        if (!any) continue;  // a key every row gives 0 (a masked one): skipped
+        __m256 vlo[C], vhi[C];
+        for (int c = 0; c < C; ++c) load16<K>(v, size_t(s) * D + d0 + 16 * c, vlo[c], vhi[c]);
+        for (int i = 0; i < G; ++i) {
+          if (i >= g) break;
+          const __m256 pv = _mm256_set1_ps(p[size_t(r0 + i) * S + s]);
+          for (int c = 0; c < C; ++c) {
+            acc[i][c][0] = _mm256_fmadd_ps(pv, vlo[c], acc[i][c][0]);
+            acc[i][c][1] = _mm256_fmadd_ps(pv, vhi[c], acc[i][c][1]);
+          }
+        }
+      }
+      for (int i = 0; i < g; ++i)
+        for (int c = 0; c < C; ++c) {
+          float* o = out + size_t(r0 + i) * D + d0 + 16 * c;
+          _mm256_storeu_ps(o, acc[i][c][0]);
+          _mm256_storeu_ps(o + 8, acc[i][c][1]);
+        }
+    }
+  }
+}
+template <int K>
+void scores_d(const float* q, int R, int D, const void* k, int S, const float* bias, float* out) {
+  D == 64    ? scores_k<K, 4>(q, R, D, k, S, bias, out)
+  : D == 128 ? scores_k<K, 8>(q, R, D, k, S, bias, out)
+             : scores_k<K, 0>(q, R, D, k, S, bias, out);
+}
+template <int K>
+void values_d(const float* p, int R, int S, const void* v, int D, float* out) {
+  D == 64    ? values_k<K, 4>(p, R, S, v, D, out)
+  : D == 128 ? values_k<K, 8>(p, R, S, v, D, out)
+             : values_k<K, 0>(p, R, S, v, D, out);
+}
+void scores(const float* q, int R, int D, const void* k, int kind, int S, const float* bias, float* out) {
+  kind == attend::f32   ? scores_d<attend::f32>(q, R, D, k, S, bias, out)
+  : kind == attend::f16 ? scores_d<attend::f16>(q, R, D, k, S, bias, out)
+                        : scores_d<attend::bf16>(q, R, D, k, S, bias, out);
+}
+void values(const float* p, int R, int S, const void* v, int kind, int D, float* out) {
+  kind == attend::f32   ? values_d<attend::f32>(p, R, S, v, D, out)
+  : kind == attend::f16 ? values_d<attend::f16>(p, R, S, v, D, out)
+                        : values_d<attend::bf16>(p, R, S, v, D, out);
+}
+}  // namespace attend_avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,fma,f16c")
+namespace attend_avx512 {
+template <int K>
+inline __m512 load16(const void* row, size_t i) {
+  if constexpr (K == attend::f32) {
+    return _mm512_loadu_ps(static_cast<const float*>(row) + i);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + i));
+    if constexpr (K == attend::f16) {
+      return _mm512_cvtph_ps(h);
+    } else {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+  }
+}
+// Keys/values rows [s, s + n), kAheadBytes on, into the caches ahead of
+// their use (a block is a short stream; a prefetch past it cannot fault).
+constexpr int kAheadBytes = 4096;  // 0, 2, 4, 8 KB measured alike within the noise (benchmarks/attention.py)
+template <int K>
+inline void prefetch_rows(const void* base, int s, int n, int D) {
+  const size_t item = K == attend::f32 ? 4 : 2;
+  const int ahead = kAheadBytes / (D * int(item));
+  s += ahead;
+  const char* p = static_cast<const char*>(base) + size_t(s) * D * item;
+  for (size_t off = 0; off < size_t(n) * D * item; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+// Four keys' 16 lanes -> their sums (attend's tree) in lanes 0, 4, 8, 12.
+inline __m512 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  // s8: [a.lo256 + a.hi256] for a pair of keys in one vector
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(a0, a1, 0x44), _mm512_shuffle_f32x4(a0, a1, 0xEE));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(a2, a3, 0x44), _mm512_shuffle_f32x4(a2, a3, 0xEE));
+  // s4: each key's lanes 0-3 + 4-7; keys in 128-bit blocks 0..3
+  const __m512 s4 = _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+  const __m512 s2 = _mm512_add_ps(s4, _mm512_permute_ps(s4, 0x4E));
+  return _mm512_add_ps(s2, _mm512_permute_ps(s2, 0xB1));
+}
+template <int K, int CC>
+inline void scores4(const float* q, int R, int D, const void* k, int S, int s, const float* b, float* out) {
+  const int C = CC > 0 ? CC : D / 16;
+  for (int r = 0; r < R; ++r) {
+    const float* qr = q + size_t(r) * D;
+    __m512 a[4];
+    for (int j = 0; j < 4; ++j) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int c = 0; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), load16<K>(k, size_t(s + j) * D + 16 * c), acc);
+      a[j] = acc;
+    }
+    alignas(64) float t[16];
+    _mm512_store_ps(t, reduce4(a[0], a[1], a[2], a[3]));
+    float* o = out + size_t(r) * S + s;
+    for (int j = 0; j < 4; ++j) o[j] = attend::masked(b[j]) ? b[j] : b[j] + t[4 * j];
+  }
+}
+template <int K, int CC>
+void scores_k(const float* q, int R, int D, const void* k, int S, const float* bias, float* out) {
+  int s = 0;
+  for (; s + 4 <= S; s += 4) {
+    if (attend::masked(bias[s]) && attend::masked(bias[s + 1]) && attend::masked(bias[s + 2]) &&
+        attend::masked(bias[s + 3])) {
+      for (int r = 0; r < R; ++r) std::memcpy(out + size_t(r) * S + s, bias + s, 4 * sizeof(float));
+      continue;
+    }
+    prefetch_rows<K>(k, s, 4, D);
+    scores4<K, CC>(q, R, D, k, S, s, bias + s, out);
+  }
+  if (s < S) {  // the last keys: padded to four with masked ones (their rows not read)
+    const int n = S - s;
+    float b[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, t[64];
+    std::memcpy(b, bias + s, n * sizeof(float));
+    thread_local std::vector<uint16_t> keys;
+    const size_t item = K == attend::f32 ? 4 : 2, row = size_t(D) * item;
+    keys.assign(4 * row / 2, 0);
+    std::memcpy(keys.data(), static_cast<const char*>(k) + s * row, n * row);
+    for (int r = 0; r < R; ++r) {
+      scores4<K, CC>(q + size_t(r) * D, 1, D, keys.data(), 4, 0, b, t);
+      std::memcpy(out + size_t(r) * S + s, t, n * sizeof(float));
+    }
+  }
+}
+template <int K, int CC>
+void values_k(const float* p, int R, int S, const void* v, int D, float* out) {
+  constexpr int C = CC > 0 ? CC : 1;
+  constexpr int G = CC > 0 ? (CC <= 2 ? 8 : CC <= 4 ? 6 : 3) : 8;
+  const int slices = CC > 0 ? 1 : D / 16;
+  for (int sl = 0; sl < slices; ++sl) {
+    const int d0 = 16 * sl;
+    for (int r0 = 0; r0 < R; r0 += G) {
+      const int g = std::min(G, R - r0);
+      __m512 acc[G][C];
+      for (int i = 0; i < G; ++i)
+        for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
+      for (int s = 0; s < S; ++s) {
+        bool any = false;
+        for (int r = 0; r < R; ++r) any |= p[size_t(r) * S + s] != 0.0f;
+        if (!any) continue;  // a key every row gives 0 (a masked one): skipped
+        if (sl == 0 && r0 == 0) prefetch_rows<K>(v, s, 1, D);
+        __m512 vc[C];
+        for (int c = 0; c < C; ++c) vc[c] = load16<K>(v, size_t(s) * D + d0 + 16 * c);
+        for (int i = 0; i < G; ++i) {
+          if (i >= g) break;
+          const __m512 pv = _mm512_set1_ps(p[size_t(r0 + i) * S + s]);
+          for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(pv, vc[c], acc[i][c]);
+        }
+      }
+      for (int i = 0; i < g; ++i)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + size_t(r0 + i) * D + d0 + 16 * c, acc[i][c]);
+    }
+  }
+}
+template <int K>
+void scores_d(const float* q, int R, int D, const void* k, int S, const float* bias, float* out) {
+  D == 64    ? scores_k<K, 4>(q, R, D, k, S, bias, out)
+  : D == 128 ? scores_k<K, 8>(q, R, D, k, S, bias, out)
+             : scores_k<K, 0>(q, R, D, k, S, bias, out);
+}
+template <int K>
+void values_d(const float* p, int R, int S, const void* v, int D, float* out) {
+  D == 64    ? values_k<K, 4>(p, R, S, v, D, out)
+  : D == 128 ? values_k<K, 8>(p, R, S, v, D, out)
+             : values_k<K, 0>(p, R, S, v, D, out);
+}
+void scores(const float* q, int R, int D, const void* k, int kind, int S, const float* bias, float* out) {
+  kind == attend::f32   ? scores_d<attend::f32>(q, R, D, k, S, bias, out)
+  : kind == attend::f16 ? scores_d<attend::f16>(q, R, D, k, S, bias, out)
+                        : scores_d<attend::bf16>(q, R, D, k, S, bias, out);
+}
+void values(const float* p, int R, int S, const void* v, int kind, int D, float* out) {
+  kind == attend::f32   ? values_d<attend::f32>(p, R, S, v, D, out)
+  : kind == attend::f16 ? values_d<attend::f16>(p, R, S, v, D, out)
+                        : values_d<attend::bf16>(p, R, S, v, D, out);
+}
+}  // namespace attend_avx512
+#pragma GCC pop_options
