@@ -1,8 +1,10 @@
 """Per-step decode time (build + eval, each step evaluated) of SmolLM2 at 1024 context,
 per K/V format (float32, float16, 8-bit, 4-bit), on the native kernels (and with
---ops, on MLX's ops too), systems interleaved in blocks of 3 steps in one process.
+--ops, on MLX's ops too; with --blas, float32/float16 with the kernels' decode
+attention on its BLAS arithmetic too, "-blas", beside the default, "-native"),
+systems interleaved in blocks of 3 steps in one process.
 
-    python benchmarks/kv_formats.py [BUCKETS=1,8] [STEPS=24] [--ops]   (CTX=1024 in the environment)
+    python benchmarks/kv_formats.py [BUCKETS=1,8] [STEPS=24] [--ops] [--blas]   (CTX=1024 in the environment)
 """
 import os
 import statistics
@@ -10,6 +12,7 @@ import sys
 import time
 import mlx_tracer  # noqa: F401  (BLAS first)
 import mlx.core as mx
+from mlx_tracer.backend import kernels
 from mlx_tracer.bench.models import load_bench_model, synthetic_context
 from mlx_tracer.bench.systems import _tracer_steps
 from mlx_tracer.caches.storage import KVFormat
@@ -19,7 +22,8 @@ buckets = [int(b) for b in sys.argv[1].split(",")] if len(sys.argv) > 1 else [1,
 steps = int(sys.argv[2]) if len(sys.argv) > 2 else 24
 ctx = int(os.environ.get("CTX", "1024"))
 model, label = load_bench_model("smollm2", weights="quantized")
-print(label, flush=True)
+K = kernels.load()
+print(label, "attention", K.attention_mode() if K is not None else "-", flush=True)
 FMTS = [("f32", KVFormat()), ("f16", KVFormat(dtype="float16")), ("q8", KVFormat(bits=8)), ("q4", KVFormat(bits=4))]
 base = CompiledModel(model, fuse=True)
 for B in buckets:
@@ -34,11 +38,15 @@ for B in buckets:
                 cm.lean.use_kernels(None)
             assert (cm.lean.native_off is None) == native, cm.lean.native_off
             systems.append((f"{name}-{'native' if native else 'ops'}", _tracer_steps(cm, contexts)))
+            if native and "--blas" in sys.argv and name in ("f32", "f16"):
+                systems.append((f"{name}-blas", _tracer_steps(cm, contexts)))
     times = {n: [] for n, _ in systems}
     cpu = {n: [] for n, _ in systems}
     block = 3
     while len(times[systems[-1][0]]) < steps:
         for n, (build, evaluate) in systems:
+            if K is not None:
+                K.attention_mode("blas" if n.endswith("-blas") else "auto")
             for i in range(block + 1):
                 t0, c0 = time.perf_counter(), time.process_time()
                 build()

@@ -156,3 +156,20 @@ def test_auto_is_vector_beside_packed_projections_and_blas_beside_float32(mode, 
     assert not all(np.array_equal(a, b) for a, b in zip(outs["blas"], outs["vector"]))  # the check can fail
     want = outs["vector" if packed else "blas"]
     assert all(np.array_equal(a, b) for a, b in zip(outs["auto"], want))
+
+
+@pytest.mark.parametrize("value,want", [("blas", "blas"), ("vector", "vector"), ("", "auto"), ("fastest", "auto")])
+def test_the_environment_picks_the_mode_at_load(value, want):
+    import os
+    import subprocess
+    import sys
+
+    code = ("import mlx_tracer\nfrom mlx_tracer.backend import kernels\nK = kernels.load()\n"
+            "print(K.attention_mode())\nprint(kernels.status())")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MLX_TRACER_ATTENTION": value},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    mode, status = out.stdout.splitlines()[:2]
+    assert mode == want and "decode attention" in status
+    if value == "fastest":
+        assert "auto, blas or vector" in out.stderr

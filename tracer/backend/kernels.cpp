@@ -21,6 +21,10 @@
 //    CPU quantized_matmul (_qmm_t / _qmm: scalar on x86, every product and
 //    sum rounded in order; here scalar or AVX2 lanes, the same bits).
 // tests/test_kernels.py checks each against the MLX ops, bit for bit.
+// One exception, by choice: beside packed projections (whose qmm already
+// sums in its own order), a decode step's attention over float K/V runs on
+// vector lanes by default, MLX's sums up to their order (attend_x86.h;
+// MLX_TRACER_ATTENTION=blas keeps MLX's bits there too; tests/test_attention.py).
 //
 // Built and loaded by mlx_tracer/backend/kernels.py (see there).
 

@@ -207,11 +207,18 @@ def load():
     return module
 
 
+_ATTENTION = {  # MLX_TRACER_ATTENTION
+    "auto": "on vector lanes beside packed projections, MLX's BLAS calls beside float32 ones",
+    "blas": "on MLX's BLAS calls (MLX_TRACER_ATTENTION=blas)",
+    "vector": "on vector lanes (MLX_TRACER_ATTENTION=vector)",
+}
+
+
 def status() -> str:
     """One line for ``mlx-tracer info``."""
     module = load()
     if module is not None:
         return (f"active: the lean layers on the CPU, decode and windows (4 graph nodes a decode layer; float32 or "
-                f"packed 4-/8-bit projections); quantized matmul {module.qmm_isa()}, {module.qmm_threads()} threads "
-                f"({Path(module.__file__).name})")
+                f"packed 4-/8-bit projections); quantized matmul {module.qmm_isa()}, {module.qmm_threads()} threads; "
+                f"decode attention {_ATTENTION[module.attention_mode()]} ({Path(module.__file__).name})")
     return f"not used: {_state['why']}"
