@@ -22,7 +22,7 @@ import numpy as np
 from .assemble import RowSource, assemble
 from .plan import StepPlan
 from .rows import RowBook
-from .storage import Buffer, KVFormat, column_bytes, each, first, serial_format, shapes
+from .storage import Buffer, KVFormat, column_bytes, each, first, serial_format, shapes, zeros_rows
 from .storage import nbytes as buffer_bytes
 
 
@@ -242,9 +242,120 @@ class StaticKVCache:
         )
         self._assemble([src], width)
 
+    def move_rows(self, order: Sequence[int]) -> bool:
+        """Keep only rows ``order`` (distinct live rows; new row ``j`` is old row
+        ``order[j]``) in this bucket *without laying the timeline out again*:
+        a row with ``order[j] == j`` stays where it is, only the rows that move
+        are copied (gathered and evaluated first, then written into their new
+        rows in place). What :meth:`filter` does, minus its copy of every row;
+        the columns all live rows hold as padding are kept (``filter`` drops
+        them). Returns False and changes nothing where this cache would rather
+        be laid out again (:meth:`_relayout_preferred`: a full cache that would
+        fit half its capacity)."""
+        order = [self.rows.check_row(int(i)) for i in order]
+        if len(set(order)) != len(order) or self.rows.pending is not None or self._relayout_preferred(order):
+            return False
+        moves = [(j, i) for j, i in enumerate(order) if i != j]
+        if moves and self.keys is not None:
+            src = mx.array([i for _, i in moves], dtype=mx.int32)
+            moved_k = each(lambda a: mx.take(a, src, axis=0), self.keys)  # [moves, H, S, D]
+            moved_v = each(lambda a: mx.take(a, src, axis=0), self.values)
+            mx.eval(moved_k, moved_v)  # evaluated: they no longer hold the buffers, which are then written in place
+
+            def put(buf, moved):
+                for m, (j, _) in enumerate(moves):
+                    buf = mx.slice_update(buf, moved[m : m + 1], mx.array([j], dtype=mx.int32), axes=(0,))
+                return buf
+
+            self.keys, self.values = each(put, self.keys, moved_k), each(put, self.values, moved_v)
+        self.rows = self.rows.select(order)
+        return True
+
+    def _relayout_preferred(self, order: Sequence[int]) -> bool:
+        """Whether rows ``order`` should rather be laid out again (see :meth:`move_rows`)."""
+        return False
+
     def extend(self, other, width: Optional[int] = None):
         """Append the rows of ``other`` (a batch of the same kind or a serial cache), in place."""
         self._assemble([self._as_source(), self._source_of(other)], width)
+
+    def place(self, sources: Sequence, width: Optional[int] = None) -> bool:
+        """Append the rows of ``sources`` (batches of this kind or serial caches,
+        as :meth:`join` takes them) after the live rows, in place, *without
+        moving the live rows*: each newcomer's columns are gathered onto this
+        batch's timeline as it is (``time``, and a ring's ``head``) and written
+        into the free rows ``n..`` of the buffers. ``width``: the bucket
+        afterwards (default the current one); in the current bucket only the
+        newcomers' rows are written (the buffers are updated in place), a
+        wider one copies the live rows once into the wider buffers (no gather
+        of their columns).
+
+        Only when every newcomer's tokens fit the timeline (a full cache: a row
+        of at most ``time`` tokens; a ring: at most the columns it retains)
+        and the rows fit ``width``: else returns False and changes nothing
+        (:meth:`join` then lays every row out again). Sources are read, never
+        modified. See :meth:`placement` to decide for several caches first."""
+        placed = self.placement(sources, width)
+        if placed is None:
+            return False
+        self.adopt_placement(placed)
+        return True
+
+    def placement(self, sources: Sequence, width: Optional[int] = None) -> Optional[tuple]:
+        """What :meth:`place` would make (None: it would return False), to be
+        taken by :meth:`adopt_placement`; nothing changes before that (the
+        new buffers are lazy: until adopted, this cache's own are untouched)."""
+        if self.keys is None or self.rows.pending is not None:
+            return None
+        width = self.width if width is None else int(width)
+        if width < self.width:
+            return None
+        time, lo = self.rows.time, max(0, self._retained_start())
+        srcs, books = [], []
+        for s in sources:
+            if isinstance(s, StaticKVCache) and s.rows.pending is not None:
+                return None  # join raises the error
+            src = self._source_of(s)
+            book = src.rows.shifted(time - src.rows.time)
+            holds = book.left_padding < book.time - book.right_padding  # rows with a token
+            if (book.left_padding[holds] < lo).any():
+                return None  # a newcomer longer than the timeline: the live rows would have to move
+            srcs.append(src)
+            books.append(book)
+        n, k = self.n, sum(b.n for b in books)
+        if n + k > width:
+            return None
+        if k == 0:
+            return self.keys, self.values, self.rows, width
+        col_times = self._target_col_times(time)  # [S] column -> column-time, as the buffers are now
+        parts_k, parts_v = [], []
+        for s in srcs:
+            if s.rows.n == 0:
+                continue
+            if s.keys is None:
+                parts_k.append(zeros_rows(self.keys, s.rows.n, self.S))
+                parts_v.append(zeros_rows(self.values, s.rows.n, self.S))
+                continue
+            cols = s.col_of_time(col_times - (time - s.rows.time))
+            idx = mx.array(np.clip(cols, 0, first(s.keys).shape[2] - 1).astype(np.int32))
+            parts_k.append(each(lambda a: mx.take(a, idx, axis=2), s.keys))  # [k_s, H, S, D]
+            parts_v.append(each(lambda a: mx.take(a, idx, axis=2), s.values))
+        new_k = each(lambda *a: mx.concatenate(a, axis=0) if len(a) > 1 else a[0], *parts_k)
+        new_v = each(lambda *a: mx.concatenate(a, axis=0) if len(a) > 1 else a[0], *parts_v)
+        if width == self.width:
+            # rows n..n+k-1; once adopted, the old buffers' only references are
+            # this graph's, so slice_update writes them where they are
+            at = mx.array([n], dtype=mx.int32)
+            put = lambda b, x: mx.slice_update(b, x, at, axes=(0,))  # noqa: E731
+        else:  # one copy of the live rows, row-major (see assemble)
+            def put(b, x):
+                parts = [b[:n], x] + ([mx.zeros((width - n - k, *b.shape[1:]), b.dtype)] if width > n + k else [])
+                return mx.concatenate(parts, axis=0)
+        return each(put, self.keys, new_k), each(put, self.values, new_v), RowBook.concat([self.rows] + books), width
+
+    def adopt_placement(self, placed: tuple):
+        """Take what :meth:`placement` made."""
+        self.keys, self.values, self.rows, self._width = placed
 
     @classmethod
     def join(cls, sources: Sequence, width: Optional[int] = None, **kwargs):

@@ -168,6 +168,35 @@ class FullCache(StaticKVCache):
     def is_trimmable(self) -> bool:
         return True
 
+    def move_rows(self, order) -> bool:
+        """:meth:`StaticKVCache.move_rows`; then, when the next
+        ``STRIP_MARGIN`` steps would move the buffers to a larger capacity
+        anyway and the live rows all hold at least a quarter of it as left
+        padding, those columns are dropped instead (one copy, as a growth
+        would be; the capacity is kept, so the next ones are far away)."""
+        if not super().move_rows(order):
+            return False
+        rows = self.rows
+        strip = int(rows.left_padding.min()) if self.n else 0
+        if (self.keys is not None and self.capacity - rows.time <= self.STRIP_MARGIN and strip >= self.capacity // 4
+                and not rows.right_padding.any()):
+            def shift(a):  # [Bk, H, C, D]: columns strip.. moved to 0.., zeros after
+                return mx.concatenate([a[:, :, strip:], mx.zeros((*a.shape[:2], strip, a.shape[3]), a.dtype)], axis=2)
+
+            self.keys, self.values = each(shift, self.keys), each(shift, self.values)
+            self.rows = RowBook(rows.offsets, rows.left_padding - strip, rows.time - strip, rows.right_padding)
+        return True
+
+    STRIP_MARGIN = 8
+
+    def _relayout_preferred(self, order) -> bool:
+        """Rows ``order`` rather laid out again (by ``filter``, which drops the
+        padding columns all of them hold) when they would then fit half the
+        capacity: rows moved in place keep those columns, so a batch whose
+        rows come and go without a bucket change would otherwise only grow."""
+        strip = int(self.rows.left_padding[list(order)].min()) if len(order) else self.rows.time
+        return self.rows.time - strip + 1 <= self.capacity // 2
+
     def trim(self, n: int, bypass: bool = False) -> int:
         return self.rows.unconsume(n)
 

@@ -97,6 +97,12 @@ class Admission:
         """Whether the decode pipeline should drain for a join at the next step."""
         if self.job is not None:
             return self.job.done
+        if self.batch.rows and self.step_tokens:
+            # queued requests go in through a job that the next step starts
+            # beside a step in flight: nothing to drain for yet (draining here,
+            # right after a join, made the next step refill the pipeline, two
+            # decode steps, on top of the new job's first window)
+            return False
         return self.scheduler.must_drain(len(self.batch.rows))
 
     def admit(self) -> List[Request]:

@@ -47,6 +47,9 @@ class RunningBatch:
         self._last_read = 0.0
         self.last_step_s = 0.0  # wall time the step read last took (after the one read before it)
         self._bias: tuple = (None, None)  # (what it was built for, the [Bk, V] logit-bias buffer)
+        # joins and leaves write into free rows / move only the rows that move
+        # where they can (False: every row laid out again, as 0.5.1 did)
+        self.in_place = True
 
     @property
     def width(self) -> int:
@@ -58,24 +61,48 @@ class RunningBatch:
         Only between steps: the pipeline must be empty."""
         assert not self.pipeline, "join while a step is in flight"
         width = bucket_for(len(self.rows) + len(reqs), self.buckets)
-        parts = ([self.caches] if self.caches is not None else []) + prefilled
-        caches = [type(layer[0]).join(layer, width=width) for layer in zip(*parts)]
-        mx.eval([c.state for c in caches])  # the join's copies belong to admission, not to decode
-        if self.caches is not None:
+        if self.caches is None:
+            caches = [type(layer[0]).join(layer, width=width) for layer in zip(*prefilled)]
+        else:
+            # Newcomers whose tokens fit the running timeline are written into
+            # free rows (StaticKVCache.place): the running rows' K/V are not
+            # copied (in the bucket they are in) or copied once (into a wider
+            # one). Else every row is laid out again. Each cache decides on its
+            # row book alone, so the caches of one family decide alike.
+            layers = list(zip(self.caches, zip(*prefilled)))
+            placed = [c.placement(new, width=width) if self.in_place else None for c, new in layers]
+            caches = [c if p is not None else type(c).join([c, *new], width=width)
+                      for (c, new), p in zip(layers, placed)]
+            for c, p in zip(self.caches, placed):  # nothing changed before this (lazy arrays only)
+                if p is not None:
+                    c.adopt_placement(p)
             self.stats.joins += 1
+            self.stats.joins_in_place += all(p is not None for p in placed)
         self.caches, self.rows = caches, self.rows + list(reqs)
+        mx.eval([c.state for c in caches])  # the join's copies belong to admission, not to decode
 
     def keep(self, keep: List[int]):
-        """Keep only rows ``keep`` (in order), moving to the smallest bucket that
-        holds them; steps in flight drop the other rows too."""
-        self.rows = [self.rows[i] for i in keep]
+        """Keep only rows ``keep``, moving to the smallest bucket that holds
+        them; steps in flight drop the other rows too. In order when the bucket
+        changes; within one bucket (rows leaving in ascending ``keep``) the
+        last rows take the places of those that left (see :func:`_fill_holes`)."""
         if not keep:
-            self.caches = None
+            self.rows, self.caches = [], None
             self.pipeline.clear()
             return
         width = bucket_for(len(keep), self.buckets)
-        for c in self.caches:
-            c.filter(keep, width=width)
+        if self.in_place and width == self.width:
+            # in the same bucket the rows that stay where they are are not
+            # copied: the last rows move into the rows that left (their order
+            # changes), and each cache moves only those (StaticKVCache.move_rows)
+            keep = _fill_holes(keep)
+            for c in self.caches:
+                if not c.move_rows(keep):
+                    c.filter(keep, width=width)
+        else:
+            for c in self.caches:
+                c.filter(keep, width=width)
+        self.rows = [self.rows[i] for i in keep]
         idx = mx.array(keep, dtype=mx.int32)
         for step in self.pipeline:
             r = step.result
@@ -192,6 +219,20 @@ class RunningBatch:
         """Whether some row still needs a token after the steps in flight."""
         ahead = len(self.pipeline)
         return any(len(r.tokens) + ahead < r.max_tokens for r in self.rows)
+
+
+def _fill_holes(keep: List[int]) -> List[int]:
+    """Rows ``keep`` (ascending) reordered so that as many as can stay where
+    they are: the rows beyond ``len(keep)`` fill, in order, the places of rows
+    that left. Any other order is returned as it is."""
+    m = len(keep)
+    if any(a >= b for a, b in zip(keep, keep[1:])):
+        return list(keep)
+    kept = set(keep)
+    order = list(range(m))
+    for j, i in zip([j for j in range(m) if j not in kept], [i for i in keep if i >= m]):
+        order[j] = i
+    return order
 
 
 def _top_lists(ids: Optional[mx.array], lps: Optional[mx.array]):
