@@ -57,19 +57,22 @@ inline __m256 reduce2(__m256 s8a, __m256 s8b) {
 template <int K, int CC>
 inline void scores4(const float* q, int R, int D, const void* k, int S, int s, const float* b, float* out) {
   const int C = CC > 0 ? CC : D / 16;
+  constexpr int CK = CC > 0 ? CC : 16;
+  __m256 klo[4][CK], khi[4][CK];  // the four keys, widened once for the R rows
+  for (int j = 0; j < 4; ++j)
+    for (int c = 0; c < C; ++c) load16<K>(k, size_t(s + j) * D + 16 * c, klo[j][c], khi[j][c]);
   for (int r = 0; r < R; ++r) {
     const float* qr = q + size_t(r) * D;
-    __m256 s8[4];
-    for (int j = 0; j < 4; ++j) {
-      __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
-      for (int c = 0; c < C; ++c) {
-        __m256 klo, khi;
-        load16<K>(k, size_t(s + j) * D + 16 * c, klo, khi);
-        lo = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 16 * c), klo, lo);
-        hi = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 16 * c + 8), khi, hi);
+    __m256 lo[4], hi[4], s8[4];
+    for (int j = 0; j < 4; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
+    for (int c = 0; c < C; ++c) {
+      const __m256 ql = _mm256_loadu_ps(qr + 16 * c), qh = _mm256_loadu_ps(qr + 16 * c + 8);
+      for (int j = 0; j < 4; ++j) {
+        lo[j] = _mm256_fmadd_ps(ql, klo[j][c], lo[j]);
+        hi[j] = _mm256_fmadd_ps(qh, khi[j][c], hi[j]);
       }
-      s8[j] = _mm256_add_ps(lo, hi);
     }
+    for (int j = 0; j < 4; ++j) s8[j] = _mm256_add_ps(lo[j], hi[j]);
     alignas(32) float t[16];
     _mm256_store_ps(t, reduce2(s8[0], s8[1]));
     _mm256_store_ps(t + 8, reduce2(s8[2], s8[3]));
@@ -204,13 +207,17 @@ inline __m512 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 template <int K, int CC>
 inline void scores4(const float* q, int R, int D, const void* k, int S, int s, const float* b, float* out) {
   const int C = CC > 0 ? CC : D / 16;
+  constexpr int CK = CC > 0 ? CC : 16;
+  __m512 kc[4][CK];  // the four keys, widened once for the R rows
+  for (int j = 0; j < 4; ++j)
+    for (int c = 0; c < C; ++c) kc[j][c] = load16<K>(k, size_t(s + j) * D + 16 * c);
   for (int r = 0; r < R; ++r) {
     const float* qr = q + size_t(r) * D;
     __m512 a[4];
-    for (int j = 0; j < 4; ++j) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int c = 0; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), load16<K>(k, size_t(s + j) * D + 16 * c), acc);
-      a[j] = acc;
+    for (int j = 0; j < 4; ++j) a[j] = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) {
+      const __m512 qc = _mm512_loadu_ps(qr + 16 * c);
+      for (int j = 0; j < 4; ++j) a[j] = _mm512_fmadd_ps(qc, kc[j][c], a[j]);
     }
     alignas(64) float t[16];
     _mm512_store_ps(t, reduce4(a[0], a[1], a[2], a[3]));
