@@ -592,3 +592,20 @@ def test_cache_write_quantized_equals_quantize_and_slice_update(bits, group):
         K.cache_write_quantized(buf[0], new, mx.array([0], dtype=mx.int32), "words", bits, group)
     with pytest.raises(ValueError, match=r"buf \(scales\) must be float32"):
         K.cache_write_quantized(buf[1].astype(mx.float16), new, mx.array([0], dtype=mx.int32), "scales", bits, group)
+
+
+def test_every_source_the_build_reads_ships_in_the_package():
+    """A wheel install compiles the kernels from its package data (0.5.1's
+    list had lost logprobs.cpp, qmm_api.h and vmath_x86.h)."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    from mlx_tracer.backend import blas
+
+    root = Path(__file__).resolve().parents[1]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "mlx_tracer.backend"]
+    needed = [p.name for p in kernels.SOURCES + kernels.HEADERS] + [Path(blas.__file__).with_name("blas_shim.c").name]
+    missing = [n for n in needed if not any(fnmatch.fnmatch(n, pat) for pat in patterns)]
+    assert not missing, missing

@@ -25,6 +25,17 @@ enum Kind { f32 = 0, f16 = 1, bf16 = 2 };
 inline bool masked(float b) {
   return b == -std::numeric_limits<float>::max() || b == -std::numeric_limits<float>::infinity();
 }
+// Keys/values rows [s, s + n), kAheadBytes on, into the caches ahead of
+// their use (a block is a short stream; a prefetch past it cannot fault).
+constexpr int kAheadBytes = 4096;  // 0, 2, 4, 8 KB measured alike within the noise (benchmarks/attention.py)
+template <int K>
+inline void prefetch_rows(const void* base, int s, int n, int D) {
+  const size_t item = K == f32 ? 4 : 2;
+  const int ahead = kAheadBytes / (D * int(item));
+  s += ahead;
+  const char* p = static_cast<const char*>(base) + size_t(s) * D * item;
+  for (size_t off = 0; off < size_t(n) * D * item; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
 }  // namespace attend
 
 #pragma GCC push_options
@@ -80,31 +91,6 @@ inline void scores4(const float* q, int R, int D, const void* k, int S, int s, c
     for (int j = 0; j < 4; ++j) o[j] = attend::masked(b[j]) ? b[j] : b[j] + t[4 * j];
   }
 }
-template <int K, int CC>
-void scores_k(const float* q, int R, int D, const void* k, int S, const float* bias, float* out) {
-  int s = 0;
-  for (; s + 4 <= S; s += 4) {
-    if (attend::masked(bias[s]) && attend::masked(bias[s + 1]) && attend::masked(bias[s + 2]) &&
-        attend::masked(bias[s + 3])) {
-      for (int r = 0; r < R; ++r) std::memcpy(out + size_t(r) * S + s, bias + s, 4 * sizeof(float));
-      continue;
-    }
-    scores4<K, CC>(q, R, D, k, S, s, bias + s, out);
-  }
-  if (s < S) {  // the last keys: padded to four with masked ones (their rows not read)
-    const int n = S - s;
-    float b[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, t[64];
-    std::memcpy(b, bias + s, n * sizeof(float));
-    thread_local std::vector<uint16_t> keys;
-    const size_t item = K == attend::f32 ? 4 : 2, row = size_t(D) * item;
-    keys.assign(4 * row / 2, 0);
-    std::memcpy(keys.data(), static_cast<const char*>(k) + s * row, n * row);
-    for (int r = 0; r < R; ++r) {
-      scores4<K, CC>(q + size_t(r) * D, 1, D, keys.data(), 4, 0, b, t);
-      std::memcpy(out + size_t(r) * S + s, t, n * sizeof(float));
-    }
-  }
-}
 // out [R, D] = p [R, S] @ v [S, D]; G rows at a time in registers.
 template <int K, int CC>
 void values_k(const float* p, int R, int S, const void* v, int D, float* out) {
@@ -122,6 +108,7 @@ void values_k(const float* p, int R, int S, const void* v, int D, float* out) {
         bool any = false;
         for (int r = 0; r < R; ++r) any |= p[size_t(r) * S + s] != 0.0f;
         if (!any) continue;  // a key every row gives 0 (a masked one): skipped
+        if (sl == 0 && r0 == 0) attend::prefetch_rows<K>(v, s, 1, D);
         __m256 vlo[C], vhi[C];
         for (int c = 0; c < C; ++c) load16<K>(v, size_t(s) * D + d0 + 16 * c, vlo[c], vhi[c]);
         for (int i = 0; i < G; ++i) {
@@ -142,28 +129,7 @@ void values_k(const float* p, int R, int S, const void* v, int D, float* out) {
     }
   }
 }
-template <int K>
-void scores_d(const float* q, int R, int D, const void* k, int S, const float* bias, float* out) {
-  D == 64    ? scores_k<K, 4>(q, R, D, k, S, bias, out)
-  : D == 128 ? scores_k<K, 8>(q, R, D, k, S, bias, out)
-             : scores_k<K, 0>(q, R, D, k, S, bias, out);
-}
-template <int K>
-void values_d(const float* p, int R, int S, const void* v, int D, float* out) {
-  D == 64    ? values_k<K, 4>(p, R, S, v, D, out)
-  : D == 128 ? values_k<K, 8>(p, R, S, v, D, out)
-             : values_k<K, 0>(p, R, S, v, D, out);
-}
-void scores(const float* q, int R, int D, const void* k, int kind, int S, const float* bias, float* out) {
-  kind == attend::f32   ? scores_d<attend::f32>(q, R, D, k, S, bias, out)
-  : kind == attend::f16 ? scores_d<attend::f16>(q, R, D, k, S, bias, out)
-                        : scores_d<attend::bf16>(q, R, D, k, S, bias, out);
-}
-void values(const float* p, int R, int S, const void* v, int kind, int D, float* out) {
-  kind == attend::f32   ? values_d<attend::f32>(p, R, S, v, D, out)
-  : kind == attend::f16 ? values_d<attend::f16>(p, R, S, v, D, out)
-                        : values_d<attend::bf16>(p, R, S, v, D, out);
-}
+#include "attend_common.h"
 }  // namespace attend_avx2
 #pragma GCC pop_options
 
@@ -182,17 +148,6 @@ inline __m512 load16(const void* row, size_t i) {
       return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     }
   }
-}
-// Keys/values rows [s, s + n), kAheadBytes on, into the caches ahead of
-// their use (a block is a short stream; a prefetch past it cannot fault).
-constexpr int kAheadBytes = 4096;  // 0, 2, 4, 8 KB measured alike within the noise (benchmarks/attention.py)
-template <int K>
-inline void prefetch_rows(const void* base, int s, int n, int D) {
-  const size_t item = K == attend::f32 ? 4 : 2;
-  const int ahead = kAheadBytes / (D * int(item));
-  s += ahead;
-  const char* p = static_cast<const char*>(base) + size_t(s) * D * item;
-  for (size_t off = 0; off < size_t(n) * D * item; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 // Four keys' 16 lanes -> their sums (attend's tree) in lanes 0, 4, 8, 12.
 inline __m512 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
@@ -226,32 +181,6 @@ inline void scores4(const float* q, int R, int D, const void* k, int S, int s, c
   }
 }
 template <int K, int CC>
-void scores_k(const float* q, int R, int D, const void* k, int S, const float* bias, float* out) {
-  int s = 0;
-  for (; s + 4 <= S; s += 4) {
-    if (attend::masked(bias[s]) && attend::masked(bias[s + 1]) && attend::masked(bias[s + 2]) &&
-        attend::masked(bias[s + 3])) {
-      for (int r = 0; r < R; ++r) std::memcpy(out + size_t(r) * S + s, bias + s, 4 * sizeof(float));
-      continue;
-    }
-    prefetch_rows<K>(k, s, 4, D);
-    scores4<K, CC>(q, R, D, k, S, s, bias + s, out);
-  }
-  if (s < S) {  // the last keys: padded to four with masked ones (their rows not read)
-    const int n = S - s;
-    float b[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, t[64];
-    std::memcpy(b, bias + s, n * sizeof(float));
-    thread_local std::vector<uint16_t> keys;
-    const size_t item = K == attend::f32 ? 4 : 2, row = size_t(D) * item;
-    keys.assign(4 * row / 2, 0);
-    std::memcpy(keys.data(), static_cast<const char*>(k) + s * row, n * row);
-    for (int r = 0; r < R; ++r) {
-      scores4<K, CC>(q + size_t(r) * D, 1, D, keys.data(), 4, 0, b, t);
-      std::memcpy(out + size_t(r) * S + s, t, n * sizeof(float));
-    }
-  }
-}
-template <int K, int CC>
 void values_k(const float* p, int R, int S, const void* v, int D, float* out) {
   constexpr int C = CC > 0 ? CC : 1;
   constexpr int G = CC > 0 ? (CC <= 2 ? 8 : CC <= 4 ? 6 : 3) : 8;
@@ -267,7 +196,7 @@ void values_k(const float* p, int R, int S, const void* v, int D, float* out) {
         bool any = false;
         for (int r = 0; r < R; ++r) any |= p[size_t(r) * S + s] != 0.0f;
         if (!any) continue;  // a key every row gives 0 (a masked one): skipped
-        if (sl == 0 && r0 == 0) prefetch_rows<K>(v, s, 1, D);
+        if (sl == 0 && r0 == 0) attend::prefetch_rows<K>(v, s, 1, D);
         __m512 vc[C];
         for (int c = 0; c < C; ++c) vc[c] = load16<K>(v, size_t(s) * D + d0 + 16 * c);
         for (int i = 0; i < G; ++i) {
@@ -281,27 +210,6 @@ void values_k(const float* p, int R, int S, const void* v, int D, float* out) {
     }
   }
 }
-template <int K>
-void scores_d(const float* q, int R, int D, const void* k, int S, const float* bias, float* out) {
-  D == 64    ? scores_k<K, 4>(q, R, D, k, S, bias, out)
-  : D == 128 ? scores_k<K, 8>(q, R, D, k, S, bias, out)
-             : scores_k<K, 0>(q, R, D, k, S, bias, out);
-}
-template <int K>
-void values_d(const float* p, int R, int S, const void* v, int D, float* out) {
-  D == 64    ? values_k<K, 4>(p, R, S, v, D, out)
-  : D == 128 ? values_k<K, 8>(p, R, S, v, D, out)
-             : values_k<K, 0>(p, R, S, v, D, out);
-}
-void scores(const float* q, int R, int D, const void* k, int kind, int S, const float* bias, float* out) {
-  kind == attend::f32   ? scores_d<attend::f32>(q, R, D, k, S, bias, out)
-  : kind == attend::f16 ? scores_d<attend::f16>(q, R, D, k, S, bias, out)
-                        : scores_d<attend::bf16>(q, R, D, k, S, bias, out);
-}
-void values(const float* p, int R, int S, const void* v, int kind, int D, float* out) {
-  kind == attend::f32   ? values_d<attend::f32>(p, R, S, v, D, out)
-  : kind == attend::f16 ? values_d<attend::f16>(p, R, S, v, D, out)
-                        : values_d<attend::bf16>(p, R, S, v, D, out);
-}
+#include "attend_common.h"
 }  // namespace attend_avx512
 #pragma GCC pop_options
