@@ -31,6 +31,17 @@ class RowSource:
     batch: Optional["StaticKVCache"] = None  # the running batch it came from
 
 
+def gather_columns(s: RowSource, time: int, col_times: np.ndarray, like_k: Buffer, like_v: Buffer, S: int):
+    """Source ``s``'s rows as ``[n, H, S, D]`` keys and values on a target
+    timeline at ``time`` whose columns hold ``col_times`` (one ``mx.take`` per
+    array; zeros, shaped as ``like_k`` / ``like_v``, for a source without buffers)."""
+    if s.keys is None:
+        return zeros_rows(like_k, s.rows.n, S), zeros_rows(like_v, s.rows.n, S)
+    src_cols = s.col_of_time(col_times - (time - s.rows.time))
+    idx = mx.array(np.clip(src_cols, 0, first(s.keys).shape[2] - 1).astype(np.int32))
+    return each(lambda a: mx.take(a, idx, axis=2), s.keys), each(lambda a: mx.take(a, idx, axis=2), s.values)
+
+
 def assemble(target: "StaticKVCache", sources: List[RowSource], width: Optional[int], **layout):
     """Rebuild ``target``'s buffers from ``sources`` (rows of batches or serial
     caches), right-aligned on one new timeline, in order."""
@@ -45,20 +56,11 @@ def assemble(target: "StaticKVCache", sources: List[RowSource], width: Optional[
     parts_k, parts_v, books = [], [], []
     proto = next((s for s in sources if s.keys is not None), None)
     for s in sources:
-        delta = time - s.rows.time
-        book = s.rows.shifted(delta)
-        books.append(book)
-        if proto is None or s.rows.n == 0:
-            continue
-        if s.keys is None:
-            parts_k.append(zeros_rows(proto.keys, s.rows.n, target.S))
-            parts_v.append(zeros_rows(proto.values, s.rows.n, target.S))
-            continue
-        src_cols = s.col_of_time(col_times - delta)
-        src_cols = np.clip(src_cols, 0, first(s.keys).shape[2] - 1).astype(np.int32)
-        idx = mx.array(src_cols)
-        parts_k.append(each(lambda a: mx.take(a, idx, axis=2), s.keys))
-        parts_v.append(each(lambda a: mx.take(a, idx, axis=2), s.values))
+        books.append(s.rows.shifted(time - s.rows.time))
+        if proto is not None and s.rows.n:
+            k, v = gather_columns(s, time, col_times, proto.keys, proto.values, target.S)
+            parts_k.append(k)
+            parts_v.append(v)
     target.rows = RowBook.concat(books) if books else target.rows.select([])
     target.rows.time = time
     if proto is None:

@@ -19,10 +19,10 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .assemble import RowSource, assemble
+from .assemble import RowSource, assemble, gather_columns
 from .plan import StepPlan
 from .rows import RowBook
-from .storage import Buffer, KVFormat, column_bytes, each, first, serial_format, shapes, zeros_rows
+from .storage import Buffer, KVFormat, column_bytes, each, first, serial_format, shapes
 from .storage import nbytes as buffer_bytes
 
 
@@ -330,16 +330,10 @@ class StaticKVCache:
         col_times = self._target_col_times(time)  # [S] column -> column-time, as the buffers are now
         parts_k, parts_v = [], []
         for s in srcs:
-            if s.rows.n == 0:
-                continue
-            if s.keys is None:
-                parts_k.append(zeros_rows(self.keys, s.rows.n, self.S))
-                parts_v.append(zeros_rows(self.values, s.rows.n, self.S))
-                continue
-            cols = s.col_of_time(col_times - (time - s.rows.time))
-            idx = mx.array(np.clip(cols, 0, first(s.keys).shape[2] - 1).astype(np.int32))
-            parts_k.append(each(lambda a: mx.take(a, idx, axis=2), s.keys))  # [k_s, H, S, D]
-            parts_v.append(each(lambda a: mx.take(a, idx, axis=2), s.values))
+            if s.rows.n:
+                k_s, v_s = gather_columns(s, time, col_times, self.keys, self.values, self.S)  # [k_s, H, S, D]
+                parts_k.append(k_s)
+                parts_v.append(v_s)
         new_k = each(lambda *a: mx.concatenate(a, axis=0) if len(a) > 1 else a[0], *parts_k)
         new_v = each(lambda *a: mx.concatenate(a, axis=0) if len(a) > 1 else a[0], *parts_v)
         if width == self.width:

@@ -8,8 +8,8 @@ template <int K, int CC>
 void scores_k(const float* q, int R, int D, const void* k, int S, const float* bias, float* out) {
   int s = 0;
   for (; s + 4 <= S; s += 4) {
-    if (attend::masked(bias[s]) && attend::masked(bias[s + 1]) && attend::masked(bias[s + 2]) &&
-        attend::masked(bias[s + 3])) {
+    if (attend::masked_key(bias[s]) && attend::masked_key(bias[s + 1]) && attend::masked_key(bias[s + 2]) &&
+        attend::masked_key(bias[s + 3])) {
       for (int r = 0; r < R; ++r) std::memcpy(out + size_t(r) * S + s, bias + s, 4 * sizeof(float));
       continue;
     }

@@ -22,9 +22,7 @@
 
 namespace attend {
 enum Kind { f32 = 0, f16 = 1, bf16 = 2 };
-inline bool masked(float b) {
-  return b == -std::numeric_limits<float>::max() || b == -std::numeric_limits<float>::infinity();
-}
+using tracer_qmm::masked_key;
 // Keys/values rows [s, s + n), kAheadBytes on, into the caches ahead of
 // their use (a block is a short stream; a prefetch past it cannot fault).
 constexpr int kAheadBytes = 4096;  // 0, 2, 4, 8 KB measured alike within the noise (benchmarks/attention.py)
@@ -88,7 +86,7 @@ inline void scores4(const float* q, int R, int D, const void* k, int S, int s, c
     _mm256_store_ps(t, reduce2(s8[0], s8[1]));
     _mm256_store_ps(t + 8, reduce2(s8[2], s8[3]));
     float* o = out + size_t(r) * S + s;
-    for (int j = 0; j < 4; ++j) o[j] = attend::masked(b[j]) ? b[j] : b[j] + t[4 * j];
+    for (int j = 0; j < 4; ++j) o[j] = attend::masked_key(b[j]) ? b[j] : b[j] + t[4 * j];
   }
 }
 // out [R, D] = p [R, S] @ v [S, D]; G rows at a time in registers.
@@ -177,7 +175,7 @@ inline void scores4(const float* q, int R, int D, const void* k, int S, int s, c
     alignas(64) float t[16];
     _mm512_store_ps(t, reduce4(a[0], a[1], a[2], a[3]));
     float* o = out + size_t(r) * S + s;
-    for (int j = 0; j < 4; ++j) o[j] = attend::masked(b[j]) ? b[j] : b[j] + t[4 * j];
+    for (int j = 0; j < 4; ++j) o[j] = attend::masked_key(b[j]) ? b[j] : b[j] + t[4 * j];
   }
 }
 template <int K, int CC>

@@ -145,6 +145,9 @@ struct View {
 // float32 scales and biases [B, nk, S, D / group]).
 struct KV {
   enum Kind { f32, f16, bf16, packed };
+  static Kind float_kind(mx::Dtype t) {
+    return t == mx::float16 ? f16 : t == mx::bfloat16 ? bf16 : f32;
+  }
   struct Blocks {  // one array's blocks: data and the strides between blocks, in elements
     const char* p = nullptr;
     int64_t sb = 0, sh = 0;
@@ -699,34 +702,24 @@ bool vector_attention(const KV& k, const KV& v, bool packed_weights) {
          v.kind != KV::packed && k.D % 16 == 0 && k.D <= 256;
 }
 
-float stored_at(const KV& kv, const void* block, size_t i) {
-  if (kv.kind == KV::f32) return static_cast<const float*>(block)[i];
-  const uint16_t u = static_cast<const uint16_t*>(block)[i];
-  if (kv.kind == KV::bf16) {
-    const uint32_t w = uint32_t(u) << 16;
-    float f;
-    std::memcpy(&f, &w, 4);
-    return f;
-  }
-  mx::float16_t h;
-  h.bits_ = u;
-  return static_cast<float>(h);
-}
-
-bool masked_bias(float b) {
-  return b == -std::numeric_limits<float>::max() || b == -std::numeric_limits<float>::infinity();
+// Row s of a float block as float32: the block's own memory, or widened into `buf`.
+const float* stored_row(const KV& kv, const void* block, int s, float* buf) {
+  const size_t at = size_t(s) * kv.D;
+  if (kv.kind == KV::f32) return static_cast<const float*>(block) + at;
+  widen(kv, static_cast<const uint16_t*>(block) + at, buf, kv.D);
+  return buf;
 }
 
 void attend_scores_loops(const float* q, int R, int D, const KV& k, const void* block, int S, const float* bias,
                          float* out) {
-  float kr[256];
+  float buf[256];
   for (int s = 0; s < S; ++s) {
     const float b = bias[s];
-    if (masked_bias(b)) {
+    if (tracer_qmm::masked_key(b)) {
       for (int r = 0; r < R; ++r) out[size_t(r) * S + s] = b;
       continue;
     }
-    for (int d = 0; d < D; ++d) kr[d] = stored_at(k, block, size_t(s) * D + d);
+    const float* kr = stored_row(k, block, s, buf);
     for (int r = 0; r < R; ++r) {
       const float* qr = q + size_t(r) * D;
       float l[16] = {};
@@ -741,14 +734,16 @@ void attend_scores_loops(const float* q, int R, int D, const KV& k, const void* 
 
 void attend_values_loops(const float* p, int R, int S, const KV& v, const void* block, int D, float* out) {
   std::fill(out, out + size_t(R) * D, 0.0f);
+  float buf[256];
   for (int s = 0; s < S; ++s) {
     bool any = false;
     for (int r = 0; r < R; ++r) any |= p[size_t(r) * S + s] != 0.0f;
     if (!any) continue;
+    const float* vr = stored_row(v, block, s, buf);
     for (int r = 0; r < R; ++r) {
       const float pr = p[size_t(r) * S + s];
       float* o = out + size_t(r) * D;
-      for (int d = 0; d < D; ++d) o[d] = std::fma(pr, stored_at(v, block, size_t(s) * D + d), o[d]);
+      for (int d = 0; d < D; ++d) o[d] = std::fma(pr, vr[d], o[d]);
     }
   }
 }
@@ -776,7 +771,8 @@ void attention_vector(const float* q, const KV& k, const KV& v, const float* bia
 // MLX runs them (one sgemm per (row, key head)); float16/bfloat16 blocks
 // widened first, as MLX's matmul promotes them (astype: the same sgemm on the
 // same values). Packed keys/values: mx.quantized_matmul(q, k) + bias,
-// softmax, mx.quantized_matmul(p, v), as the lean ops run them.
+// softmax, mx.quantized_matmul(p, v), as the lean ops run them. Where
+// `vector` (float K/V only: vector_attention), attention_vector's arithmetic.
 void attention_rows(const float* q, const KV& k, const KV& v, const float* bias, int B, int nk, int R, int D,
                     float* o, bool vector) {
   const int S = k.S;
@@ -1086,7 +1082,7 @@ class Kernel : public mx::Primitive {
       out.scales = blocks(sc), out.biases = blocks(at(in, biases));
       out.bits = a.shape(3) * 32 / D, out.group = D / sc.shape(3);
     } else {
-      out.kind = a.dtype() == mx::float16 ? KV::f16 : a.dtype() == mx::bfloat16 ? KV::bf16 : KV::f32;
+      out.kind = KV::float_kind(a.dtype());
     }
     return out;
   }
@@ -1622,7 +1618,7 @@ std::pair<std::vector<float>, int64_t> decode_attention(const array& q, const ar
     KV out;
     out.data = KV::Blocks{a.data<char>(), a.strides()[0], a.strides()[1], a.itemsize()};
     out.S = a.shape(2), out.D = a.shape(3);
-    out.kind = a.dtype() == mx::float16 ? KV::f16 : a.dtype() == mx::bfloat16 ? KV::bf16 : KV::f32;
+    out.kind = KV::float_kind(a.dtype());
     return out;
   };
   const KV kk = kv_of(k), vv = kv_of(v);

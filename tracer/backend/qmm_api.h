@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 
 namespace tracer_qmm {
 
@@ -37,6 +38,11 @@ bool swiglu(const float* a, const float* b, float* out, int n);
 // and values stored as `kind` (0 float32, 1 float16, 2 bfloat16), D a
 // multiple of 16 up to 256. False, doing nothing, where the path has none
 // (the caller runs the same arithmetic in plain loops).
+// A key the decode bias masks (float32's lowest or -inf): its score is the
+// bias itself (what bias + dot rounds to for any |dot| < 2^103), not computed.
+inline bool masked_key(float bias) {
+  return bias == -std::numeric_limits<float>::max() || bias == -std::numeric_limits<float>::infinity();
+}
 bool attend_scores(const float* q, int R, int D, const void* k, int kind, int S, const float* bias, float* out);
 bool attend_values(const float* p, int R, int S, const void* v, int kind, int D, float* out);
 
