@@ -147,6 +147,22 @@ def test_one_and_two_threads_give_the_same_bits(threads, contract, M, N, Kd, bit
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
 
 
+@pytest.mark.parametrize("isa", PATHS, indirect=True)
+@pytest.mark.parametrize("contract", ["exact", "fast"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_row_has_the_same_bits_at_every_m_up_to_the_tile_threshold(isa, contract, bits):
+    """A verify window multiplies its k + 1 positions as M rows where decode
+    steps multiply one: each output must be the decode step's, bit for bit, at
+    every M the tiles serve (1..64; every tile size and remainder), on every
+    path (the fast contract at every M)."""
+    w, s, b = quantized(77, 320, 32, bits, mx.float16, seed=7)
+    x = mx.random.normal((64, 320), key=mx.random.key(8))
+    alone = np.concatenate([np.array(K.qmm(x[i:i + 1], w, s, b, 32, bits, contract=contract)) for i in range(64)])
+    for M in (2, 3, 4, 5, 6, 7, 8, 9, 12, 20, 40, 64):
+        got = np.array(K.qmm(x[:M], w, s, b, 32, bits, contract=contract))
+        assert np.array_equal(got, alone[:M]), (isa, contract, bits, M)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_fast_contract_gives_the_same_bits_on_every_isa_path(bits):
     """Its integer sums are exact and its float32 order is one definition

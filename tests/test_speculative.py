@@ -415,3 +415,46 @@ def test_sampled_output_is_equal_under_the_auto_policy():
     spec = Generator(model, IdTokenizer(), chat=False, speculative="prompt-lookup", draft_tokens=4, spec_policy="auto")
     for _ in range(2):  # the second run with step times measured
         assert [c.tokens for c in spec.batch_generate([PROMPTS[0], PROMPTS[2]], seed=7, **opts)] == want
+
+
+def _events(model, **kw):
+    """Each request's (token, log-probability) pairs, as _run schedules them."""
+    if "speculative" in kw:
+        kw.setdefault("spec_policy", "always")
+    eng = Engine(model, buckets=(1, 2, 4), prefill_chunks=(8, 16), **kw)
+    uids = [eng.add(p, max_tokens=24) for p in PROMPTS[:3]]
+    out = {u: [] for u in uids}
+    for ev in eng.run():
+        if ev.token is not None:
+            out[ev.uid].append((ev.token, ev.logprob))
+    return [out[u] for u in uids], eng
+
+
+@pytest.mark.parametrize("fmt", ["quantized", "quantized-fast"])
+@pytest.mark.parametrize("attention", ["vector", "blas"])
+def test_verify_windows_on_packed_weights_judge_the_plain_steps_logits_bit_for_bit(fmt, attention):
+    """On the layer kernels with packed weights (both qmm contracts, decode
+    attention on vector lanes or BLAS): every accepted token of a verify
+    window carries the log-probability plain decoding gives it, bit for bit
+    (the window's attention computes each position as the decode step there)."""
+    from mlx_tracer.backend import kernels
+    from mlx_tracer.loading.weights import apply_format
+
+    from .test_quantized import quantized_tiny
+
+    K = kernels.load()
+    if K is None:
+        pytest.skip("native kernels unavailable")
+    before = K.attention_mode()
+    K.attention_mode(attention)
+    try:
+        model = quantized_tiny("llama", 32, 4)
+        apply_format(model, fmt)
+        cm = CompiledModel(model)
+        assert cm.lean.binding.contract == ("fast" if fmt == "quantized-fast" else "exact")
+        plain, _ = _events(cm)
+        spec, eng = _events(cm, speculative="prompt-lookup", draft_tokens=4)
+    finally:
+        K.attention_mode(before)
+    assert eng.stats.verify_steps > 0 and eng.stats.accepted > 0
+    assert spec == plain  # tokens and float log-probabilities, exactly

@@ -817,9 +817,13 @@ void attention_rows(const float* q, const KV& k, const KV& v, const float* bias,
 // forward's window attention on MLX's ops (scores by one sgemm per (row, key
 // head, query head), float32's lowest where masked, softmax, @ v; float16/
 // bfloat16 widened first; packed: mx.quantized_matmul's, for all R L query
-// rows of a key head at once), its result transposed to tokens first.
+// rows of a key head at once), its result transposed to tokens first. Where
+// `vector` (vector_attention, the rule decode steps follow), each query
+// position runs attention_vector with the bias a decode step there has (0
+// where visible, lowest where masked): the bits of that decode step, so that
+// a verify window judges drafts on exactly the plain decode's logits.
 void attention_window(const float* q, const KV& k, const KV& v, const bool* mask, int B, int nk, int R, int L,
-                      int D, float* o) {
+                      int D, float* o, bool vector) {
   const int S = k.S, nqD = nk * R * D;
   const float low = mx::numeric_limits<float>::lowest();
   over_heads(B, nk, [&](int b, int h) {
@@ -841,6 +845,23 @@ void attention_window(const float* q, const KV& k, const KV& v, const bool* mask
     };
     thread_local std::vector<float> scratch, wide_k, wide_v;
     const float* qh = q + (size_t(b) * nk + h) * R * L * D;  // [R L, D]
+    if (vector) {  // each query position as a decode step there computes it (same bits)
+      scratch.resize(size_t(R) * (S + 2 * D) + S);
+      float* scores = scratch.data();           // [R, S]
+      float* ql = scores + size_t(R) * S;       // [R, D]: the R query heads at position l
+      float* ol = ql + size_t(R) * D;           // [R, D]
+      float* bias = ol + size_t(R) * D;         // [S]: the decode step's additive mask
+      for (int l = 0; l < L; ++l) {
+        const bool* ml = mb + size_t(l) * S;
+        for (int j = 0; j < S; ++j) bias[j] = ml[j] ? 0.0f : low;
+        for (int r = 0; r < R; ++r) std::memcpy(ql + size_t(r) * D, qh + (size_t(r) * L + l) * D, sizeof(float) * D);
+        attention_vector(ql, k, v, bias, b, h, R, D, scores, ol);
+        for (int r = 0; r < R; ++r) {
+          std::memcpy(o + (size_t(b) * L + l) * nqD + (size_t(h) * R + r) * D, ol + size_t(r) * D, sizeof(float) * D);
+        }
+      }
+      return;
+    }
     if (k.kind == KV::packed) {
       scratch.resize(size_t(R) * L * (S + D));
       float* scores = scratch.data();               // [R L, S]
@@ -1352,7 +1373,7 @@ class LayerMid : public Kernel {
       {
         Timed t(kAttn);
         if (window) {
-          attention_window(q.p, k, v, mask, B, nk, R, L, D, o.data());
+          attention_window(q.p, k, v, mask, B, nk, R, L, D, o.data(), vector_attention(k, v, wo.packed.w != nullptr));
         } else {
           attention_rows(q.p, k, v, bias, B, nk, R, D, o.data(), vector_attention(k, v, wo.packed.w != nullptr));
         }

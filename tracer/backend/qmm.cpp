@@ -33,8 +33,11 @@
 //    function of the shape only) that the caller and a pool of workers pull
 //    from one counter (qmm_pool.h; work under kPoolBytes stays on the
 //    caller); each output is computed by one thread from start to end, with
-//    accumulators of its own, so the bits depend neither on the thread count
-//    nor on which rows share its tile.
+//    accumulators of its own (as many at every tile size), so the bits
+//    depend neither on the thread count, on M, nor on which rows share its
+//    tile: a verify window's rows equal the decode steps' bit for bit.
+//    (Before 0.5.3 tiles of 3+ x rows kept one accumulator where 1 and 2
+//    rows kept two: windows summed in another order than decode steps.)
 //  * more rows: panels of weight rows dequantized (on the pool) to float32
 //    scratch sized to stay in L2, each handed to the process's cblas_sgemm
 //    (the BLAS shim splits it; its bits do not depend on the thread count).

@@ -21,8 +21,10 @@ constexpr int kVecs = kBlock / L;
 // out[m0 .. m0 + MT, n .. n + R) = x[m0 .. m0 + MT] . (weight rows n .. n + R): each
 // block of each row dequantized once in registers and multiplied into MT rows
 // of x. s, b [R][G]: the rows' scales and biases in float32. A row's
-// accumulators are its own (A of them for each x row, a function of MT only):
-// its sums do not depend on R nor on which rows share its tile.
+// accumulators are its own (A of them for each x row, one constant of the ISA,
+// whatever MT): its sums depend neither on R, on MT, nor on which rows share
+// its tile, so an output has the same bits at every M up to kSmallMaxM (a
+// verify window's rows are its decode steps' rows, bit for bit).
 template <int R, int MT, int BITS>
 inline void row_tile(const QmmJob& j, int n, int m0, const float* s, const float* b) {
   constexpr int A = kAcc(MT), bb = kBlock * BITS / 8;

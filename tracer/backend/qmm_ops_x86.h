@@ -156,8 +156,10 @@ inline void fq_rows(const FQ& a, float* out) {
 #pragma GCC target("avx512f,avx512bw,avx512vl,fma,f16c")
 namespace isa_avx512 {
 constexpr int L = 16, kTile = 8;
-constexpr int kRows(int mt) { return mt <= 4 ? 4 : 2; }
-constexpr int kAcc(int mt) { return mt <= 2 ? 2 : 1; }
+// Two accumulators per (row, x row) at every tile size (the same sums at every M):
+// tiles of more x rows take fewer weight rows (at most 16 accumulators).
+constexpr int kRows(int mt) { return mt <= 2 ? 4 : mt <= 4 ? 2 : 1; }
+constexpr int kAcc(int) { return 2; }
 QMM_X86_OPS(__m512, _mm512)
 inline float hsum(F a) { return _mm512_reduce_add_ps(a); }
 // 4 bits: `a` holds the group's 16 possible weights (scale * q + bias for q = 0..15), looked
