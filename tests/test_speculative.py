@@ -5,6 +5,8 @@ distribution, and clear errors for bad settings."""
 
 from __future__ import annotations
 
+import contextlib
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -430,31 +432,48 @@ def _events(model, **kw):
     return [out[u] for u in uids], eng
 
 
-@pytest.mark.parametrize("fmt", ["quantized", "quantized-fast"])
-@pytest.mark.parametrize("attention", ["vector", "blas"])
-def test_verify_windows_on_packed_weights_judge_the_plain_steps_logits_bit_for_bit(fmt, attention):
-    """On the layer kernels with packed weights (both qmm contracts, decode
-    attention on vector lanes or BLAS): every accepted token of a verify
-    window carries the log-probability plain decoding gives it, bit for bit
-    (the window's attention computes each position as the decode step there)."""
+@pytest.fixture
+def kernel_paths():
+    """Sets the native kernels' attention mode and ISA path for one test; restores both."""
     from mlx_tracer.backend import kernels
-    from mlx_tracer.loading.weights import apply_format
 
-    from .test_quantized import quantized_tiny
+    from .helpers import forced_isa
 
     K = kernels.load()
     if K is None:
         pytest.skip("native kernels unavailable")
     before = K.attention_mode()
-    K.attention_mode(attention)
-    try:
-        model = quantized_tiny("llama", 32, 4)
-        apply_format(model, fmt)
-        cm = CompiledModel(model)
-        assert cm.lean.binding.contract == ("fast" if fmt == "quantized-fast" else "exact")
-        plain, _ = _events(cm)
-        spec, eng = _events(cm, speculative="prompt-lookup", draft_tokens=4)
-    finally:
-        K.attention_mode(before)
+    with contextlib.ExitStack() as stack:
+        stack.callback(K.attention_mode, before)
+
+        def use(attention, isa):
+            K.attention_mode(attention)
+            stack.enter_context(forced_isa(K, isa))
+
+        yield use
+
+
+@pytest.mark.parametrize("fmt,attention,isa", [("quantized", "vector", "avx512"), ("quantized", "vector", "avx2"),
+                                                ("quantized", "vector", "portable"), ("quantized", "blas", "avx512"),
+                                                ("quantized-fast", "vector", "avx512"),
+                                                ("quantized-fast", "vector", "portable"),
+                                                ("quantized-fast", "blas", "avx512")])
+def test_verify_windows_on_packed_weights_judge_the_plain_steps_logits_bit_for_bit(kernel_paths, fmt, attention, isa):
+    """On the layer kernels with packed weights (both qmm contracts, decode
+    attention on vector lanes or BLAS, each ISA path): every accepted token of
+    a verify window carries the log-probability plain decoding gives it, bit
+    for bit (the window's attention computes each position as the decode step
+    there; qmm's tiles sum a row alike at every M)."""
+    from mlx_tracer.loading.weights import apply_format
+
+    from .test_quantized import quantized_tiny
+
+    kernel_paths(attention, isa)
+    model = quantized_tiny("llama", 32, 4)
+    apply_format(model, fmt)
+    cm = CompiledModel(model)
+    assert cm.lean.binding.contract == ("fast" if fmt == "quantized-fast" else "exact")
+    plain, _ = _events(cm)
+    spec, eng = _events(cm, speculative="prompt-lookup", draft_tokens=4)
     assert eng.stats.verify_steps > 0 and eng.stats.accepted > 0
     assert spec == plain  # tokens and float log-probabilities, exactly

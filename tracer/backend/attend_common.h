@@ -1,40 +1,52 @@
 // The decode attention's parts every ISA path shares (attend_x86.h),
 // included once per ISA namespace after its scores4<K, CC> and
 // values_k<K, CC>: the scores of a block in groups of four keys (a group
-// masked for every key not read, the last keys padded to four), and the
+// masked for every key of every bias row not read, the last keys padded to
+// four), and the
 // dispatch on the storage and the head size.
 
 template <int K, int CC>
-void scores_k(const float* q, int R, int D, const void* k, int S, const float* bias, float* out) {
+void scores_k(const float* q, int R, int D, const void* k, int S, const float* bias, int per, float* out) {
+  const int nb = (R + per - 1) / per;  // bias rows
+  const auto masked4 = [&](int s) {
+    for (int i = 0; i < nb; ++i) {
+      const float* b = bias + size_t(i) * S + s;
+      if (!(attend::masked_key(b[0]) && attend::masked_key(b[1]) && attend::masked_key(b[2]) &&
+            attend::masked_key(b[3]))) {
+        return false;
+      }
+    }
+    return true;
+  };
   int s = 0;
   for (; s + 4 <= S; s += 4) {
-    if (attend::masked_key(bias[s]) && attend::masked_key(bias[s + 1]) && attend::masked_key(bias[s + 2]) &&
-        attend::masked_key(bias[s + 3])) {
-      for (int r = 0; r < R; ++r) std::memcpy(out + size_t(r) * S + s, bias + s, 4 * sizeof(float));
+    if (masked4(s)) {
+      for (int r = 0; r < R; ++r) std::memcpy(out + size_t(r) * S + s, bias + size_t(r / per) * S + s, 4 * sizeof(float));
       continue;
     }
     attend::prefetch_rows<K>(k, s, 4, D);
-    scores4<K, CC>(q, R, D, k, S, s, bias + s, out);
+    scores4<K, CC>(q, R, D, k, S, s, bias + s, per, out);
   }
   if (s < S) {  // the last keys: padded to four with masked ones (their rows not read)
     const int n = S - s;
-    float b[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, t[64];
-    std::memcpy(b, bias + s, n * sizeof(float));
+    float t[64];
     thread_local std::vector<uint16_t> keys;
     const size_t item = K == attend::f32 ? 4 : 2, row = size_t(D) * item;
     keys.assign(4 * row / 2, 0);
     std::memcpy(keys.data(), static_cast<const char*>(k) + s * row, n * row);
     for (int r = 0; r < R; ++r) {
-      scores4<K, CC>(q + size_t(r) * D, 1, D, keys.data(), 4, 0, b, t);
+      float b[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+      std::memcpy(b, bias + size_t(r / per) * S + s, n * sizeof(float));
+      scores4<K, CC>(q + size_t(r) * D, 1, D, keys.data(), 4, 0, b, 1, t);
       std::memcpy(out + size_t(r) * S + s, t, n * sizeof(float));
     }
   }
 }
 template <int K>
-void scores_d(const float* q, int R, int D, const void* k, int S, const float* bias, float* out) {
-  D == 64    ? scores_k<K, 4>(q, R, D, k, S, bias, out)
-  : D == 128 ? scores_k<K, 8>(q, R, D, k, S, bias, out)
-             : scores_k<K, 0>(q, R, D, k, S, bias, out);
+void scores_d(const float* q, int R, int D, const void* k, int S, const float* bias, int per, float* out) {
+  D == 64    ? scores_k<K, 4>(q, R, D, k, S, bias, per, out)
+  : D == 128 ? scores_k<K, 8>(q, R, D, k, S, bias, per, out)
+             : scores_k<K, 0>(q, R, D, k, S, bias, per, out);
 }
 template <int K>
 void values_d(const float* p, int R, int S, const void* v, int D, float* out) {
@@ -42,10 +54,10 @@ void values_d(const float* p, int R, int S, const void* v, int D, float* out) {
   : D == 128 ? values_k<K, 8>(p, R, S, v, D, out)
              : values_k<K, 0>(p, R, S, v, D, out);
 }
-void scores(const float* q, int R, int D, const void* k, int kind, int S, const float* bias, float* out) {
-  kind == attend::f32   ? scores_d<attend::f32>(q, R, D, k, S, bias, out)
-  : kind == attend::f16 ? scores_d<attend::f16>(q, R, D, k, S, bias, out)
-                        : scores_d<attend::bf16>(q, R, D, k, S, bias, out);
+void scores(const float* q, int R, int D, const void* k, int kind, int S, const float* bias, int per, float* out) {
+  kind == attend::f32   ? scores_d<attend::f32>(q, R, D, k, S, bias, per, out)
+  : kind == attend::f16 ? scores_d<attend::f16>(q, R, D, k, S, bias, per, out)
+                        : scores_d<attend::bf16>(q, R, D, k, S, bias, per, out);
 }
 void values(const float* p, int R, int S, const void* v, int kind, int D, float* out) {
   kind == attend::f32   ? values_d<attend::f32>(p, R, S, v, D, out)

@@ -5,13 +5,15 @@
 // (a multiple of 16, at most 256) values each, rows D apart.
 //
 // The arithmetic (every path, kernels.cpp's portable one too, the same bits):
-//   score(r, s) = bias[s] + dot(q_r, k_s), the dot in 16 lanes, lane l the
+//   score(r, s) = bias[r / per][s] + dot(q_r, k_s) (bias: one row of S for
+//     each `per` query rows: a decode step's R rows share one, a window's
+//     positions have one each), the dot in 16 lanes, lane l the
 //     fused multiply-adds of d = l, l + 16, ... in order from 0, the lanes
 //     summed as ((l + l+8) + (l+4 ...)) : s8[i] = l[i] + l[i+8], s4[i] =
 //     s8[i] + s8[i+4], s2[i] = s4[i] + s4[i+2], s2[0] + s2[1];
 //     a key whose bias is float32's lowest or -inf gets the bias itself (what
-//     bias + dot rounds to for any |dot| < 2^103; four such keys in a row
-//     are not read);
+//     bias + dot rounds to for any |dot| < 2^103; four such keys in a row,
+//     masked for every row, are not read);
 //   out(r, d) = the fused multiply-adds p(r, s) * v(s, d) in key order from
 //     0, a key skipped where p(r, s) == 0 for every row r of the block (a
 //     masked key: its values not read).
@@ -64,7 +66,7 @@ inline __m256 reduce2(__m256 s8a, __m256 s8b) {
 }
 // scores for keys [s, s + 4) of all R rows; CC: D / 16 where fixed, else 0 (D / 16 at run time).
 template <int K, int CC>
-inline void scores4(const float* q, int R, int D, const void* k, int S, int s, const float* b, float* out) {
+inline void scores4(const float* q, int R, int D, const void* k, int S, int s, const float* b, int per, float* out) {
   const int C = CC > 0 ? CC : D / 16;
   constexpr int CK = CC > 0 ? CC : 16;
   __m256 klo[4][CK], khi[4][CK];  // the four keys, widened once for the R rows
@@ -86,7 +88,8 @@ inline void scores4(const float* q, int R, int D, const void* k, int S, int s, c
     _mm256_store_ps(t, reduce2(s8[0], s8[1]));
     _mm256_store_ps(t + 8, reduce2(s8[2], s8[3]));
     float* o = out + size_t(r) * S + s;
-    for (int j = 0; j < 4; ++j) o[j] = attend::masked_key(b[j]) ? b[j] : b[j] + t[4 * j];
+    const float* br = b + size_t(r / per) * S;  // row r's bias
+    for (int j = 0; j < 4; ++j) o[j] = attend::masked_key(br[j]) ? br[j] : br[j] + t[4 * j];
   }
 }
 // out [R, D] = p [R, S] @ v [S, D]; G rows at a time in registers.
@@ -158,7 +161,7 @@ inline __m512 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   return _mm512_add_ps(s2, _mm512_permute_ps(s2, 0xB1));
 }
 template <int K, int CC>
-inline void scores4(const float* q, int R, int D, const void* k, int S, int s, const float* b, float* out) {
+inline void scores4(const float* q, int R, int D, const void* k, int S, int s, const float* b, int per, float* out) {
   const int C = CC > 0 ? CC : D / 16;
   constexpr int CK = CC > 0 ? CC : 16;
   __m512 kc[4][CK];  // the four keys, widened once for the R rows
@@ -175,7 +178,8 @@ inline void scores4(const float* q, int R, int D, const void* k, int S, int s, c
     alignas(64) float t[16];
     _mm512_store_ps(t, reduce4(a[0], a[1], a[2], a[3]));
     float* o = out + size_t(r) * S + s;
-    for (int j = 0; j < 4; ++j) o[j] = attend::masked_key(b[j]) ? b[j] : b[j] + t[4 * j];
+    const float* br = b + size_t(r / per) * S;  // row r's bias
+    for (int j = 0; j < 4; ++j) o[j] = attend::masked_key(br[j]) ? br[j] : br[j] + t[4 * j];
   }
 }
 template <int K, int CC>

@@ -711,16 +711,19 @@ const float* stored_row(const KV& kv, const void* block, int s, float* buf) {
 }
 
 void attend_scores_loops(const float* q, int R, int D, const KV& k, const void* block, int S, const float* bias,
-                         float* out) {
+                         int per, float* out) {
   float buf[256];
+  const int nb = (R + per - 1) / per;
   for (int s = 0; s < S; ++s) {
-    const float b = bias[s];
-    if (tracer_qmm::masked_key(b)) {
-      for (int r = 0; r < R; ++r) out[size_t(r) * S + s] = b;
-      continue;
-    }
-    const float* kr = stored_row(k, block, s, buf);
+    bool all = true;  // masked for every bias row: the key is not read
+    for (int i = 0; i < nb; ++i) all = all && tracer_qmm::masked_key(bias[size_t(i) * S + s]);
+    const float* kr = all ? nullptr : stored_row(k, block, s, buf);
     for (int r = 0; r < R; ++r) {
+      const float b = bias[size_t(r / per) * S + s];
+      if (tracer_qmm::masked_key(b)) {
+        out[size_t(r) * S + s] = b;
+        continue;
+      }
       const float* qr = q + size_t(r) * D;
       float l[16] = {};
       for (int d = 0; d < D; ++d) l[d % 16] = std::fma(qr[d], kr[d], l[d % 16]);
@@ -749,14 +752,15 @@ void attend_values_loops(const float* p, int R, int S, const KV& v, const void* 
 }
 
 // One (row, key head) block of a decode attention on vector lanes: scores,
-// MLX's softmax (its bits), values. q [R, D] scaled, bias [S], o [R, D].
-void attention_vector(const float* q, const KV& k, const KV& v, const float* bias, int b, int h, int R, int D,
-                      float* scores, float* o) {
+// MLX's softmax (its bits), values. q [R, D] scaled, bias [R / per, S] (query
+// row r's: row r / per), o [R, D].
+void attention_vector(const float* q, const KV& k, const KV& v, const float* bias, int per, int b, int h, int R,
+                      int D, float* scores, float* o) {
   const int S = k.S;
   const void* kb = k.data.at<char>(b, h);
   const void* vb = v.data.at<char>(b, h);
-  if (!tracer_qmm::attend_scores(q, R, D, kb, int(k.kind), S, bias, scores)) {
-    attend_scores_loops(q, R, D, k, kb, S, bias, scores);
+  if (!tracer_qmm::attend_scores(q, R, D, kb, int(k.kind), S, bias, per, scores)) {
+    attend_scores_loops(q, R, D, k, kb, S, bias, per, scores);
   }
   for (int r = 0; r < R; ++r) {
     softmax_row(scores + size_t(r) * S, S);
@@ -783,7 +787,7 @@ void attention_rows(const float* q, const KV& k, const KV& v, const float* bias,
     const size_t i = size_t(b) * nk + h;
     const float* bb = bias + size_t(b) * S;
     if (vector) {
-      return attention_vector(q + i * R * D, k, v, bb, b, h, R, D, scores, o + i * R * D);
+      return attention_vector(q + i * R * D, k, v, bb, R, b, h, R, D, scores, o + i * R * D);
     }
     if (k.kind == KV::packed) {
       packed_scores_any(q + i * R * D, R, k, b, h, scores);
@@ -845,20 +849,24 @@ void attention_window(const float* q, const KV& k, const KV& v, const bool* mask
     };
     thread_local std::vector<float> scratch, wide_k, wide_v;
     const float* qh = q + (size_t(b) * nk + h) * R * L * D;  // [R L, D]
-    if (vector) {  // each query position as a decode step there computes it (same bits)
-      scratch.resize(size_t(R) * (S + 2 * D) + S);
-      float* scores = scratch.data();           // [R, S]
-      float* ql = scores + size_t(R) * S;       // [R, D]: the R query heads at position l
-      float* ol = ql + size_t(R) * D;           // [R, D]
-      float* bias = ol + size_t(R) * D;         // [S]: the decode step's additive mask
+    if (vector) {  // every position's R query heads at once, each with its decode step's bias: its bits
+      const size_t RL = size_t(R) * L;
+      scratch.resize(RL * (S + 2 * D) + size_t(L) * S);
+      float* scores = scratch.data();   // [L R, S]
+      float* ql = scores + RL * S;      // [L R, D]: position-major
+      float* ol = ql + RL * D;          // [L R, D]
+      float* bias = ol + RL * D;        // [L, S]: each position's additive mask
       for (int l = 0; l < L; ++l) {
         const bool* ml = mb + size_t(l) * S;
-        for (int j = 0; j < S; ++j) bias[j] = ml[j] ? 0.0f : low;
-        for (int r = 0; r < R; ++r) std::memcpy(ql + size_t(r) * D, qh + (size_t(r) * L + l) * D, sizeof(float) * D);
-        attention_vector(ql, k, v, bias, b, h, R, D, scores, ol);
+        float* bl = bias + size_t(l) * S;
+        for (int j = 0; j < S; ++j) bl[j] = ml[j] ? 0.0f : low;
         for (int r = 0; r < R; ++r) {
-          std::memcpy(o + (size_t(b) * L + l) * nqD + (size_t(h) * R + r) * D, ol + size_t(r) * D, sizeof(float) * D);
+          std::memcpy(ql + (size_t(l) * R + r) * D, qh + (size_t(r) * L + l) * D, sizeof(float) * D);
         }
+      }
+      attention_vector(ql, k, v, bias, R, b, h, int(RL), D, scores, ol);
+      for (int l = 0; l < L; ++l) {
+        std::memcpy(o + (size_t(b) * L + l) * nqD + size_t(h) * R * D, ol + size_t(l) * R * D, sizeof(float) * R * D);
       }
       return;
     }

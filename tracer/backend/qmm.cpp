@@ -240,7 +240,8 @@ struct Path {
   void (*exp_shifted)(const float* x, float shift, float* out, int n);
   void (*swiglu)(const float* a, const float* b, float* out, int n);
   // The decode attention's products (attend_x86.h); null: kernels.cpp's portable loops serve.
-  void (*attend_scores)(const float* q, int R, int D, const void* k, int kind, int S, const float* bias, float* out);
+  void (*attend_scores)(const float* q, int R, int D, const void* k, int kind, int S, const float* bias, int per,
+                        float* out);
   void (*attend_values)(const float* p, int R, int S, const void* v, int kind, int D, float* out);
 };
 
@@ -529,9 +530,9 @@ bool tracer_qmm::swiglu(const float* a, const float* b, float* out, int n) {
 }
 
 bool tracer_qmm::attend_scores(const float* q, int R, int D, const void* k, int kind, int S, const float* bias,
-                               float* out) {
+                               int per, float* out) {
   const auto f = path().attend_scores;
-  return f != nullptr && (f(q, R, D, k, kind, S, bias, out), true);
+  return f != nullptr && (f(q, R, D, k, kind, S, bias, per, out), true);
 }
 
 bool tracer_qmm::attend_values(const float* p, int R, int S, const void* v, int kind, int D, float* out) {

@@ -34,7 +34,8 @@ bool swiglu(const float* a, const float* b, float* out, int n);
 
 // The decode attention's products for one (row, key head) block on the ISA
 // path in use (attend_x86.h, where the arithmetic is stated): scores [R, S] =
-// bias [S] + q [R, D] . k [S, D], and out [R, D] = p [R, S] @ v [S, D], keys
+// bias [R / per, S] (row r: bias row r / per) + q [R, D] . k [S, D], and
+// out [R, D] = p [R, S] @ v [S, D], keys
 // and values stored as `kind` (0 float32, 1 float16, 2 bfloat16), D a
 // multiple of 16 up to 256. False, doing nothing, where the path has none
 // (the caller runs the same arithmetic in plain loops).
@@ -43,7 +44,8 @@ bool swiglu(const float* a, const float* b, float* out, int n);
 inline bool masked_key(float bias) {
   return bias == -std::numeric_limits<float>::max() || bias == -std::numeric_limits<float>::infinity();
 }
-bool attend_scores(const float* q, int R, int D, const void* k, int kind, int S, const float* bias, float* out);
+bool attend_scores(const float* q, int R, int D, const void* k, int kind, int S, const float* bias, int per,
+                   float* out);
 bool attend_values(const float* p, int R, int S, const void* v, int kind, int D, float* out);
 
 // fn(ctx, i) for i in [0, count) on qmm's thread pool (the caller and its
