@@ -133,17 +133,30 @@ class FullCache(StaticKVCache):
         return FullCache.apply(False, kbuf, vbuf, keys, values, writes)
 
     @staticmethod
-    def verify_commit(kbuf, vbuf, writes, rejected, strip, size):
+    def verify_commit(kbuf, vbuf, writes, rejected, strip, size, realign=None):
         """Right-align each row again after a verify window: row r's last
         ``rejected[r]`` columns (refused drafts) fall off its end, and the
-        ``strip`` columns every live row holds as left padding are dropped."""
+        ``strip`` columns every live row holds as left padding are dropped.
+        A bucket of one row moves nothing: its write column steps back over
+        the refused drafts instead (:meth:`advance_verify`), which the next
+        writes overwrite; a realignment would copy every column of every layer.
+        ``realign(array, delta)``: one array moved as :func:`realign_rows`
+        moves it (the native kernel's, in place; default: MLX's gather)."""
+        if first(kbuf).shape[0] == 1:
+            return kbuf, vbuf
         delta = rejected - strip  # [Bk] columns each row moves right
-        return realign_rows(kbuf, delta), realign_rows(vbuf, delta)
+        if realign is None:
+            return realign_rows(kbuf, delta), realign_rows(vbuf, delta)
+        return each(lambda a: realign(a, delta), kbuf), each(lambda a: realign(a, delta), vbuf)
 
     def advance_verify(self, plan: StepPlan, valid: np.ndarray):
         """Host bookkeeping of :meth:`verify_commit` (``valid[r]``: tokens row r kept)."""
         valid = self.rows.consume(plan.length, valid)
-        lp = self.rows.left_padding + (plan.length - valid)
+        rejected = plan.length - valid
+        if self.width == 1:  # nothing moved: the refused columns are the next ones written
+            self.rows.time -= int(rejected[0]) if self.n else 0
+            return
+        lp = self.rows.left_padding + rejected
         strip = int(lp.min()) if self.n else 0
         self.rows.left_padding = lp - strip
         self.rows.time -= strip

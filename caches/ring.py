@@ -99,9 +99,10 @@ class RingCache(StaticKVCache):
         return k_att, v_att, k_att, v_att
 
     @staticmethod
-    def verify_commit(katt, vatt, writes, rejected, strip, size):
+    def verify_commit(katt, vatt, writes, rejected, strip, size, realign=None):
         """Commit only each row's accepted columns of the ``W + L`` window: a
-        refused draft never overwrote anything, so rollback is exact after a wrap."""
+        refused draft never overwrote anything, so rollback is exact after a wrap
+        (``realign``: unused, a ring's commit is a gather of its own)."""
         first = writes[2]
         return ring_commit(katt, rejected, first, size), ring_commit(vatt, rejected, first, size)
 

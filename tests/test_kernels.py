@@ -609,3 +609,27 @@ def test_every_source_the_build_reads_ships_in_the_package():
     needed = [p.name for p in kernels.SOURCES + kernels.HEADERS] + [Path(blas.__file__).with_name("blas_shim.c").name]
     missing = [n for n in needed if not any(fnmatch.fnmatch(n, pat) for pat in patterns)]
     assert not missing, missing
+
+
+@pytest.mark.skipif(K is None, reason="native kernels unavailable")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16, mx.uint32])
+def test_realign_moves_columns_as_the_gather_does(dtype):
+    """``realign`` (the verify step's right-alignment of a full cache) is
+    realign_rows' gather bit for bit: deltas right, left, zero and past the
+    capacity; in place inside a graph (a fresh intermediate) and copied when
+    the caller still holds the buffer (which must stay as it was)."""
+    from mlx_tracer.caches.writes import realign_rows
+
+    B, H, C, W = 5, 3, 24, 8
+    buf = (mx.random.uniform(shape=(B, H, C, W)) * 1000).astype(dtype)
+    delta = mx.array([0, 3, -2, 25, -49], dtype=mx.int32)
+    want = realign_rows(buf, delta)
+    before = mx.array(buf)
+    held = K.realign(buf, delta)  # the caller keeps `buf`: a copy
+    inter = K.realign(buf + mx.zeros_like(buf), delta)  # an intermediate: moved in place
+    compiled = mx.compile(lambda b, d: K.realign(b * 1, d))(buf, delta)
+    for got in (held, inter, compiled):
+        assert got.dtype == dtype and mx.array_equal(got, want).item()
+    assert mx.array_equal(buf, before).item()
+    with pytest.raises(ValueError, match="delta must be int32"):
+        K.realign(buf, delta.astype(mx.int64))

@@ -1350,6 +1350,61 @@ class CacheWrite : public Kernel {
   int part_, bits_, group_;
 };
 
+// The realignment after a verify window (caches/writes.py realign_rows):
+// buf [B, H, C, W] (any dtype) with row b's columns moved right by delta[b]
+// (left when negative; what falls off one end comes back at the other):
+// out[b, h, c] = buf[b, h, (c - delta[b]) mod C], the gather mx.take_along_axis
+// makes, bit for bit. In place where MLX may donate the buffer (as
+// CacheWrite), and then a row whose delta is 0 mod C is not touched: after a
+// verify step where every row kept as many tokens, nothing moves. Else into a
+// fresh buffer, two copies a block. (MLX's CPU gather moved one element at a
+// time: 16 % of a bucket-4 verify step on SmolLM2.)
+class Realign : public Kernel {
+ public:
+  using Kernel::Kernel;
+  void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
+    const array& buf = in[0];
+    const array delta = dense(in[1]);
+    array& out = outputs[0];
+    const bool fits = buf.flags().row_contiguous && buf.buffer_size() == out.nbytes();
+    while (fits && !buf.is_donatable() && mx::scheduler::n_active_tasks() > 0) {
+      mx::scheduler::wait_for_one();
+    }
+    const bool in_place = fits && buf.is_donatable();
+    const array src = in_place ? buf : dense(buf);
+    if (in_place) {
+      out.copy_shared_buffer(buf);
+    } else {
+      out.set_data(mx::allocator::malloc(out.nbytes()));
+    }
+    run([src = src.data<char>(), dst = out.data<char>(), d = delta.data<int32_t>(), B = out.shape(0),
+         H = out.shape(1), C = out.shape(2), row = size_t(out.shape(3)) * out.itemsize(), in_place]() {
+      const size_t block = size_t(C) * row;
+      thread_local std::vector<char> tmp;
+      for (int b = 0; b < B; ++b) {
+        const int shift = ((d[b] % C) + C) % C;  // out column c holds column c - shift
+        for (int h = 0; h < H; ++h) {
+          const size_t at = (size_t(b) * H + h) * block;
+          if (shift == 0) {
+            if (!in_place) std::memcpy(dst + at, src + at, block);
+            continue;
+          }
+          const char* from = src + at;
+          if (in_place) {
+            tmp.assign(from, from + block);
+            from = tmp.data();
+          }
+          std::memcpy(dst + at + size_t(shift) * row, from, size_t(C - shift) * row);
+          std::memcpy(dst + at, from + size_t(C - shift) * row, size_t(shift) * row);
+        }
+      }
+    });
+  }
+  const char* name() const override {
+    return "TracerRealign";
+  }
+};
+
 // A decoder layer from its attention to the MLP's activation:
 //   o = attention(q, k, v, bias), a = o @ w_o (+ b_o)
 //   h_mid = h + a, x = rms_norm(h_mid), act = swiglu(x @ w_gu (+ b_gu))
@@ -1552,6 +1607,15 @@ array cache_write(const array& buf, const array& upd, const array& col) {
   return array::make_arrays({buf.shape()}, {buf.dtype()}, std::make_shared<CacheWrite>(cpu_stream()), {buf, upd, col})[0];
 }
 
+// caches/writes.py realign_rows on the kernels: buf [B, H, C, W] with row b's
+// columns moved right by delta[b] (int32 [B]); Realign says how.
+array realign(const array& buf, const array& delta) {
+  need(buf.ndim() == 4, "realign needs buf [B, H, C, W], got " + shape_of(buf));
+  need(delta.dtype() == mx::int32 && delta.ndim() == 1 && delta.shape(0) == buf.shape(0),
+       "realign: delta must be int32 [B] for buf " + shape_of(buf) + ", got " + shape_of(delta));
+  return array::make_arrays({buf.shape()}, {buf.dtype()}, std::make_shared<Realign>(cpu_stream()), {buf, delta})[0];
+}
+
 // One array of a quantized buffer (part "packed": uint32 [B, H, S, D bits /
 // 32]; "scales" / "biases": float32 [B, H, S, D / group]) with new [B, H, 1, D]
 // float32 quantized into column col, as mx.quantize and mx.slice_update write it.
@@ -1671,6 +1735,7 @@ NB_MODULE(_mlx_tracer_kernels, m) {
         nb::arg("part"), nb::arg("bits"), nb::arg("group_size"));
   m.def("layer_mid", &layer_mid, nb::arg("inputs"), nb::arg("eps"), nb::arg("contract") = "exact");
   m.def("inputs", &inputs_of, nb::arg("kernel"));
+  m.def("realign", &realign, nb::arg("buf"), nb::arg("delta"));
   m.def("cache_writes", &cache_writes);
   m.def("kv_isa", &kv_isa, "the path layer_mid reads packed K/V on: avx2 or portable (the same bits)");
   m.def("kv_set_isa", &kv_set_isa, nb::arg("name"), "use that path from now on (portable where the CPU lacks it); returns the one in use");

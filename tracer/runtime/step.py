@@ -387,8 +387,11 @@ class CompiledModel:
             for family in masks:  # per family: left padding every live row holds afterwards
                 g = family.geometry
                 strips.append(mx.min(mx.where(g.live, g.first_valid + rejected, 2**30)))
+            native = kernels.load()
+            realign = None if native is None else native.realign  # in place, rows that keep their columns untouched
             new_kv = [
-                layout.cache_class.verify_commit(c.keys, c.values, plans[f][1], rejected, strips[f], columns(k))
+                layout.cache_class.verify_commit(c.keys, c.values, plans[f][1], rejected, strips[f], columns(k),
+                                                 realign=realign)
                 for layout, f, c, (k, _) in zip(self.layout, self.layout.family_of, layer_caches, kv)
             ]
             return out, new_kv
