@@ -423,7 +423,8 @@ def _events(model, **kw):
     """Each request's (token, log-probability) pairs, as _run schedules them."""
     if "speculative" in kw:
         kw.setdefault("spec_policy", "always")
-    eng = Engine(model, buckets=(1, 2, 4), prefill_chunks=(8, 16), **kw)
+    kw.setdefault("prefill_chunks", (8, 16))
+    eng = Engine(model, buckets=(1, 2, 4), **kw)
     uids = [eng.add(p, max_tokens=24) for p in PROMPTS[:3]]
     out = {u: [] for u in uids}
     for ev in eng.run():
@@ -477,3 +478,38 @@ def test_verify_windows_on_packed_weights_judge_the_plain_steps_logits_bit_for_b
     spec, eng = _events(cm, speculative="prompt-lookup", draft_tokens=4)
     assert eng.stats.verify_steps > 0 and eng.stats.accepted > 0
     assert spec == plain  # tokens and float log-probabilities, exactly
+
+
+def test_verify_windows_stay_within_the_rows_that_keep_decode_bits(kernel_paths):
+    """qmm's exact contract sums a row alike up to ``qmm_tile_rows()`` rows
+    (sgemm panels above): long drafts in a wide bucket are verified in
+    windows cut to fit (bucket x window <= 64), with decode's bits."""
+    from mlx_tracer.loading.weights import apply_format
+
+    from .test_quantized import quantized_tiny
+
+    kernel_paths("vector", "avx512")
+    model = quantized_tiny("llama", 32, 4)
+    apply_format(model, "quantized")
+    cm = CompiledModel(model)
+    assert cm.verify_rows == kernels_module().qmm_tile_rows() == 64
+    plain, _ = _events(cm, prefill_chunks=(8, 32))
+    spec, eng = _events(cm, speculative="prompt-lookup", draft_tokens=30, prefill_chunks=(8, 32))
+    verify = [k for k in cm.traces if k.kind == "verify"]
+    assert verify and max(k.width * k.length for k in verify) <= 64 < 4 * 31
+    assert any(k.width == 4 for k in verify)  # the wide bucket verified too, in a shorter window
+    assert spec == plain
+
+
+def test_the_speculator_cuts_windows_to_max_rows():
+    from mlx_tracer.runtime.speculator import Speculator
+
+    s = Speculator(PromptLookup(), 8, "always", max_rows=12)
+    assert [s.longest(w) for w in (1, 2, 4, 8, 16)] == [9, 6, 3, 1, 0]
+    assert Speculator(PromptLookup(), 8, "always").longest(16) == 9
+
+
+def kernels_module():
+    from mlx_tracer.backend import kernels
+
+    return kernels.load()

@@ -564,6 +564,9 @@ void register_qmm(nb::module_& m) {
         "(nanoseconds, calls) in the qmm primitive's tasks since the last call (MLX_TRACER_KERNEL_PROFILE=1)");
   m.def("qmm_isa", [] { return std::string(path().name); }, "qmm's kernels in use: avx512, avx2 or portable");
   m.def("qmm_set_isa", &set_isa, nb::arg("name"), "Use that ISA path from now on (the best one the CPU has if it lacks it); returns the one in use");
+  m.def("qmm_tile_rows", [] { return kSmallMaxM; },
+        "the most x rows the exact contract multiplies in tiles (a row's bits the same at every M up to it; "
+        "dequantized panels and sgemm above)");
   m.def("qmm_threads", [] { return Pool::the().threads(); });
   m.def("qmm_set_threads", [](int n) { Pool::the().set_threads(n); }, nb::arg("n"));
 }

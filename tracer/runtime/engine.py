@@ -138,7 +138,8 @@ class Engine:
         self.scheduler = Scheduler(options.buckets, options.prefill_chunks, self.compiled.vocab_size,
                                    self.compiled.max_positions, batched, self.compiled.context_length, rng=rng,
                                    lookahead=options.draft_tokens)
-        self.speculator = Speculator(drafter, options.draft_tokens, options.spec_policy) if drafter else None
+        self.speculator = (Speculator(drafter, options.draft_tokens, options.spec_policy,
+                                      max_rows=self.compiled.verify_rows) if drafter else None)
         self.on_retire = on_retire
         self.prefixes = PrefixReuse(prefix_cache) if prefix_cache is not None else None
         self.batch = RunningBatch(self.compiled, options.buckets, EngineStats())

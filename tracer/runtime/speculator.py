@@ -70,6 +70,10 @@ class Speculator:
         policy: ``"auto"`` (a verify step when it is expected to pay, in the
             window expected to pay most) or ``"always"`` (whenever some row
             has a draft, in windows of ``k + 1``: to measure or test).
+        max_rows: the most rows (bucket width x window) a verify step may
+            take, or None: windows are shortened to fit, and a bucket too wide
+            for a window of 2 does not speculate (``CompiledModel.verify_rows``:
+            past it a verify row would not have its decode step's bits).
 
     After :meth:`drafts` returned drafts, :attr:`window` is the verify window
     they are for.
@@ -77,8 +81,9 @@ class Speculator:
 
     POLICIES = SPEC_POLICIES
 
-    def __init__(self, drafter, k: int, policy: str = "auto"):
+    def __init__(self, drafter, k: int, policy: str = "auto", max_rows: Optional[int] = None):
         self.drafter, self.k, self.policy = drafter, k, policy  # checked by options.check_engine_options
+        self.max_rows = max_rows
         self.windows = sorted({L for L in WINDOWS if L <= k + 1} | {k + 1}) if policy == "auto" else [k + 1]
         self.window = k + 1
         # ("decode", width) -> smoothed seconds per plain step (pipelined as the engine runs them);
@@ -99,14 +104,20 @@ class Speculator:
         """A row that left the batch."""
         self.rows.pop(uid, None)
 
-    def _caps(self, rows: Sequence[Request]) -> List[int]:
+    def longest(self, width: int) -> int:
+        """The longest verify window at bucket ``width``: ``k + 1``, or what
+        ``max_rows`` leaves (below 2: no verify step at that width)."""
+        return self.k + 1 if self.max_rows is None else min(self.k + 1, self.max_rows // width)
+
+    def _caps(self, rows: Sequence[Request], width: int) -> List[int]:
         # the budget's last token needs no draft
-        return [max(0, min(self.row(r.uid).draft_len, self.k, r.budget - 1)) for r in rows]
+        most = self.longest(width) - 1
+        return [max(0, min(self.row(r.uid).draft_len, most, r.budget - 1)) for r in rows]
 
     def drafts(self, rows: Sequence[Request], width: int) -> Optional[List[List[int]]]:
         """Each row's drafts for the next verify step (at most ``window - 1``
         each), or None for a plain step."""
-        ks = self._caps(rows)
+        ks = self._caps(rows, width)
         if not any(ks) or self._choose(rows, ks, width) is None:
             return None
         out, matches = self._propose(rows, ks)
@@ -139,7 +150,7 @@ class Speculator:
         rows' draft lengths and acceptance only): the engine keeps plain
         steps pipelined while it cannot. With a drafter that says it is
         ``cheap`` (prompt lookup), its drafts are looked at too."""
-        ks = self._caps(rows)
+        ks = self._caps(rows, width)
         if not any(ks) or self._choose(rows, ks, width) is None:
             return False
         if not self.cheap:
@@ -159,15 +170,20 @@ class Speculator:
     def _choose(self, rows, ns, width, matches=None) -> Optional[int]:
         """The window expected to emit the most tokens per second, or None
         when a plain step is expected to emit more."""
-        longest = min(max(ns) + 1, self.k + 1)
+        cap = self.longest(width)
+        if cap < 2:
+            return None
+        longest = min(max(ns) + 1, cap)
         if self.policy == "always":
-            return self.k + 1
+            return cap
         decode = self.step_s.get(("decode", width))
         if decode is None:  # measure a plain step first
             return None
         rates = [self._share(self.row(r.uid), matches[i] if matches else None) for i, r in enumerate(rows)]
         best, best_rate = None, 0.0
         for L in self.windows:  # the window expected to pay most (a length not measured yet: priced optimistically)
+            if L > cap:
+                break
             rate = sum(1 + p * min(n, L - 1) for p, n in zip(rates, ns)) / self.cost(width, L, EXPLORE)
             if rate > best_rate:
                 best, best_rate = L, rate

@@ -183,6 +183,20 @@ class CompiledModel:
         ``rows`` empty live rows."""
         return self.layout.new_caches(width, rows, self.capacities, capacity)
 
+    @property
+    def verify_rows(self) -> Optional[int]:
+        """The most rows (bucket x window) a verify step may multiply while
+        each keeps the bits of the decode step at its position, or None
+        (no limit): qmm's exact contract sums a row alike up to
+        ``qmm_tile_rows()`` rows (64) and in sgemm panels above; its fast
+        contract, the BLAS and MLX's ops at any count."""
+        b = self.lean.binding if self.lean is not None and self.lean.active else None
+        if b is None or b.contract != "exact":
+            return None
+        groups = [g for s in b.layers for g in s.groups().values()] + ([b.head] if b.head is not None else [])
+        packed = any(getattr(run, "kernel", None) is not None for g in groups for run in getattr(g, "runs", [g]))
+        return kernels.load().qmm_tile_rows() if packed else None
+
     # ---------------------------------------------------------------- traces
     @property
     def trace_count(self) -> int:
