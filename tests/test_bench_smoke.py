@@ -244,3 +244,29 @@ def test_the_roofline_divides_by_the_cores_peak_not_one_gemms_rate():
     costs = {"weight_bytes": 1e3, "params": 1e9, "kv_bytes_per_pos": 64}  # FLOP-bound: 2 GFLOP a token
     slow, fast = Machine({1 << 20: 100.0}, 10.0, 10.0), Machine({1 << 20: 100.0}, 10.0, 1000.0)
     assert roofline_tps(costs, layouts, fast, 8, 128) > 50 * roofline_tps(costs, layouts, slow, 8, 128)
+
+
+def test_bench_spec_table_per_bucket(tmp_path, capsys):
+    """``--spec``: plain decode against prompt lookup on SmolLM2 per bucket,
+    printed and in the JSON (speedup, acceptance, tokens per verify step,
+    verify/decode step cost per window); the two systems' greedy tokens are
+    compared inside (a difference raises)."""
+    from .helpers import model_present
+
+    if not model_present():
+        pytest.skip("SmolLM2 GGUF not present: run `mlx-tracer fetch` (or ./dev setup)")
+    out_json = tmp_path / "s.json"
+    rc = main(["bench", "--models", "llama-h32", "--buckets", "1,2", "--contexts", "16", "--tokens", "12", "--runs", "1",
+               "--steady-steps", "0", "--no-baseline", "--no-peer", "--weights", "quantized", "--spec",
+               "--spec-draft-tokens", "3", "--json", str(out_json)])
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert bench.SPEC_HEADER in table and "quotes its prompt" in table and "free text" in table
+    spec = json.loads(out_json.read_text())["meta"]["speculative"]
+    assert spec["draft_tokens"] == 3 and spec["drafter"] == "prompt-lookup"
+    rows = spec["rows"]
+    assert [(r["workload"], r["bucket"]) for r in rows] == [("quotes its prompt", 1), ("quotes its prompt", 2),
+                                                            ("free text", 1), ("free text", 2)]
+    for r in rows:
+        assert r["plain_tps"] > 0 and r["spec_tps"] > 0 and r["speedup"] == r["spec_tps"] / r["plain_tps"]
+        assert 0 <= r["acceptance"] <= 1 and all(c > 0 for c in r["verify_over_decode"].values())

@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-peer", dest="peer", action="store_false", help="skip the llama.cpp column")
     b.add_argument("--busy", type=opt.non_negative_int, default=0,
                    help="start N busy processes beside the run (the contended-machine scenario)")
+    b.add_argument("--spec", action="store_true",
+                   help="also time speculative decoding (prompt lookup) against plain decode on the SmolLM2 entry, "
+                        "per bucket: speedup, acceptance, tokens per verify step, verify/decode step cost")
+    b.add_argument("--spec-draft-tokens", type=opt.positive_int, default=4, metavar="K",
+                   help="drafts per row and verify step for --spec (default 4)")
     b.add_argument("--json", help="write the results as JSON")
     b.add_argument("--plot", help="write tokens/s vs bucket as PNG")
     b.set_defaults(func=tools.benchmark)

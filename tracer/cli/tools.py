@@ -80,7 +80,24 @@ def _bench_tables(args, conditions) -> dict:
         )
     meta = {"tokens": args.tokens, "runs": args.runs, "blas": blas.status().note, "peer": peer_meta,
             "peak_memory": bench.PEAK_MEMORY}
+    if args.spec:
+        meta["speculative"] = _spec_table(args)
     return {"machine": machine, "rows": rows, "steady": steady, "meta": meta}
+
+
+def _spec_table(args) -> dict:
+    """``--spec``: plain decode against prompt lookup per bucket (bench.speculative), printed as it runs."""
+    from .. import bench
+    from ..generator import Generator
+
+    log(f"speculative decoding: prompt lookup, k = {args.spec_draft_tokens}, buckets {list(args.buckets)}, "
+        f"{args.tokens} tokens x {args.runs} runs, greedy, the auto policy")
+    plain = Generator.load(args.model, weights=args.weights, progress=False)
+    print(bench.SPEC_HEADER, flush=True)
+    rows = bench.spec_rows(plain, args.buckets, args.spec_draft_tokens, args.tokens, args.runs,
+                           on_row=lambda r: print(bench.format_spec_row(r), flush=True))
+    return {"draft_tokens": args.spec_draft_tokens, "policy": "auto", "drafter": "prompt-lookup",
+            "rows": [r.as_dict() for r in rows]}
 
 
 def _peer_for(bench, peer, name: str, path, label: str):
