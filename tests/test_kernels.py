@@ -625,8 +625,14 @@ def test_realign_moves_columns_as_the_gather_does(dtype):
     delta = mx.array([0, 3, -2, 25, -49], dtype=mx.int32)
     want = realign_rows(buf, delta)
     before = mx.array(buf)
+    mx.eval(buf, before, want)
+    in_place0, copied0 = K.realigns()
     held = K.realign(buf, delta)  # the caller keeps `buf`: a copy
+    mx.eval(held)
+    assert K.realigns() == (in_place0, copied0 + 1)
     inter = K.realign(buf + mx.zeros_like(buf), delta)  # an intermediate: moved in place
+    mx.eval(inter)
+    assert K.realigns() == (in_place0 + 1, copied0 + 1)
     compiled = mx.compile(lambda b, d: K.realign(b * 1, d))(buf, delta)
     for got in (held, inter, compiled):
         assert got.dtype == dtype and mx.array_equal(got, want).item()

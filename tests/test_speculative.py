@@ -484,6 +484,7 @@ def test_verify_windows_stay_within_the_rows_that_keep_decode_bits(kernel_paths)
     """qmm's exact contract sums a row alike up to ``qmm_tile_rows()`` rows
     (sgemm panels above): long drafts in a wide bucket are verified in
     windows cut to fit (bucket x window <= 64), with decode's bits."""
+    from mlx_tracer.backend import kernels
     from mlx_tracer.loading.weights import apply_format
 
     from .test_quantized import quantized_tiny
@@ -492,7 +493,7 @@ def test_verify_windows_stay_within_the_rows_that_keep_decode_bits(kernel_paths)
     model = quantized_tiny("llama", 32, 4)
     apply_format(model, "quantized")
     cm = CompiledModel(model)
-    assert cm.verify_rows == kernels_module().qmm_tile_rows() == 64
+    assert cm.verify_rows == kernels.load().qmm_tile_rows() == 64
     plain, _ = _events(cm, prefill_chunks=(8, 32))
     spec, eng = _events(cm, speculative="prompt-lookup", draft_tokens=30, prefill_chunks=(8, 32))
     verify = [k for k in cm.traces if k.kind == "verify"]
@@ -507,9 +508,3 @@ def test_the_speculator_cuts_windows_to_max_rows():
     s = Speculator(PromptLookup(), 8, "always", max_rows=12)
     assert [s.longest(w) for w in (1, 2, 4, 8, 16)] == [9, 6, 3, 1, 0]
     assert Speculator(PromptLookup(), 8, "always").longest(16) == 9
-
-
-def kernels_module():
-    from mlx_tracer.backend import kernels
-
-    return kernels.load()

@@ -228,6 +228,12 @@ class Binding:
     contract: str = "exact"  # qmm's, for every quantized group
 
     @property
+    def uses_qmm(self) -> bool:
+        """Whether some projection or the head runs on the native quantized matmul."""
+        groups = [g for s in self.layers for g in s.groups().values()] + ([self.head] if self.head is not None else [])
+        return any(run.kernel is not None for g in groups for run in getattr(g, "runs", [g]))
+
+    @property
     def activation_dtype(self):
         """The residual stream's dtype (what the embedding returns)."""
         return _embedding_dtype(self.embed)

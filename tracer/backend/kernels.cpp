@@ -82,6 +82,8 @@ constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 
 // Cache buffers cache_write wrote in place / into a copy (cache_writes()).
 std::atomic<uint64_t> g_donated{0}, g_copied{0};
+// Buffers realign moved in place / into a copy (realigns()).
+std::atomic<uint64_t> g_realigned_in_place{0}, g_realigned_copied{0};
 
 // Where a layer's time goes (MLX_TRACER_KERNEL_PROFILE=1; off: one branch a
 // phase): nanoseconds and calls per phase, read and reset by profile().
@@ -1371,6 +1373,7 @@ class Realign : public Kernel {
       mx::scheduler::wait_for_one();
     }
     const bool in_place = fits && buf.is_donatable();
+    ++(in_place ? g_realigned_in_place : g_realigned_copied);
     const array src = in_place ? buf : dense(buf);
     if (in_place) {
       out.copy_shared_buffer(buf);
@@ -1669,6 +1672,10 @@ std::vector<std::pair<std::string, bool>> inputs_of(const std::string& kernel) {
 }
 
 // (in place, copied): how often cache_write wrote a buffer in place and into a copy.
+std::pair<uint64_t, uint64_t> realigns() {
+  return {g_realigned_in_place.load(), g_realigned_copied.load()};
+}
+
 std::pair<uint64_t, uint64_t> cache_writes() {
   return {g_donated.load(), g_copied.load()};
 }
@@ -1736,6 +1743,7 @@ NB_MODULE(_mlx_tracer_kernels, m) {
   m.def("layer_mid", &layer_mid, nb::arg("inputs"), nb::arg("eps"), nb::arg("contract") = "exact");
   m.def("inputs", &inputs_of, nb::arg("kernel"));
   m.def("realign", &realign, nb::arg("buf"), nb::arg("delta"));
+  m.def("realigns", &realigns, "(in place, copied): buffers realign has moved so far");
   m.def("cache_writes", &cache_writes);
   m.def("kv_isa", &kv_isa, "the path layer_mid reads packed K/V on: avx2 or portable (the same bits)");
   m.def("kv_set_isa", &kv_set_isa, nb::arg("name"), "use that path from now on (portable where the CPU lacks it); returns the one in use");

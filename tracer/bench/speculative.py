@@ -17,7 +17,6 @@ notebook.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Sequence
 
@@ -86,12 +85,9 @@ def spec_rows(plain, buckets: Sequence[int] = (1, 4), k: int = 4, tokens: int = 
             for rep in range(reps + 1):  # the first run traces and builds kernels
                 for label, gen in (("plain", plain), ("spec", spec)):
                     gen.engine.reset_stats()
-                    t0 = time.perf_counter()
                     res = gen.batch_generate(batch, max_tokens=tokens)
                     if rep:
-                        st = gen.stats
-                        times[label].append(st.decode_tokens / st.decode_s if st.decode_s else
-                                            st.decode_tokens / (time.perf_counter() - t0))
+                        times[label].append(gen.stats.decode_tps)
                     outs[label] = [c.tokens for c in res]
             if outs["plain"] != outs["spec"]:
                 raise SpeculationChangedTokens(f"speculative decoding changed greedy tokens ({name}, bucket {B})")

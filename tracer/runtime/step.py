@@ -191,11 +191,9 @@ class CompiledModel:
         ``qmm_tile_rows()`` rows (64) and in sgemm panels above; its fast
         contract, the BLAS and MLX's ops at any count."""
         b = self.lean.binding if self.lean is not None and self.lean.active else None
-        if b is None or b.contract != "exact":
+        if b is None or b.contract != "exact" or not b.uses_qmm:
             return None
-        groups = [g for s in b.layers for g in s.groups().values()] + ([b.head] if b.head is not None else [])
-        packed = any(getattr(run, "kernel", None) is not None for g in groups for run in getattr(g, "runs", [g]))
-        return kernels.load().qmm_tile_rows() if packed else None
+        return kernels.load().qmm_tile_rows()
 
     # ---------------------------------------------------------------- traces
     @property
