@@ -114,6 +114,20 @@ def test_float16_scales_are_widened_not_computed_in_float16():
     assert np.array_equal(got, in_f32) and not np.array_equal(got, in_f16)
 
 
+@pytest.mark.parametrize("isa", PATHS, indirect=True)
+@pytest.mark.parametrize("contract", ["exact", "fast"])
+@pytest.mark.parametrize("group,bits", [(32, 8), (32, 4), (64, 4)])
+def test_scales_read_in_place_or_widened_give_the_same_bits(isa, contract, group, bits):
+    """float32 scales are read where they lie (group 32: every contract; a
+    quantized embedding's head or Q4_K's blocks), float16 ones widened: the
+    same values give the same bits either way."""
+    w, s, b = quantized(300, 576, group, bits, mx.float16, seed=3)
+    x = mx.random.normal((2, 576), key=mx.random.key(4))
+    for M in (1, 2):
+        got = K.qmm(x[:M], w, s.astype(mx.float32), b.astype(mx.float32), group, bits, contract=contract)
+        assert mx.array_equal(got, K.qmm(x[:M], w, s, b, group, bits, contract=contract)).item()
+
+
 @pytest.mark.parametrize("M", [3, 40])
 def test_strided_views_read_as_their_dense_copies(M):
     Kd, group, bits = 128, 32, 4

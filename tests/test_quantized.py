@@ -94,6 +94,56 @@ def test_greedy_tokens_equal_mlx_lm_eager_on_the_quantized_model(family, group_s
         assert engine_tokens(engine, PROMPTS, 10) == got
 
 
+def tied_quantized_llama(scales):
+    """A tiny llama whose output head is its quantized embedding (as SmolLM2's file), quantized_tiny's way."""
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=101,
+                           tie_word_embeddings=True)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    nn.quantize(model, group_size=32, bits=4)
+    for _, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            m.scales, m.biases = m.scales.astype(scales), m.biases.astype(scales)
+    return float32_activations(model)
+
+
+@pytest.mark.parametrize("scales", [mx.float16, mx.bfloat16])
+def test_the_embedding_keeps_its_stored_scales_and_gives_float32_rows_and_head(scales):
+    """The quantized format keeps a quantized embedding's scales as stored (the
+    tied head streams them every step) and widens them as it reads: rows and
+    head products equal those of float32 copies of the scales, bit for bit,
+    on MLX's ops and on qmm."""
+    model = tied_quantized_llama(scales)
+    e = model.model.embed_tokens
+    assert e.scales.dtype == scales and e.biases.dtype == scales
+    s32, b32 = e.scales.astype(mx.float32), e.biases.astype(mx.float32)
+    ids = mx.array([[0, 5, 3, 100]])
+    rows = e(ids)
+    assert rows.dtype == mx.float32
+    assert mx.array_equal(rows, mx.dequantize(e.weight[ids], s32[ids], b32[ids], group_size=32, bits=4)).item()
+    x = mx.random.normal((3, 64), key=mx.random.key(1))
+    want = mx.quantized_matmul(x, e.weight, s32, b32, transpose=True, group_size=32, bits=4)
+    assert mx.array_equal(e.as_linear(x), want).item()
+    cm = CompiledModel(model, fuse=True)
+    head = cm.lean.binding.head
+    assert head is not None and head.p["scales"].dtype == scales  # no float32 copy for the head to stream
+    if K is not None:
+        assert head.kernel is not None
+        for contract in ("exact", "fast"):
+            head.contract = contract
+            ref = K.qmm(x, e.weight, s32, b32, 32, 4, contract=contract)
+            assert mx.array_equal(head(x), ref).item(), contract
+        head.contract = "exact"
+    ops = CompiledModel(model, fuse=True)
+    ops.lean.use_kernels(None)
+    assert mx.array_equal(ops.lean.binding.logits(x), want).item()  # MLX's ops: the widened scales' matmul
+    tokens, _ = eager_greedy(model, PROMPTS[0], 6)
+    assert engine_tokens(Engine(cm, buckets=(1, 2)), [PROMPTS[0]], 6) == [tokens]
+
+
 def test_logits_stay_within_the_contract_of_mlx_lm():
     """The logits of a compiled decode equal mlx-lm's up to the summation order
     and MLX's float16 rounding of dequantized weights (mx.quantized_matmul

@@ -41,7 +41,44 @@ import mlx.nn as nn
 
 from .qualify import ARRAYS, SUMMED, runs, table_rope
 
-QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding, nn.QuantizedAllToShardedLinear, nn.QuantizedShardedToAllLinear)
+
+
+class Float32RowsEmbedding(nn.QuantizedEmbedding):
+    """A quantized embedding whose rows and tied-head products are float32,
+    its scales and biases kept as stored (float16 in GGUF and mlx-lm files).
+
+    Each lookup widens the gathered rows' scales and biases to float32 before
+    dequantizing (exact: float16 and bfloat16 widen without rounding), so a row
+    is ``scale * q + bias`` computed in float32, the residual stream float32;
+    as the tied output head it is the same matmul on the widened scales (the
+    native ``qmm`` widens them itself, as it reads them). The same values as
+    casting the module's scales to float32 once, but the head streams half the
+    scale bytes each step (SmolLM2: 3.5 MB instead of 7 of its 35) and holds
+    no float32 copy. :func:`widen_rows` turns a ``QuantizedEmbedding`` into one
+    in place."""
+
+    def __call__(self, x):
+        biases = self.get("biases")
+        return mx.dequantize(self["weight"][x], scales=self["scales"][x].astype(mx.float32),
+                             biases=biases[x].astype(mx.float32) if biases is not None else None,
+                             group_size=self.group_size, bits=self.bits, mode=self.mode)
+
+    def as_linear(self, x):
+        biases = self.get("biases")
+        return mx.quantized_matmul(x, self["weight"], scales=self["scales"].astype(mx.float32),
+                                   biases=biases.astype(mx.float32) if biases is not None else None,
+                                   transpose=True, group_size=self.group_size, bits=self.bits, mode=self.mode)
+
+
+def widen_rows(e: nn.QuantizedEmbedding) -> nn.QuantizedEmbedding:
+    """``e`` as a :class:`Float32RowsEmbedding`, in place (its arrays untouched); returns it."""
+    if type(e) is nn.QuantizedEmbedding:
+        e.__class__ = Float32RowsEmbedding
+    return e
+
+
+QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding, Float32RowsEmbedding, nn.QuantizedAllToShardedLinear,
+             nn.QuantizedShardedToAllLinear)
 QMM_BITS, QMM_GROUPS = (4, 8), (32, 64, 128)
 QMM_SCALES = (mx.float16, mx.bfloat16, mx.float32)
 CONTRACT_ATTR = "mlx_tracer_qmm_contract"  # a model attribute: qmm's contract ("exact" when absent, or "fast")
@@ -121,6 +158,8 @@ class LinearGroup:
             group_size, bits, _ = self.quant
             y = self.kernel(x.reshape(-1, x.shape[-1]), p["weight"], p["scales"], p["biases"], group_size=group_size,
                             bits=bits, contract=self.contract).reshape(*x.shape[:-1], -1)
+        elif type(self.mods[0]) is Float32RowsEmbedding:  # its own float32 arithmetic
+            y = self.mods[0].as_linear(x)
         else:
             group_size, bits, mode = self.quant
             y = mx.quantized_matmul(x, p["weight"], scales=p["scales"], biases=p.get("biases"), transpose=True,
@@ -260,6 +299,8 @@ class Binding:
 
 
 def _embedding_dtype(e):
+    if isinstance(e, Float32RowsEmbedding):
+        return mx.float32
     return e.scales.dtype if isinstance(e, nn.QuantizedEmbedding) else e.weight.dtype
 
 
@@ -293,7 +334,8 @@ def bind(model, qmm=None) -> Binding:
         watch += [(layer, "input_layernorm", layer.input_layernorm), (layer, "post_attention_layernorm", layer.post_attention_layernorm)]
         watch += [(attn, k, attn[k]) for k in ("q_norm", "k_norm") if k in attn]
     head_module = inner.embed_tokens if tied else model.lm_head
-    head_types = (nn.Linear, nn.Embedding) + ((nn.QuantizedLinear, nn.QuantizedEmbedding) if qmm is not None else ())
+    head_types = (nn.Linear, nn.Embedding) + ((nn.QuantizedLinear, nn.QuantizedEmbedding, Float32RowsEmbedding)
+                                              if qmm is not None else ())
     head = LinearGroup([head_module], qmm, contract) if type(head_module) in head_types else None
     watch += [(inner, "embed_tokens", inner.embed_tokens), (inner, "norm", inner.norm)]
     if not tied:

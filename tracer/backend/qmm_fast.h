@@ -207,6 +207,10 @@ struct FastTile {
   FastParams params(int n0, int n1, std::vector<float>& buffer) const {
     const int G = j.K / j.group, per = j.group / kBlock, B = j.K / kBlock;
     const size_t rows = n1 - n0;
+    if (j.scale == Scale::f32 && per == 1) {  // read in place (Q4_K.s exact blocks): no copy to make
+      return {static_cast<const float*>(j.scales) + size_t(n0) * G, static_cast<const float*>(j.biases) + size_t(n0) * G,
+              G, G, n0};
+    }
     buffer.resize(rows * (2 * G + (per > 1 ? B : 0)));
     float* ws = buffer.data();  // the rows' scales, then biases, as widened
     float* wb = ws + rows * G;

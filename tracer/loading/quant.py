@@ -14,6 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
+from ..adapters.lean.weights import widen_rows
+
 QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding)
 
 
@@ -66,13 +68,16 @@ def dequantize_model(model: nn.Module, dtype=mx.float32, select=None) -> nn.Modu
 
 
 def float32_activations(model: nn.Module) -> nn.Module:
-    """The ``quantized`` format, in place: quantized linears keep their packed
-    weights, scales and biases as loaded (the file's blocks); everything else
-    becomes float32, the quantized embedding's scales and biases included, so
-    that the residual stream is float32 (what the native quantized matmul
-    takes). Returns ``model``."""
+    """The ``quantized`` format, in place: quantized linears and embeddings
+    keep their packed weights, scales and biases as loaded (the file's
+    blocks); everything else becomes float32, and a quantized embedding
+    returns float32 rows (:class:`~mlx_tracer.adapters.lean.weights.Float32RowsEmbedding`:
+    its scales widened as each row is read), so that the residual stream is
+    float32 (what the native quantized matmul takes). Returns ``model``."""
     for _, m in model.named_modules():
-        keep = ("weight", "scales", "biases") if isinstance(m, nn.QuantizedLinear) else ("weight",) if isinstance(m, nn.QuantizedEmbedding) else ()
+        if isinstance(m, nn.QuantizedEmbedding):
+            widen_rows(m)
+        keep = ("weight", "scales", "biases") if isinstance(m, QUANTIZED) else ()
         for k, v in list(m.items()):
             if isinstance(v, mx.array) and k not in keep and mx.issubdtype(v.dtype, mx.floating) and v.dtype != mx.float32:
                 m[k] = v.astype(mx.float32)
