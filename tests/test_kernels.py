@@ -514,11 +514,11 @@ def test_the_lean_decode_on_kernels_reads_stored_kv_as_mlx_ops_do(family, fmt, t
     assert not {"Softmax", "QuantizedMatmul", "Quantize", "DynamicSliceUpdate"} & set(graph)
 
 
-@pytest.mark.parametrize("path", ["portable", "avx2"])
+@pytest.mark.parametrize("path", ["portable", "avx2", "avx512"])
 def test_packed_kv_reads_on_every_path(path):
     """layer_mid reads stored K/V on the path it picks (F16C widening and
-    AVX2 packed reads, or scalar code): forced one by one, each gives the
-    lean ops' bits (decode, windows; float16, bfloat16, 4 and 8 bits)."""
+    AVX-512 or AVX2 packed reads, or scalar code): forced one by one, each
+    gives the lean ops' bits (decode, windows; float16, bfloat16, 4 and 8 bits)."""
     before = K.kv_isa()
     try:
         if K.kv_set_isa(path) != path:
@@ -529,6 +529,30 @@ def test_packed_kv_reads_on_every_path(path):
                 test_layer_mid_reads_stored_kv_as_the_lean_ops_do(fmt, 1, 3, 3, 64, 1024)
     finally:
         K.kv_set_isa(before)
+
+
+@pytest.mark.parametrize("value", ["portable", "avx2", "avx512", "", "sse9"])
+def test_the_environment_forces_the_kv_path_at_load(value):
+    """MLX_TRACER_KV_ISA picks the packed K/V path at load (the best the CPU
+    has where it names a better one, or nothing, or something unknown: then
+    said on stderr)."""
+    import os
+    import subprocess
+    import sys
+
+    before = K.kv_isa()
+    best = K.kv_set_isa("avx512")  # the best this CPU has
+    K.kv_set_isa(before)
+    order = ["portable", "avx2", "avx512"]
+    want = best if value not in order else order[min(order.index(value), order.index(best))]
+    code = "import mlx_tracer\nfrom mlx_tracer.backend import kernels\nprint(kernels.load().kv_isa())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MLX_TRACER_KV_ISA": value},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [want]
+    assert ("portable, avx2 or avx512" in out.stderr) == (value == "sse9")
+    with pytest.raises(ValueError, match="portable, avx2 or avx512"):
+        K.kv_set_isa("sse9")
 
 
 @pytest.mark.parametrize("fmt", [KVFormat(), KVFormat(dtype="float16"), KVFormat(bits=8), KVFormat(bits=4, group_size=32)],

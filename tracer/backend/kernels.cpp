@@ -325,12 +325,40 @@ const bool g_f16c = [] {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
 }();
-// The vector paths of the K/V reads (F16C widening, AVX2 packed reads), on
-// where the CPU has AVX2; kv_set_isa("portable") turns them off (tests).
-std::atomic<bool> g_kv_avx2{[] {
+// The vector paths of the K/V reads: F16C widening and AVX2 packed reads
+// where the CPU has AVX2 (level 1), AVX-512 packed reads where it has
+// AVX-512 F/BW/VL (level 2); kv_set_isa or MLX_TRACER_KV_ISA (portable,
+// avx2, avx512) forces a lower one (tests). Every level gives the same bits.
+enum KvIsa { kKvPortable = 0, kKvAvx2 = 1, kKvAvx512 = 2 };
+constexpr const char* kKvIsas[] = {"portable", "avx2", "avx512"};
+int kv_isa_supported() {
   __builtin_cpu_init();
-  return bool(__builtin_cpu_supports("avx2"));
+  if (!__builtin_cpu_supports("avx2")) return kKvPortable;
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl");
+  return avx512 ? kKvAvx512 : kKvAvx2;
+}
+int kv_isa_named(const std::string& name) {
+  for (int i = 0; i < 3; ++i) {
+    if (name == kKvIsas[i]) return i;
+  }
+  throw std::invalid_argument("mlx_tracer kernels: kv_set_isa / MLX_TRACER_KV_ISA takes portable, avx2 or avx512, got '" +
+                              name + "'");
+}
+std::atomic<int> g_kv_isa{[] {
+  const int best = kv_isa_supported();
+  const char* env = std::getenv("MLX_TRACER_KV_ISA");
+  if (env == nullptr || *env == 0) return best;
+  try {
+    return std::min(kv_isa_named(env), best);
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "%s; using %s\n", e.what(), kKvIsas[best]);
+    return best;
+  }
 }()};
+inline int kv_level() {
+  return g_kv_isa.load(std::memory_order_relaxed);
+}
 #endif
 
 void widen(const KV& kv, const void* src, float* dst, size_t n) {
@@ -343,7 +371,7 @@ void widen(const KV& kv, const void* src, float* dst, size_t n) {
     return;
   }
 #if defined(__x86_64__)
-  if (g_f16c && g_kv_avx2.load(std::memory_order_relaxed)) {
+  if (g_f16c && kv_level() >= kKvAvx2) {
     widen_f16_f16c(s, dst, n);
     return;
   }
@@ -603,11 +631,162 @@ __attribute__((target("avx2"), optimize("fp-contract=off"))) void packed_values_
 }
 #endif
 
-// The packed scores / values on the best path this CPU has (the bits do not depend on it).
+#if defined(__x86_64__)
+// The same two on AVX-512, 16 keys (scores) or 16 values (p @ v) a vector,
+// each lane the scalar code's operations in its order (mul, then add, nothing
+// contracted): the scalar code's bits, with half the instructions of AVX2's.
+
+// 16 bytes (keys 0..15's byte at one offset) -> their float32 dequantization.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2"), optimize("fp-contract=off"))) inline __m512 dequant16(
+    __m128i q, __m512 scale, __m512 bias) {
+  return _mm512_add_ps(_mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q))), bias);
+}
+
+// scores of RB rows (x, D apart) against a dequantized tile [D, 16] -> out rows (S apart), the lanes in keep.
+template <int RB>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2"), optimize("fp-contract=off"))) inline void packed_rows_avx512(
+    const float* x, int D, const float* deq, float* out, int S, __mmask16 keep) {
+  __m512 a[RB];
+  for (int r = 0; r < RB; ++r) a[r] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    const __m512 v = _mm512_loadu_ps(deq + d * 16);
+    for (int r = 0; r < RB; ++r) a[r] = _mm512_add_ps(a[r], _mm512_mul_ps(_mm512_set1_ps(x[size_t(r) * D + d]), v));
+  }
+  for (int r = 0; r < RB; ++r) _mm512_mask_storeu_ps(out + size_t(r) * S, keep, a[r]);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2"), optimize("fp-contract=off"))) void packed_scores_avx512(
+    const float* x, int M, const KV& k, int b, int h, float* scores) {
+  constexpr int T = 16;  // keys a tile: one vector
+  const int S = k.S, D = k.D, group = k.group, G = D / group, bits = k.bits, row_bytes = D * bits / 8;
+  const int group_bytes = group * bits / 8;
+  const uint8_t* w = k.data.at<uint8_t>(b, h);
+  const float* sc = k.scales.at<float>(b, h);
+  const float* bi = k.biases.at<float>(b, h);
+  thread_local std::vector<float> tile;
+  tile.resize(size_t(D) * T + 16);
+  float* deq = tile.data();  // [D, T]: the tile's keys side by side
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int s0 = 0; s0 < S; s0 += T) {
+    const int n = std::min(T, S - s0);
+    alignas(64) int key[T];
+    for (int j = 0; j < T; ++j) {
+      key[j] = s0 + std::min(j, n - 1);  // past the end: the last key again (not stored)
+    }
+    const __m512i at = _mm512_mullo_epi32(_mm512_load_si512(key), _mm512_set1_epi32(G));  // the keys' first group
+    for (int g = 0; g < G; ++g) {
+      const __m512i ag = _mm512_add_epi32(at, _mm512_set1_epi32(g));
+      const __m512 vs = _mm512_i32gather_ps(ag, sc, 4), vb = _mm512_i32gather_ps(ag, bi, 4);
+      for (int o = g * group_bytes; o < (g + 1) * group_bytes; o += 8) {
+        __m128i r0[8], r1[8], c0[4], c1[4];
+        for (int j = 0; j < 8; ++j) {
+          r0[j] = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + size_t(key[j]) * row_bytes + o));
+          r1[j] = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + size_t(key[8 + j]) * row_bytes + o));
+        }
+        transpose8x8(r0, c0);
+        transpose8x8(r1, c1);
+        for (int i = 0; i < 8; ++i) {  // byte o + i of the 16 keys
+          const __m128i col = (i & 1) ? _mm_unpackhi_epi64(c0[i / 2], c1[i / 2]) : _mm_unpacklo_epi64(c0[i / 2], c1[i / 2]);
+          if (bits == 8) {
+            _mm512_storeu_ps(deq + (o + i) * T, dequant16(col, vs, vb));
+          } else {
+            const __m128i lo = _mm_and_si128(col, low4), hi = _mm_and_si128(_mm_srli_epi16(col, 4), low4);
+            _mm512_storeu_ps(deq + 2 * (o + i) * T, dequant16(lo, vs, vb));
+            _mm512_storeu_ps(deq + (2 * (o + i) + 1) * T, dequant16(hi, vs, vb));
+          }
+        }
+      }
+    }
+    // up to four rows at a time: independent sums along D, each in order
+    const __mmask16 keep = __mmask16((1u << n) - 1);
+    for (int m = 0; m < M; m += 4) {
+      float* to = scores + size_t(m) * S + s0;
+      const float* xm = x + size_t(m) * D;
+      switch (std::min(4, M - m)) {
+        case 4: packed_rows_avx512<4>(xm, D, deq, to, S, keep); break;
+        case 3: packed_rows_avx512<3>(xm, D, deq, to, S, keep); break;
+        case 2: packed_rows_avx512<2>(xm, D, deq, to, S, keep); break;
+        default: packed_rows_avx512<1>(xm, D, deq, to, S, keep); break;
+      }
+    }
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2"), optimize("fp-contract=off"))) void packed_values_avx512(
+    const float* p, int M, const KV& v, int b, int h, float* out, size_t ldo) {
+  constexpr int T = 32;  // values a tile, dequantized together [T, D]
+  const int S = v.S, D = v.D, group = v.group, G = D / group, bits = v.bits, row_bytes = D * bits / 8;
+  const uint8_t* w = v.data.at<uint8_t>(b, h);
+  const float* sc = v.scales.at<float>(b, h);
+  const float* bi = v.biases.at<float>(b, h);
+  thread_local std::vector<float> tile;
+  tile.resize(size_t(T) * D);
+  float* deq = tile.data();
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int m = 0; m < M; ++m) {
+    std::fill(out + m * ldo, out + m * ldo + D, 0.0f);
+  }
+  for (int s0 = 0; s0 < S; s0 += T) {
+    const int n = std::min(T, S - s0);
+    for (int j = 0; j < n; ++j) {
+      const int s = s0 + j;
+      const uint8_t* row = w + size_t(s) * row_bytes;
+      for (int g = 0; g < G; ++g) {
+        const __m512 vs = _mm512_set1_ps(sc[s * G + g]), vb = _mm512_set1_ps(bi[s * G + g]);
+        for (int d = g * group; d < (g + 1) * group; d += 16) {
+          __m128i q;
+          if (bits == 8) {
+            q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d));
+          } else {  // 8 bytes: values d, d + 1 in each byte's low and high nibble
+            const __m128i x8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d / 2));
+            q = _mm_unpacklo_epi8(_mm_and_si128(x8, low4), _mm_and_si128(_mm_srli_epi16(x8, 4), low4));
+          }
+          _mm512_storeu_ps(deq + j * D + d, dequant16(q, vs, vb));
+        }
+      }
+    }
+    // each output row, 64 values at a time in registers, along the tile's values in order
+    for (int m = 0; m < M; ++m) {
+      const float* pm = p + size_t(m) * S + s0;
+      float* o = out + m * ldo;
+      int d = 0;
+      for (; d + 64 <= D; d += 64) {
+        __m512 c0 = _mm512_loadu_ps(o + d), c1 = _mm512_loadu_ps(o + d + 16), c2 = _mm512_loadu_ps(o + d + 32),
+               c3 = _mm512_loadu_ps(o + d + 48);
+        for (int j = 0; j < n; ++j) {
+          const __m512 pj = _mm512_set1_ps(pm[j]);
+          const float* dj = deq + j * D + d;
+          c0 = _mm512_add_ps(c0, _mm512_mul_ps(pj, _mm512_loadu_ps(dj)));
+          c1 = _mm512_add_ps(c1, _mm512_mul_ps(pj, _mm512_loadu_ps(dj + 16)));
+          c2 = _mm512_add_ps(c2, _mm512_mul_ps(pj, _mm512_loadu_ps(dj + 32)));
+          c3 = _mm512_add_ps(c3, _mm512_mul_ps(pj, _mm512_loadu_ps(dj + 48)));
+        }
+        _mm512_storeu_ps(o + d, c0), _mm512_storeu_ps(o + d + 16, c1);
+        _mm512_storeu_ps(o + d + 32, c2), _mm512_storeu_ps(o + d + 48, c3);
+      }
+      for (; d < D; d += 32) {  // D: whole groups, a multiple of 32
+        __m512 c0 = _mm512_loadu_ps(o + d), c1 = _mm512_loadu_ps(o + d + 16);
+        for (int j = 0; j < n; ++j) {
+          const __m512 pj = _mm512_set1_ps(pm[j]);
+          const float* dj = deq + j * D + d;
+          c0 = _mm512_add_ps(c0, _mm512_mul_ps(pj, _mm512_loadu_ps(dj)));
+          c1 = _mm512_add_ps(c1, _mm512_mul_ps(pj, _mm512_loadu_ps(dj + 16)));
+        }
+        _mm512_storeu_ps(o + d, c0), _mm512_storeu_ps(o + d + 16, c1);
+      }
+    }
+  }
+}
+#endif
+
+// The packed scores / values on the path in use (kv_isa(); the bits do not depend on it).
 void packed_scores_any(const float* x, int M, const KV& k, int b, int h, float* scores) {
 #if defined(__x86_64__)
-  if (g_kv_avx2.load(std::memory_order_relaxed)) {
-    return packed_scores_avx2(x, M, k, b, h, scores);
+  switch (kv_level()) {
+    case kKvAvx512:
+      return packed_scores_avx512(x, M, k, b, h, scores);
+    case kKvAvx2:
+      return packed_scores_avx2(x, M, k, b, h, scores);
   }
 #endif
   packed_scores(x, M, k, b, h, scores);
@@ -615,30 +794,34 @@ void packed_scores_any(const float* x, int M, const KV& k, int b, int h, float* 
 
 void packed_values_any(const float* p, int M, const KV& v, int b, int h, float* out, size_t ldo) {
 #if defined(__x86_64__)
-  if (g_kv_avx2.load(std::memory_order_relaxed)) {
-    return packed_values_avx2(p, M, v, b, h, out, ldo);
+  switch (kv_level()) {
+    case kKvAvx512:
+      return packed_values_avx512(p, M, v, b, h, out, ldo);
+    case kKvAvx2:
+      return packed_values_avx2(p, M, v, b, h, out, ldo);
   }
 #endif
   packed_values(p, M, v, b, h, out, ldo);
 }
 
-// "avx2" or "portable": the path of the K/V reads; kv_set_isa forces one
-// ("portable" always exists; "avx2" only where the CPU has it). For tests.
+// "avx512", "avx2" or "portable": the path of the K/V reads; kv_set_isa forces
+// one ("portable" always exists; the others where the CPU has them, else the
+// best below). For tests.
 std::string kv_isa() {
 #if defined(__x86_64__)
-  return g_kv_avx2.load() ? "avx2" : "portable";
+  return kKvIsas[kv_level()];
 #else
   return "portable";
 #endif
 }
 
 std::string kv_set_isa(const std::string& name) {
-  if (name != "avx2" && name != "portable") {
-    throw std::invalid_argument("mlx_tracer kernels: kv_set_isa takes 'avx2' or 'portable', got '" + name + "'");
-  }
 #if defined(__x86_64__)
-  __builtin_cpu_init();
-  g_kv_avx2.store(name == "avx2" && __builtin_cpu_supports("avx2"));
+  g_kv_isa.store(std::min(kv_isa_named(name), kv_isa_supported()));
+#else
+  if (name != "portable" && name != "avx2" && name != "avx512") {
+    throw std::invalid_argument("mlx_tracer kernels: kv_set_isa takes portable, avx2 or avx512, got '" + name + "'");
+  }
 #endif
   return kv_isa();
 }
@@ -1745,7 +1928,7 @@ NB_MODULE(_mlx_tracer_kernels, m) {
   m.def("realign", &realign, nb::arg("buf"), nb::arg("delta"));
   m.def("realigns", &realigns, "(in place, copied): buffers realign has moved so far");
   m.def("cache_writes", &cache_writes);
-  m.def("kv_isa", &kv_isa, "the path layer_mid reads packed K/V on: avx2 or portable (the same bits)");
+  m.def("kv_isa", &kv_isa, "the path layer_mid reads packed K/V on: avx512, avx2 or portable (the same bits)");
   m.def("kv_set_isa", &kv_set_isa, nb::arg("name"), "use that path from now on (portable where the CPU lacks it); returns the one in use");
   m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("bias"),
         nb::arg("vector"), nb::arg("repeat") = 1,

@@ -22,9 +22,9 @@ kernels; ``tests/test_kernels.py``):
   matmul makes after promoting them (the same bits); 4-/8-bit packed columns
   (mlx-lm's ``QuantizedKVCache`` layout, float32 scales) with the arithmetic
   of MLX's CPU ``quantized_matmul`` (each score or output a sum in order of
-  ``x * (scale * q + bias)``, no fused multiply-add; scalar or AVX2,
-  ``kv_isa()`` / ``kv_set_isa()``, the same bits); never a float32 copy of
-  the cache;
+  ``x * (scale * q + bias)``, no fused multiply-add; AVX-512, AVX2 or
+  scalar, ``kv_isa()`` / ``kv_set_isa()`` / ``MLX_TRACER_KV_ISA``, the same
+  bits); never a float32 copy of the cache;
 
 together a decode layer is 4 graph nodes instead of 27 on MLX's ops. Both
 layer kernels also take a window of L tokens a row (verify and prefill
