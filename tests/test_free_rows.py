@@ -276,3 +276,37 @@ def test_move_rows_leaves_half_empty_full_caches_to_filter():
     assert batch.capacity >= 128
     assert not batch.move_rows([1])
     assert batch.n == 2
+
+
+def test_serial_caches_admitted_together_join_one_by_one_with_the_tokens_of_solo_runs():
+    """Requests continuing serial mlx-lm caches, admitted at once, are
+    prefilled and joined one after another into a batch of the bucket they
+    all need (the later ones written into its free rows), so that one row's
+    caches live beside the batch during admission, not all of them; each row
+    decodes as it does alone."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = tiny_model("llama", head_dim=64)
+    cm = CompiledModel(model, fuse=True)
+    contexts = []
+    for i, n in enumerate([1500, 1200, 900, 1400]):  # rows of different lengths: a timeline they all fit
+        c = make_prompt_cache(model)
+        model(mx.array([[(7 * j + i) % 89 + 2 for j in range(n)]]), cache=c)
+        mx.eval([x.state for x in c])
+        contexts.append(c)
+    firsts = [3, 11, 17, 29]
+    want = []
+    for c, t in zip(contexts, firsts):
+        eng = Engine(cm, buckets=(1,))
+        eng.add([t], max_tokens=8, cache=c)
+        want.append([ev.token for ev in eng.run() if ev.token is not None])
+    eng = Engine(cm, buckets=(1, 2, 4))
+    uids = [eng.add([t], max_tokens=8, cache=c) for c, t in zip(contexts, firsts)]
+    eng.admit()
+    # the first row made the batch at bucket 4, the other three were written into its free rows
+    assert eng.batch.width == 4 and (eng.stats.joins, eng.stats.joins_in_place) == (3, 3)
+    got = {u: [] for u in uids}
+    for ev in eng.run():
+        if ev.token is not None:
+            got[ev.uid].append(ev.token)
+    assert [got[u] for u in uids] == want

@@ -56,11 +56,12 @@ class RunningBatch:
         return self.caches[0].width if self.caches else 0
 
     # ------------------------------------------------------------ rows
-    def join(self, reqs: List[Request], prefilled: List[List[StaticKVCache]]):
+    def join(self, reqs: List[Request], prefilled: List[List[StaticKVCache]], width: Optional[int] = None):
         """Add ``reqs`` (with their prefilled caches, in order) to the batch.
-        Only between steps: the pipeline must be empty."""
+        Only between steps: the pipeline must be empty. ``width``: a bucket
+        to make the batch at least (more rows are about to join)."""
         assert not self.pipeline, "join while a step is in flight"
-        width = bucket_for(len(self.rows) + len(reqs), self.buckets)
+        width = max(bucket_for(len(self.rows) + len(reqs), self.buckets), width or 0)
         if self.caches is None:
             caches = [type(layer[0]).join(layer, width=width) for layer in zip(*prefilled)]
         else:
