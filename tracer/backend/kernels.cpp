@@ -308,6 +308,28 @@ void softmax_row(float* row, int S) {
   }
 }
 
+// A run-time choice among three named ones: the index of `name`, else
+// invalid_argument saying what takes which names.
+int choice_named(const char* const (&names)[3], const std::string& name, const char* what) {
+  for (int i = 0; i < 3; ++i) {
+    if (name == names[i]) return i;
+  }
+  throw std::invalid_argument(std::string("mlx_tracer kernels: ") + what + " takes " + names[0] + ", " + names[1] +
+                              " or " + names[2] + ", got '" + name + "'");
+}
+// The choice environment variable `var` names, or `fallback` where it is unset
+// or names none (then said on stderr).
+int choice_from_env(const char* const (&names)[3], const char* var, const char* what, int fallback) {
+  const char* env = std::getenv(var);
+  if (env == nullptr || *env == 0) return fallback;
+  try {
+    return choice_named(names, env, what);
+  } catch (const std::invalid_argument& e) {
+    std::fprintf(stderr, "%s; using %s\n", e.what(), names[fallback]);
+    return fallback;
+  }
+}
+
 // ------------------------------------------------- cached K/V as stored
 // float16/bfloat16 to float32: exact (every half is a float32), so any
 // correct widening gives MLX's astype bits; F16C where the CPU has it.
@@ -338,23 +360,13 @@ int kv_isa_supported() {
                       __builtin_cpu_supports("avx512vl");
   return avx512 ? kKvAvx512 : kKvAvx2;
 }
+constexpr const char* kKvIsaWhat = "kv_set_isa / MLX_TRACER_KV_ISA";
 int kv_isa_named(const std::string& name) {
-  for (int i = 0; i < 3; ++i) {
-    if (name == kKvIsas[i]) return i;
-  }
-  throw std::invalid_argument("mlx_tracer kernels: kv_set_isa / MLX_TRACER_KV_ISA takes portable, avx2 or avx512, got '" +
-                              name + "'");
+  return choice_named(kKvIsas, name, kKvIsaWhat);
 }
 std::atomic<int> g_kv_isa{[] {
   const int best = kv_isa_supported();
-  const char* env = std::getenv("MLX_TRACER_KV_ISA");
-  if (env == nullptr || *env == 0) return best;
-  try {
-    return std::min(kv_isa_named(env), best);
-  } catch (const std::invalid_argument& e) {
-    std::fprintf(stderr, "%s; using %s\n", e.what(), kKvIsas[best]);
-    return best;
-  }
+  return std::min(choice_from_env(kKvIsas, "MLX_TRACER_KV_ISA", kKvIsaWhat, best), best);
 }()};
 inline int kv_level() {
   return g_kv_isa.load(std::memory_order_relaxed);
@@ -856,24 +868,12 @@ void over_heads(int B, int nk, const Fn& fn) {
 enum AttentionMode { kAttnAuto = 0, kAttnBlas = 1, kAttnVector = 2 };
 const char* const kAttentionModes[] = {"auto", "blas", "vector"};
 
+constexpr const char* kAttentionWhat = "MLX_TRACER_ATTENTION / attention_mode";
 int attention_mode_named(const std::string& name) {
-  for (int i = 0; i < 3; ++i) {
-    if (name == kAttentionModes[i]) return i;
-  }
-  throw std::invalid_argument("mlx_tracer kernels: MLX_TRACER_ATTENTION / attention_mode takes auto, blas or vector, got '" +
-                              name + "'");
+  return choice_named(kAttentionModes, name, kAttentionWhat);
 }
 
-std::atomic<int> g_attention{[] {
-  const char* env = std::getenv("MLX_TRACER_ATTENTION");
-  if (env == nullptr || *env == 0) return int(kAttnAuto);
-  try {
-    return attention_mode_named(env);
-  } catch (const std::invalid_argument& e) {
-    std::fprintf(stderr, "%s; using auto\n", e.what());
-    return int(kAttnAuto);
-  }
-}()};
+std::atomic<int> g_attention{choice_from_env(kAttentionModes, "MLX_TRACER_ATTENTION", kAttentionWhat, kAttnAuto)};
 
 std::string attention_mode(std::optional<std::string> name) {
   if (name) g_attention.store(attention_mode_named(*name));
