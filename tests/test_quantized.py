@@ -94,7 +94,7 @@ def test_greedy_tokens_equal_mlx_lm_eager_on_the_quantized_model(family, group_s
         assert engine_tokens(engine, PROMPTS, 10) == got
 
 
-def tied_quantized_llama(scales):
+def tied_quantized_llama(scales, bits=4):
     """A tiny llama whose output head is its quantized embedding (as SmolLM2's file), quantized_tiny's way."""
     from mlx_lm.models import llama
 
@@ -103,7 +103,7 @@ def tied_quantized_llama(scales):
                            tie_word_embeddings=True)
     model = llama.Model(args)
     mx.eval(model.parameters())
-    nn.quantize(model, group_size=32, bits=4)
+    nn.quantize(model, group_size=32, bits=bits)
     for _, m in model.named_modules():
         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             m.scales, m.biases = m.scales.astype(scales), m.biases.astype(scales)
@@ -142,6 +142,19 @@ def test_the_embedding_keeps_its_stored_scales_and_gives_float32_rows_and_head(s
     assert mx.array_equal(ops.lean.binding.logits(x), want).item()  # MLX's ops: the widened scales' matmul
     tokens, _ = eager_greedy(model, PROMPTS[0], 6)
     assert engine_tokens(Engine(cm, buckets=(1, 2)), [PROMPTS[0]], 6) == [tokens]
+
+
+def test_an_embedding_head_qmm_does_not_take_keeps_its_float32_arithmetic():
+    """6-bit blocks (no qmm kernel): the lean forward leaves the tied head to
+    the module, whose matmul runs on the widened scales (bits of float32 ones)."""
+    model = tied_quantized_llama(mx.float16, bits=6)
+    e = model.model.embed_tokens
+    cm = CompiledModel(model, fuse=True)
+    assert cm.lean.binding.head is None
+    x = mx.random.normal((3, 64), key=mx.random.key(2))
+    want = mx.quantized_matmul(x, e.weight, e.scales.astype(mx.float32), e.biases.astype(mx.float32), transpose=True,
+                               group_size=32, bits=6)
+    assert mx.array_equal(cm.lean.binding.logits(x), want).item()
 
 
 def test_logits_stay_within_the_contract_of_mlx_lm():

@@ -42,7 +42,6 @@ import mlx.nn as nn
 from .qualify import ARRAYS, SUMMED, runs, table_rope
 
 
-
 class Float32RowsEmbedding(nn.QuantizedEmbedding):
     """A quantized embedding whose rows and tied-head products are float32,
     its scales and biases kept as stored (float16 in GGUF and mlx-lm files).
@@ -158,8 +157,6 @@ class LinearGroup:
             group_size, bits, _ = self.quant
             y = self.kernel(x.reshape(-1, x.shape[-1]), p["weight"], p["scales"], p["biases"], group_size=group_size,
                             bits=bits, contract=self.contract).reshape(*x.shape[:-1], -1)
-        elif type(self.mods[0]) is Float32RowsEmbedding:  # its own float32 arithmetic
-            y = self.mods[0].as_linear(x)
         else:
             group_size, bits, mode = self.quant
             y = mx.quantized_matmul(x, p["weight"], scales=p["scales"], biases=p.get("biases"), transpose=True,
@@ -337,6 +334,8 @@ def bind(model, qmm=None) -> Binding:
     head_types = (nn.Linear, nn.Embedding) + ((nn.QuantizedLinear, nn.QuantizedEmbedding, Float32RowsEmbedding)
                                               if qmm is not None else ())
     head = LinearGroup([head_module], qmm, contract) if type(head_module) in head_types else None
+    if isinstance(head_module, Float32RowsEmbedding) and head is not None and head.kernel is None:
+        head = None  # a format qmm does not take: the module's own float32 arithmetic (as_linear)
     watch += [(inner, "embed_tokens", inner.embed_tokens), (inner, "norm", inner.norm)]
     if not tied:
         watch.append((model, "lm_head", model.lm_head))

@@ -676,7 +676,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2"), optimize("fp-contract=o
   const float* sc = k.scales.at<float>(b, h);
   const float* bi = k.biases.at<float>(b, h);
   thread_local std::vector<float> tile;
-  tile.resize(size_t(D) * T + 16);
+  tile.resize(size_t(D) * T);
   float* deq = tile.data();  // [D, T]: the tile's keys side by side
   const __m128i low4 = _mm_set1_epi8(0x0F);
   for (int s0 = 0; s0 < S; s0 += T) {

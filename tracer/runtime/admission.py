@@ -160,5 +160,5 @@ class Admission:
             if live:
                 self.batch.join(live, [caches], width=width)
                 new += live
-            del caches
+            del caches  # not held while the next group prefills
         return self._admitted(new)
