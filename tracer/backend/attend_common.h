@@ -1,8 +1,8 @@
 // The decode attention's parts every ISA path shares (attend_x86.h),
-// included once per ISA namespace after its scores4<K, CC> and
-// values_k<K, CC>: the scores of a block in groups of four keys (a group
-// masked for every key of every bias row not read, the last keys padded to
-// four), and the
+// included once per ISA namespace after its scores4<K, CC>, scores_group<K,
+// CC> (kGroupKeys keys) and values_k<K, CC>: the scores of a block in the
+// ISA's groups of keys, then quads (four keys masked for every bias row not
+// read, the last keys padded to four), and the
 // dispatch on the storage and the head size.
 
 template <int K, int CC>
@@ -19,6 +19,17 @@ void scores_k(const float* q, int R, int D, const void* k, int S, const float* b
     return true;
   };
   int s = 0;
+  for (; s + kGroupKeys <= S; s += kGroupKeys) {  // the ISA's groups of keys (quads masked for every row not read)
+    unsigned live = 0;
+    for (int g = 0; g < kGroupKeys / 4; ++g) live |= masked4(s + 4 * g) ? 0u : 1u << g;
+    if (live == 0) {
+      for (int r = 0; r < R; ++r)
+        std::memcpy(out + size_t(r) * S + s, bias + size_t(r / per) * S + s, kGroupKeys * sizeof(float));
+      continue;
+    }
+    attend::prefetch_rows<K>(k, s, kGroupKeys, D);
+    scores_group<K, CC>(q, R, D, k, S, s, bias + s, per, live, out);
+  }
   for (; s + 4 <= S; s += 4) {
     if (masked4(s)) {
       for (int r = 0; r < R; ++r) std::memcpy(out + size_t(r) * S + s, bias + size_t(r / per) * S + s, 4 * sizeof(float));

@@ -72,7 +72,7 @@ inline void scores4(const float* q, int R, int D, const void* k, int S, int s, c
   __m256 klo[4][CK], khi[4][CK];  // the four keys, widened once for the R rows
   for (int j = 0; j < 4; ++j)
     for (int c = 0; c < C; ++c) load16<K>(k, size_t(s + j) * D + 16 * c, klo[j][c], khi[j][c]);
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0, bias_row = 0, in_row = 0; r < R; ++r) {
     const float* qr = q + size_t(r) * D;
     __m256 lo[4], hi[4], s8[4];
     for (int j = 0; j < 4; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
@@ -88,9 +88,17 @@ inline void scores4(const float* q, int R, int D, const void* k, int S, int s, c
     _mm256_store_ps(t, reduce2(s8[0], s8[1]));
     _mm256_store_ps(t + 8, reduce2(s8[2], s8[3]));
     float* o = out + size_t(r) * S + s;
-    const float* br = b + size_t(r / per) * S;  // row r's bias
+    const float* br = b + size_t(bias_row) * S;  // row r's bias
     for (int j = 0; j < 4; ++j) o[j] = attend::masked_key(br[j]) ? br[j] : br[j] + t[4 * j];
+    if (++in_row == per) in_row = 0, ++bias_row;
   }
+}
+// The keys a group scores (attend_common.h): four, scores4's.
+constexpr int kGroupKeys = 4;
+template <int K, int CC>
+inline void scores_group(const float* q, int R, int D, const void* k, int S, int s, const float* b, int per, unsigned,
+                         float* out) {
+  scores4<K, CC>(q, R, D, k, S, s, b, per, out);
 }
 // out [R, D] = p [R, S] @ v [S, D]; G rows at a time in registers.
 template <int K, int CC>
@@ -167,7 +175,7 @@ inline void scores4(const float* q, int R, int D, const void* k, int S, int s, c
   __m512 kc[4][CK];  // the four keys, widened once for the R rows
   for (int j = 0; j < 4; ++j)
     for (int c = 0; c < C; ++c) kc[j][c] = load16<K>(k, size_t(s + j) * D + 16 * c);
-  for (int r = 0; r < R; ++r) {
+  for (int r = 0, bias_row = 0, in_row = 0; r < R; ++r) {
     const float* qr = q + size_t(r) * D;
     __m512 a[4];
     for (int j = 0; j < 4; ++j) a[j] = _mm512_setzero_ps();
@@ -178,8 +186,57 @@ inline void scores4(const float* q, int R, int D, const void* k, int S, int s, c
     alignas(64) float t[16];
     _mm512_store_ps(t, reduce4(a[0], a[1], a[2], a[3]));
     float* o = out + size_t(r) * S + s;
-    const float* br = b + size_t(r / per) * S;  // row r's bias
+    const float* br = b + size_t(bias_row) * S;  // row r's bias
     for (int j = 0; j < 4; ++j) o[j] = attend::masked_key(br[j]) ? br[j] : br[j] + t[4 * j];
+    if (++in_row == per) in_row = 0, ++bias_row;
+  }
+}
+// The keys a group scores (attend_common.h): 16, four quads of scores4's
+// sums (the same operations), each row's 16 scores then finished on one
+// vector: bias + sum, or the bias itself where it masks the key. A quad
+// whose bit in `live` is clear (masked for every row) is not read.
+constexpr int kGroupKeys = 16;
+template <int K, int CC>
+inline void scores_group(const float* q, int R, int D, const void* k, int S, int s, const float* b, int per,
+                         unsigned live, float* out) {
+  const int C = CC > 0 ? CC : D / 16;
+  constexpr int CK = CC > 0 ? CC : 16;
+  constexpr int kRows = 8;  // rows whose quads' sums wait in `sums` for the finish
+  alignas(64) float sums[kRows][4][16];
+  const __m512i pick = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::max());
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int r0 = 0, bias_row = 0, in_row = 0; r0 < R; r0 += kRows) {
+    const int n = std::min(kRows, R - r0);
+    for (int g = 0; g < 4; ++g) {
+      if (!(live >> g & 1u)) {
+        for (int i = 0; i < n; ++i) _mm512_store_ps(sums[i][g], _mm512_setzero_ps());
+        continue;
+      }
+      __m512 kc[4][CK];
+      for (int j = 0; j < 4; ++j)
+        for (int c = 0; c < C; ++c) kc[j][c] = load16<K>(k, size_t(s + 4 * g + j) * D + 16 * c);
+      for (int i = 0; i < n; ++i) {
+        const float* qr = q + size_t(r0 + i) * D;
+        __m512 a[4];
+        for (int j = 0; j < 4; ++j) a[j] = _mm512_setzero_ps();
+        for (int c = 0; c < C; ++c) {
+          const __m512 qc = _mm512_loadu_ps(qr + 16 * c);
+          for (int j = 0; j < 4; ++j) a[j] = _mm512_fmadd_ps(qc, kc[j][c], a[j]);
+        }
+        _mm512_store_ps(sums[i][g], reduce4(a[0], a[1], a[2], a[3]));
+      }
+    }
+    for (int i = 0; i < n; ++i) {
+      // lane 4 g + j: quad g's key j (its sum sits in lane 4 j of sums[i][g])
+      const __m512 lo = _mm512_permutex2var_ps(_mm512_load_ps(sums[i][0]), pick, _mm512_load_ps(sums[i][1]));
+      const __m512 hi = _mm512_permutex2var_ps(_mm512_load_ps(sums[i][2]), pick, _mm512_load_ps(sums[i][3]));
+      const __m512 dot = _mm512_shuffle_f32x4(lo, hi, 0x44);
+      const __m512 bv = _mm512_loadu_ps(b + size_t(bias_row) * S);
+      const __mmask16 masked = _mm512_cmp_ps_mask(bv, lowest, _CMP_EQ_OQ) | _mm512_cmp_ps_mask(bv, minus_inf, _CMP_EQ_OQ);
+      _mm512_storeu_ps(out + size_t(r0 + i) * S + s, _mm512_mask_mov_ps(_mm512_add_ps(bv, dot), masked, bv));
+      if (++in_row == per) in_row = 0, ++bias_row;
+    }
   }
 }
 template <int K, int CC>

@@ -279,32 +279,68 @@ void rope_rows(const float* y, const float* C, const float* S, const float* F, s
   }
 }
 
-// MLX's CPU softmax of one row in place (float32, precise: max, fast exp, sum, times 1 / sum).
-void softmax_row(float* row, int S) {
-  using namespace mx::simd;
-  Simd<float, 1> vmaximum(-mx::numeric_limits<float>::infinity());
+// MLX's CPU softmax of R rows [R, S] in place (float32, precise: max, fast
+// exp, sum, times 1 / sum), each row's bits as MLX's softmax gives them: its
+// exps summed one after the other from key 0 (MLX's order; several rows' sums
+// run side by side so that their additions overlap), its max taken in 16
+// lanes (the same value: a max does not depend on its order, NaN wins either
+// way; a zero's sign, which could, does not change any exp(x - max)).
+// The sums over j < S of rows row[0 .. N), each in order from 0, side by side.
+template <int N>
+void sums_side_by_side(float* const* row, int S, float* norm) {
+  for (int i = 0; i < N; ++i) norm[i] = 0.0f;
   for (int j = 0; j < S; ++j) {
-    Simd<float, 1> vals = load<float, 1>(row + j);
-    vmaximum = maximum(vals, vmaximum);
+    for (int i = 0; i < N; ++i) norm[i] += row[i][j];
   }
-  const float top = max(vmaximum);
-  Simd<float, 1> vnormalizer(0.0);
-  if (tracer_qmm::exp_shifted(row, top, row, S)) {  // the same exps on vector lanes, summed in order below
-    for (int j = 0; j < S; ++j) {
-      vnormalizer = vnormalizer + load<float, 1>(row + j);
-    }
-  } else {
-    for (int j = 0; j < S; ++j) {
-      Simd<float, 1> vexp = load<float, 1>(row + j);
-      vexp = exp(vexp - top);
-      store(row + j, vexp);
-      vnormalizer = vnormalizer + vexp;
+}
+
+// The max of row[0 .. S) as MLX's softmax takes it (NaN if any is NaN), in 16 lanes.
+float row_max(const float* row, int S) {
+  float lane[16];
+  int bad[16] = {};
+  std::fill(lane, lane + 16, -mx::numeric_limits<float>::infinity());
+  int j = 0;
+  for (; j + 16 <= S; j += 16) {
+    for (int l = 0; l < 16; ++l) {
+      const float x = row[j + l];
+      lane[l] = x > lane[l] ? x : lane[l];
+      bad[l] |= x != x;
     }
   }
-  float normalizer = sum(vnormalizer);
-  normalizer = 1 / normalizer;
-  for (int j = 0; j < S; ++j) {
-    store(row + j, Simd<float, 1>(load<float, 1>(row + j) * normalizer));
+  for (; j < S; ++j) {
+    lane[0] = row[j] > lane[0] ? row[j] : lane[0];
+    bad[0] |= row[j] != row[j];
+  }
+  float top = lane[0];
+  int nan = bad[0];
+  for (int l = 1; l < 16; ++l) top = lane[l] > top ? lane[l] : top, nan |= bad[l];
+  return nan ? std::numeric_limits<float>::quiet_NaN() : top;
+}
+
+void softmax_rows(float* rows, int R, int S) {
+  constexpr int kSide = 4;  // rows summed side by side
+  for (int r0 = 0; r0 < R; r0 += kSide) {
+    const int n = std::min(kSide, R - r0);
+    float* row[kSide];
+    float norm[kSide];
+    for (int i = 0; i < n; ++i) {
+      row[i] = rows + size_t(r0 + i) * S;
+      const float top = row_max(row[i], S);
+      if (!tracer_qmm::exp_shifted(row[i], top, row[i], S)) {
+        using namespace mx::simd;
+        for (int j = 0; j < S; ++j) {
+          store(row[i] + j, exp(load<float, 1>(row[i] + j) - top));
+        }
+      }
+    }
+    n == 4 ? sums_side_by_side<4>(row, S, norm)
+    : n == 3 ? sums_side_by_side<3>(row, S, norm)
+    : n == 2 ? sums_side_by_side<2>(row, S, norm)
+             : sums_side_by_side<1>(row, S, norm);
+    for (int i = 0; i < n; ++i) {
+      const float inv = 1 / norm[i];
+      for (int j = 0; j < S; ++j) row[i][j] = row[i][j] * inv;
+    }
   }
 }
 
@@ -947,9 +983,7 @@ void attention_vector(const float* q, const KV& k, const KV& v, const float* bia
   if (!tracer_qmm::attend_scores(q, R, D, kb, int(k.kind), S, bias, per, scores)) {
     attend_scores_loops(q, R, D, k, kb, S, bias, per, scores);
   }
-  for (int r = 0; r < R; ++r) {
-    softmax_row(scores + size_t(r) * S, S);
-  }
+  softmax_rows(scores, R, S);
   if (!tracer_qmm::attend_values(scores, R, S, vb, int(v.kind), D, o)) {
     attend_values_loops(scores, R, S, v, vb, D, o);
   }
@@ -989,9 +1023,7 @@ void attention_rows(const float* q, const KV& k, const KV& v, const float* bias,
       cblas_sgemm(kRowMajor, kNoTrans, kTrans, R, S, D, 1.0f, q + i * R * D, D, float_block(k, b, h, wide), D, 1.0f,
                   scores, S);
     }
-    for (int r = 0; r < R; ++r) {
-      softmax_row(scores + size_t(r) * S, S);
-    }
+    softmax_rows(scores, R, S);
     if (v.kind == KV::packed) {
       packed_values_any(scores, R, v, b, h, o + i * R * D, D);
     } else {
@@ -1024,8 +1056,8 @@ void attention_window(const float* q, const KV& k, const KV& v, const bool* mask
         for (int j = 0; j < S; ++j) {
           row[j] = ml[j] ? row[j] : low;
         }
-        softmax_row(row, S);
       }
+      softmax_rows(scores, rows, S);
     };
     auto put = [&](const float* ov, int r) {  // ov [L, D]: query head r's outputs
       for (int l = 0; l < L; ++l) {
