@@ -36,6 +36,17 @@ inline void prefetch_rows(const void* base, int s, int n, int D) {
   const char* p = static_cast<const char*>(base) + size_t(s) * D * item;
   for (size_t off = 0; off < size_t(n) * D * item; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
+// Per key of p [R, S]: whether some row gives it a nonzero share (else its
+// values are not read), found once for the block (a thread's buffer).
+inline const uint8_t* keys_read(const float* p, int R, int S) {
+  thread_local std::vector<uint8_t> read;
+  read.assign(S, 0);
+  for (int r = 0; r < R; ++r) {
+    const float* pr = p + size_t(r) * S;
+    for (int s = 0; s < S; ++s) read[s] |= pr[s] != 0.0f;
+  }
+  return read.data();
+}
 }  // namespace attend
 
 #pragma GCC push_options
@@ -104,6 +115,7 @@ inline void scores_group(const float* q, int R, int D, const void* k, int S, int
 template <int K, int CC>
 void values_k(const float* p, int R, int S, const void* v, int D, float* out) {
   constexpr int C = CC > 0 ? CC : 1;  // with CC = 0: one 16-column slice at a time
+  const uint8_t* read = attend::keys_read(p, R, S);
   constexpr int G = CC > 0 ? (CC <= 2 ? 4 : CC <= 4 ? 2 : 1) : 4;
   const int slices = CC > 0 ? 1 : D / 16;
   for (int sl = 0; sl < slices; ++sl) {
@@ -114,9 +126,7 @@ void values_k(const float* p, int R, int S, const void* v, int D, float* out) {
       for (int i = 0; i < G; ++i)
         for (int c = 0; c < C; ++c) acc[i][c][0] = acc[i][c][1] = _mm256_setzero_ps();
       for (int s = 0; s < S; ++s) {
-        bool any = false;
-        for (int r = 0; r < R; ++r) any |= p[size_t(r) * S + s] != 0.0f;
-        if (!any) continue;  // a key every row gives 0 (a masked one): skipped
+        if (!read[s]) continue;  // a key every row gives 0 (a masked one): skipped
         if (sl == 0 && r0 == 0) attend::prefetch_rows<K>(v, s, 1, D);
         __m256 vlo[C], vhi[C];
         for (int c = 0; c < C; ++c) load16<K>(v, size_t(s) * D + d0 + 16 * c, vlo[c], vhi[c]);
@@ -241,6 +251,7 @@ inline void scores_group(const float* q, int R, int D, const void* k, int S, int
 }
 template <int K, int CC>
 void values_k(const float* p, int R, int S, const void* v, int D, float* out) {
+  const uint8_t* read = attend::keys_read(p, R, S);
   constexpr int C = CC > 0 ? CC : 1;
   constexpr int G = CC > 0 ? (CC <= 2 ? 8 : CC <= 4 ? 6 : 3) : 8;
   const int slices = CC > 0 ? 1 : D / 16;
@@ -252,9 +263,7 @@ void values_k(const float* p, int R, int S, const void* v, int D, float* out) {
       for (int i = 0; i < G; ++i)
         for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
       for (int s = 0; s < S; ++s) {
-        bool any = false;
-        for (int r = 0; r < R; ++r) any |= p[size_t(r) * S + s] != 0.0f;
-        if (!any) continue;  // a key every row gives 0 (a masked one): skipped
+        if (!read[s]) continue;  // a key every row gives 0 (a masked one): skipped
         if (sl == 0 && r0 == 0) attend::prefetch_rows<K>(v, s, 1, D);
         __m512 vc[C];
         for (int c = 0; c < C; ++c) vc[c] = load16<K>(v, size_t(s) * D + d0 + 16 * c);
