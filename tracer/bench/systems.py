@@ -98,9 +98,11 @@ def _stock_steps(model, contexts: list):
     return build, lambda: mx.eval(y, [c.state for c in cache])
 
 
-def _tracer_steps(compiled, contexts: list):
+def _tracer_steps(compiled, contexts: list, windows: bool = False):
     """One compiled decode step per call: ``(build, evaluate)`` (``CompiledModel.step``:
-    the step's plan, the compiled call that replays its graph, the caches' bookkeeping)."""
+    the step's plan, the compiled call that replays its graph, the caches' bookkeeping).
+    With ``windows``, a third: ``verify(L)``, one verify step of ``L`` tokens a row
+    on the same caches, no draft accepted (evaluated: the caches advance one column)."""
     serial = [copy_caches(c) for c in contexts]
     caches = [
         layout.cache_class.join([s[i] for s in serial], width=len(contexts), capacities=compiled.capacities,
@@ -113,6 +115,14 @@ def _tracer_steps(compiled, contexts: list):
         nonlocal y
         y = compiled.step(caches, y).tokens[:, None]
 
+    def verify(L: int):
+        nonlocal y
+        out = compiled.verify(caches, mx.concatenate([y, mx.zeros((len(contexts), L - 1), dtype=mx.int32)], axis=1),
+                              [0] * len(contexts))
+        y = out.tokens[:, :1]
+
+    if windows:
+        return build, lambda: mx.eval(y, [c.state for c in caches]), verify
     return build, lambda: mx.eval(y, [c.state for c in caches])
 
 
