@@ -3,6 +3,7 @@ between tokens and the newcomers' time to first token, with interleaved
 prefill (``prefill_step_tokens``) and with newcomers prefilled whole (0).
 
     python benchmarks/burst.py [--running 4] [--newcomers 16] [--prompt 120] [--tokens 64] [--weights auto]
+                               [--settings 64,0] [--cached] [--batched-prefill auto|on|off]
 
 In-process on the engine (no HTTP): the running requests decode first, then
 the newcomers are queued together; each engine step's events are stamped
@@ -20,18 +21,26 @@ import time
 import mlx_tracer  # noqa: F401  (first: it binds the fast BLAS before mlx loads)
 from mlx_tracer import Generator
 from mlx_tracer.runtime.engine import Engine
+from mlx_tracer.runtime.prefix_cache import PrefixCache
 
 
 def run(compiled, args, step_tokens):
-    eng = Engine(compiled, buckets=(1, 2, 4, 8, 16, 32), prefill_step_tokens=step_tokens)
+    cache = PrefixCache(512 << 20) if args.cached else None
+    eng = Engine(compiled, buckets=(1, 2, 4, 8, 16, 32), prefill_step_tokens=step_tokens,
+                 batched_prefill=args.batched_prefill, prefix_cache=cache)
+    prompts = [[(i * 13 + j) % 2000 + 50 for j in range(args.prompt)] for i in range(args.newcomers)]
+    if cache is not None:  # the prompts served once before: the burst's prefills continue them
+        for p in prompts:
+            eng.add(p, max_tokens=1)
+        for _ in eng.run():
+            pass
     running = [eng.add([100 + i, 7, 8, 9], max_tokens=2000) for i in range(args.running)]
     for _ in range(8):  # the running rows decode before the burst
         eng.step()
     last = {u: time.perf_counter() for u in running}
     gaps = {u: [] for u in running}
     t0 = time.perf_counter()
-    new = [eng.add([(i * 13 + j) % 2000 + 50 for j in range(args.prompt)], max_tokens=args.tokens)
-           for i in range(args.newcomers)]
+    new = [eng.add(p, max_tokens=args.tokens) for p in prompts]
     first, tokens = {}, 0
     while any(u in eng.scheduler.requests for u in new):
         events = eng.step()
@@ -65,7 +74,12 @@ def main():
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--weights", default="auto")
     p.add_argument("--settings", default="64,0", help="prefill_step_tokens values, in turns")
+    p.add_argument("--cached", action="store_true",
+                   help="the newcomers' prompts were served before: a prefix cache holds them (as a warmed-up server's)")
+    p.add_argument("--batched-prefill", choices=("auto", "on", "off"), default="auto",
+                   help="newcomers prefilled together in one padded batch (Engine(batched_prefill=...))")
     args = p.parse_args()
+    args.batched_prefill = {"auto": None, "on": True, "off": False}[args.batched_prefill]
     gen = Generator.load(weights=args.weights)
     compiled = gen.engine.compiled
     settings = [int(s) for s in args.settings.split(",")]

@@ -3,13 +3,16 @@
 With no row running, queued requests are prefilled at once and joined (no one
 waits on them). With rows running, a prefill would stall every running
 stream for its whole length, so it is *interleaved*: a :class:`PrefillJob`
-runs one window of at most ``step_tokens`` tokens per engine step, between
-the running rows' decode steps, so a running stream's gap between two tokens
-grows by about one such window, not by every newcomer's prompt. A job takes
-the first prefill group of the queue (first come, first served; on the CPU
-one newcomer); when its prompt is in, the decode pipeline drains and its
-rows join at the next step boundary, and the next job starts. A
-request cancelled while its job runs is left out of the join.
+runs windows of at most ``step_tokens`` tokens (all the rows of a window's
+bucket counted) per engine step, between the running rows' decode steps, so
+a running stream's gap between two tokens grows by about that much prefill,
+not by every newcomer's prompt. A job takes the queue's leading prefill
+groups (first come, first served) whose prompts fit the budget together —
+at least the first: a burst of requests whose prompts the prefix cache
+holds joins in one step, not one join per step — and when their prompts are
+in, the decode pipeline drains and their rows join at the next step
+boundary, and the next job starts. A request cancelled while its job runs
+is left out of the join.
 """
 
 from __future__ import annotations
@@ -25,32 +28,60 @@ from .scheduler import Scheduler
 from .step import CompiledModel, bucket_for
 
 
+def lead_rows(group: Sequence[Request]) -> List[Request]:
+    """The rows a group prefills: the choices of one prompt, once."""
+    return list(group[:1]) if forked(group) else list(group)
+
+
+def window_tokens(group: Sequence[Request], buckets: Sequence[int]) -> int:
+    """The tokens a group's prefill windows compute, all its bucket's rows
+    counted (padding to the windows' lengths aside)."""
+    lead = lead_rows(group)
+    return bucket_for(len(lead), buckets) * max(len(r.prompt) - 1 for r in lead)
+
+
 class PrefillJob:
-    """Groups of newcomers prefilled one window per :meth:`advance`, in join order."""
+    """Groups of newcomers prefilled in join order, in windows that take at
+    most ``step_tokens`` tokens together (a window's every row counted; one
+    window at least) per :meth:`advance`."""
 
     def __init__(self, compiled: CompiledModel, groups: Sequence[Sequence[Request]], buckets: Sequence[int],
-                 windows, batch: RunningBatch):
+                 windows, batch: RunningBatch, step_tokens: int = 0):
         self.groups = [list(g) for g in groups]
         self.caches: List[List[StaticKVCache]] = []
         self.done = False
+        self.step_tokens = step_tokens
         self._batch = batch  # its stats are the engine's (reset_stats swaps them)
         self._steps = self._run(compiled, buckets, windows)
+        self._next: Optional[int] = None  # the tokens of the window the job runs next, once known
 
     def _run(self, compiled, buckets, windows):
+        """Yields each window's tokens before running it (resumed: runs it)."""
         for g in self.groups:
-            lead = g[:1] if forked(g) else g  # the choices of one prompt: prefilled once
+            lead = lead_rows(g)
             caches = start_caches(compiled, lead, bucket_for(len(lead), buckets))
-            yield from feed_windows(compiled, caches, [r.prompt[:-1] for r in lead], windows)
+            seqs = [r.prompt[:-1] for r in lead]
+            top = max(len(q) for q in seqs)
+            steps = feed_windows(compiled, caches, seqs, windows)
+            for L in windows(top) if top else []:
+                yield L * caches[0].width
+                next(steps)  # the window (and after the last, the caches' finalize)
             if len(lead) < len(g):
                 fork_rows(caches, len(g), bucket_for(len(g), buckets))
             self.caches.append(caches)
             self._batch.stats.prefill_tokens += sum(len(r.prompt) - 1 for r in lead)
 
     def advance(self) -> None:
-        """One window (evaluated); marks the job done after its last."""
+        """The next windows (evaluated) while they fit ``step_tokens``
+        together (the first whatever its size); marks the job done after its last."""
         t0 = time.perf_counter()
+        spent = 0
         try:
-            next(self._steps)
+            if self._next is None:
+                self._next = next(self._steps)
+            while not spent or spent + self._next <= self.step_tokens:
+                spent += self._next
+                self._next = next(self._steps)
         except StopIteration:
             self.done = True
         self._batch.stats.prefill_s += time.perf_counter() - t0
@@ -78,13 +109,28 @@ class Admission:
         """With rows running: start a job for the queued requests there is room
         for, or run one more window of the job in progress."""
         if self.job is None and self.batch.rows and self.step_tokens:
-            groups = self.scheduler.admission(len(self.batch.rows))[:1]  # the first come joins first
+            groups = self._job_groups()
             if groups:
-                chunks = [c for c in self.scheduler.prefill_chunks if c <= self.step_tokens] or [min(self.scheduler.prefill_chunks)]
+                # a window's tokens, over all the rows of its bucket, within the step's budget
+                width = max(bucket_for(len(lead_rows(g)), self.scheduler.buckets) for g in groups)
+                chunks = ([c for c in self.scheduler.prefill_chunks if c * width <= self.step_tokens]
+                          or [min(self.scheduler.prefill_chunks)])
                 self.job = PrefillJob(self.compiled, groups, self.scheduler.buckets,
-                                      lambda n: prefill_windows(n, chunks), self.batch)
+                                      lambda n: prefill_windows(n, chunks), self.batch, self.step_tokens)
         if self.job is not None and not self.job.done:
             self.job.advance()
+
+    def _job_groups(self) -> List[List[Request]]:
+        """The queue's leading groups (first come first) whose prefills fit one
+        step's budget together; the first whatever its length."""
+        take, spent = [], 0
+        for g in self.scheduler.admission(len(self.batch.rows)):
+            cost = window_tokens(g, self.scheduler.buckets)
+            if take and spent + cost > self.step_tokens:
+                break
+            take.append(g)
+            spent += cost
+        return take
 
     def ready(self) -> bool:
         """Whether :meth:`admit` would join without prefilling more than a
