@@ -43,7 +43,7 @@ class Generator:
         buckets: batch-width buckets (default 1, 2, 4, 8).
         prefill_chunks: static prefill window lengths.
         prefill_step_tokens: with rows running, newcomers are prefilled in
-            windows of at most this many tokens between decode steps (0: whole;
+            windows of at most this many tokens together between decode steps (0: whole;
             see :class:`~mlx_tracer.runtime.engine.Engine`).
         capacities: capacity buckets of full-attention caches.
         chat: apply the tokenizer's chat template to string prompts

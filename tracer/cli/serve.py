@@ -78,8 +78,8 @@ def add_parser(sub, model_args):
     s.add_argument("--draft-tokens", type=opt.draft_tokens,
                    help=f"most drafts per row and verify step (k; default {DEFAULT_DRAFT_TOKENS}; needs --spec or --draft-model)")
     s.add_argument("--prefill-step-tokens", type=opt.prefill_step_tokens, default=DEFAULT_PREFILL_STEP_TOKENS,
-                   help=f"with requests running, newcomers' prompts go in windows of at most this many tokens between "
-                        f"decode steps (default {DEFAULT_PREFILL_STEP_TOKENS}; 0: whole, running streams wait)")
+                   help=f"with requests running, newcomers' prompts go in windows of at most this many tokens together "
+                        f"between decode steps (default {DEFAULT_PREFILL_STEP_TOKENS}; 0: whole, running streams wait)")
     s.add_argument("--timeout", type=seconds, default=600.0, help="seconds a request may take before it is cancelled (default 600; answered 504)")
     s.add_argument("--max-request-bytes", type=request_bytes, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"largest request body in bytes (default {DEFAULT_MAX_REQUEST_BYTES}: 4 MiB); larger ones get 413")

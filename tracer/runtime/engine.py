@@ -77,9 +77,9 @@ class Engine:
             ``add(cache=...)``).
         rng: draws the seeds of unseeded requests (see :class:`Scheduler`).
         prefill_step_tokens: with rows running, newcomers' prompts go in
-            windows of at most this many tokens, one per step, between the
-            running rows' decode steps (:mod:`.admission`); 0: prefilled
-            whole before decoding goes on.
+            windows of at most this many tokens together per step (a
+            window's every row counted), between the running rows' decode
+            steps (:mod:`.admission`); 0: prefilled whole before decoding goes on.
         prefix_cache: a :class:`PrefixCache` the engine looks every new
             prompt up in (``add`` without ``cache=``: a hit continues from its
             caches) and stores every retiring row in.
@@ -296,7 +296,7 @@ class Engine:
         if not self.batch.pipeline:
             if follows and self.stats.steps and self.stats.steps % threads.RECHECK_STEPS == 0:  # (admit() asks too)
                 threads.apply()  # drained: a safe point to change BLAS threads
-            if self.admission.ready():  # a job still prefilling goes on one window a step, whatever drained
+            if self.admission.ready():  # a job still prefilling goes on at one budget of windows a step, whatever drained
                 self.admit()
             if not self.batch.rows:
                 return events
