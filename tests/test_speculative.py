@@ -508,3 +508,45 @@ def test_the_speculator_cuts_windows_to_max_rows():
     s = Speculator(PromptLookup(), 8, "always", max_rows=12)
     assert [s.longest(w) for w in (1, 2, 4, 8, 16)] == [9, 6, 3, 1, 0]
     assert Speculator(PromptLookup(), 8, "always").longest(16) == 9
+
+
+class MatchDrafts:
+    """A drafter that proposes ``k`` copies of token 1 after a match of ``match`` tokens."""
+
+    def __init__(self, match):
+        self.match = match
+
+    def propose_match(self, context, k):
+        return [1] * k, self.match
+
+
+def test_the_auto_policy_prices_long_windows_by_how_far_runs_go():
+    """Drafts after a match are accepted in runs: a run that holds but stops
+    after five drafts makes a window of 17 not worth its cost, whatever
+    window the runs were seen in (a window is priced by how far runs go, not
+    by the share of drafts accepted in the windows verified so far: 5 of 16
+    priced 17 as the best); runs that go on make it the best."""
+    from mlx_tracer.runtime.requests import Request
+    from mlx_tracer.runtime.speculator import Speculator
+
+    row = Request(0, [1, 2, 3], 100, GREEDY, frozenset(), initial_key(0))
+    costs = {2: 0.11, 3: 0.12, 4: 0.13, 5: 0.14, 9: 0.20, 17: 0.32}
+
+    def trained(accepted_of_16):
+        spec = Speculator(MatchDrafts(3), k=16)
+        spec.observe("decode", 1, 0.100)
+        for L, s in costs.items():
+            spec.observe("verify", 1, s, L)
+        for _ in range(40):  # verify steps of 16 drafts, each accepting this many
+            spec._matches = {row.uid: 3}
+            spec.update(row, 16, accepted_of_16)
+            spec.row(row.uid).accept_rate = 0.5  # the match length decides, not the row
+            spec.row(row.uid).draft_len = 16
+        return spec
+
+    stops = trained(5)  # the first drafts hold, the run stops after five: a window of 5 or 9 takes as many
+    assert stops.drafts([row], 1) is not None and stops.window <= 9, stops.window  # (a share of 5/16 chose 17)
+    goes_on = trained(16)
+    assert goes_on.drafts([row], 1) is not None and goes_on.window == 17
+    fails = trained(0)  # the first draft never holds: plain steps
+    assert fails.drafts([row], 1) is None

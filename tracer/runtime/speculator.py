@@ -6,14 +6,19 @@ recent acceptance). A verify step of window ``L`` (each row's last token and
 up to ``L - 1`` drafts) runs only when it is expected to emit more tokens per
 second than a plain decode step:
 
-    expected tokens of a verify step = sum over rows of 1 + p * n
-    (n: the row's drafts that fit the window, p: the share of its drafts
-    expected accepted; drafts are accepted in runs — a quoted span matches
-    as a whole — so a share predicts the count better than an independent
-    per-draft chance would. With a drafter that says how long a match its
-    drafts follow (prompt lookup), p is the engine's share for matches that
-    long, times the row's recent share against the prior; else the row's
-    recent share),
+    expected tokens of a verify step = sum over rows of 1 + a(n)
+    (n: the row's drafts that fit the window, a(n): the drafts expected
+    accepted. Drafts are accepted in runs — a quoted span matches as a
+    whole, a spurious match fails at its first draft — so with a drafter
+    that says how long a match its drafts follow (prompt lookup), a(n) =
+    h * (1 + c + ... + c^(n-1)): h, the chance that the first draft holds,
+    and c, that a run that held goes on one more draft, both learned by the
+    engine per match length (h times the row's recent share against the
+    prior). A share of the drafts accepted prices a window by the windows it
+    was learned in: runs that stop after 5 drafts accept 5 of 16 in windows
+    of 17, so a share of 0.31 priced 17 best (6 tokens for 3 decode steps'
+    cost) where a window of 5 takes as many of them for less. Without
+    match lengths, a(n) = p * n, p the row's recent share),
 
 divided by the window's measured time, against ``rows / decode step time``.
 Step times are measured per bucket (and window length) as the engine runs;
@@ -46,9 +51,12 @@ PRIOR = 0.5  # per-draft acceptance assumed for a new row
 GUESSED_COLUMN_COST = 0.125  # a verify window's time per column beyond the first, in decode steps, before one is measured
 EXPLORE = 0.9  # a window length not measured yet is priced at this share of its estimate
 RECOVERY = 0.01  # share of the way back to PRIOR per plain step (a failed row retries after ~30 plain steps)
-# the share of drafts accepted assumed, before any is judged, by the length of the match they follow (1, 2, 3 or more
-# tokens; a drafter that reports it: prompt lookup); then learned from every verify step of the engine
-MATCH_PRIOR = (0.15, 0.35, 0.6)
+# by the length of the match drafts follow (1, 2, 3 or more tokens; a drafter that reports it: prompt lookup), the
+# chance that the first draft holds, assumed before any is judged, then learned from every verify step of the
+# engine; and that a run that held goes on one more draft (as pseudo-counts: 9 went on, 1 stopped). At 4 drafts
+# these give 0.15, 0.35 and 0.6 of them accepted.
+MATCH_PRIOR = (0.17, 0.41, 0.70)
+GOES_ON_PRIOR = (9.0, 1.0)
 WINDOWS = (2, 3, 4, 5, 9, 17)  # the verify windows the auto policy chooses among (those <= k + 1, and k + 1)
 
 
@@ -90,7 +98,8 @@ class Speculator:
         # ("verify", width, L) -> smoothed seconds per verify step of window L
         self.step_s: Dict[tuple, float] = {}
         self.rows: Dict[int, DraftState] = {}  # request uid -> its state, while it runs
-        self.by_match = list(MATCH_PRIOR)  # share of drafts accepted by the length of the match they follow
+        self.by_match = list(MATCH_PRIOR)  # chance that the first draft holds, by the length of the match they follow
+        self.goes_on = [list(GOES_ON_PRIOR) for _ in MATCH_PRIOR]  # (went on, stopped) counts of held runs, likewise
         self._matches: Dict[int, int] = {}  # uid -> match length of its drafts now being verified
 
     def row(self, uid: int) -> DraftState:
@@ -158,14 +167,22 @@ class Speculator:
         out, matches = self._propose(rows, ks)
         return any(out) and self._choose(rows, [len(d) for d in out], width, matches) is not None
 
-    def _share(self, state: DraftState, match: Optional[int]) -> float:
-        """The share of a row's drafts expected accepted: the engine's for
-        drafts that follow a match that long, scaled by the row's own recent
-        share against the prior (both are evidence: free text fails with
-        short matches, a row that quotes keeps its run going)."""
+    def _accepted(self, state: DraftState, match: Optional[int], n: int) -> float:
+        """The drafts of ``n`` a row's verify step is expected to accept (see
+        the module docstring): the first-draft chance for a match that long,
+        scaled by the row's own recent share against the prior (both are
+        evidence: free text fails with short matches, a row that quotes keeps
+        its run going), times the expected run; without a match length, the
+        row's share of ``n``."""
+        if n <= 0:
+            return 0.0
         if match is None:
-            return state.accept_rate
-        return min(1.0, state.accept_rate / PRIOR * self.by_match[min(max(match, 1), len(self.by_match)) - 1])
+            return state.accept_rate * n
+        i = min(max(match, 1), len(self.by_match)) - 1
+        first = min(1.0, state.accept_rate / PRIOR * self.by_match[i])
+        went_on, stopped = self.goes_on[i]
+        c = went_on / (went_on + stopped)
+        return first * (n if c >= 1.0 else (1.0 - c**n) / (1.0 - c))
 
     def _choose(self, rows, ns, width, matches=None) -> Optional[int]:
         """The window expected to emit the most tokens per second, or None
@@ -179,19 +196,22 @@ class Speculator:
         decode = self.step_s.get(("decode", width))
         if decode is None:  # measure a plain step first
             return None
-        rates = [self._share(self.row(r.uid), matches[i] if matches else None) for i, r in enumerate(rows)]
+        states = [(self.row(r.uid), matches[i] if matches else None) for i, r in enumerate(rows)]
+
+        def tokens(L):  # expected tokens of a verify step of window L
+            return sum(1 + self._accepted(st, m, min(n, L - 1)) for (st, m), n in zip(states, ns))
+
         best, best_rate = None, 0.0
         for L in self.windows:  # the window expected to pay most (a length not measured yet: priced optimistically)
             if L > cap:
                 break
-            rate = sum(1 + p * min(n, L - 1) for p, n in zip(rates, ns)) / self.cost(width, L, EXPLORE)
+            rate = tokens(L) / self.cost(width, L, EXPLORE)
             if rate > best_rate:
                 best, best_rate = L, rate
             if L >= longest:  # a longer window adds no drafts
                 break
         # and whether it pays, at its estimate (exploring never turns a plain step into a verify step)
-        expected = sum(1 + p * min(n, best - 1) for p, n in zip(rates, ns))
-        return best if expected / self.cost(width, best) > len(rows) / decode else None
+        return best if tokens(best) / self.cost(width, best) > len(rows) / decode else None
 
     def cost(self, width: int, L: int, unmeasured: float = 1.0) -> float:
         """The expected seconds of a verify step of window ``L`` at bucket
@@ -225,7 +245,9 @@ class Speculator:
     def update(self, row: Request, drafted: int, accepted: int):
         """Adapt a row's draft length and acceptance to one verify step: the
         length doubles after a step that accepted every draft (a quoted span
-        goes on) and halves (to 2 at least) after one that accepted less than half."""
+        goes on) and halves (to 2 at least) after one that accepted less than
+        half. For the match length its drafts followed, the engine learns
+        whether the first draft held and, if it did, how far the run went."""
         if drafted == 0:
             return
         state = self.row(row.uid)
@@ -233,7 +255,10 @@ class Speculator:
         match = self._matches.get(row.uid)
         if match:
             i = min(match, len(self.by_match)) - 1
-            self.by_match[i] = 0.9 * self.by_match[i] + 0.1 * (accepted / drafted)
+            self.by_match[i] = 0.9 * self.by_match[i] + 0.1 * (accepted > 0)
+            if accepted > 0:  # the run held: drafts 2 .. accepted went on; it stopped before the end or not
+                went_on, stopped = self.goes_on[i]
+                self.goes_on[i] = [0.9 * went_on + (accepted - 1), 0.9 * stopped + (accepted < drafted)]
         if accepted == drafted:
             state.draft_len = min(self.k, max(state.draft_len, drafted) * 2)
         elif accepted < drafted // 2:
