@@ -57,9 +57,12 @@ class Engine:
             the smallest chunk is padded to it.
         capacities: capacity buckets of full-attention caches.
         batched_prefill: prefill newcomers together in one padded batch
-            (default on GPUs). On the CPU, quantized matmuls do not reuse
-            weights across rows, so each newcomer is prefilled alone (no
-            padding waste) and all are joined at once.
+            (default on GPUs). On the CPU each newcomer is prefilled alone (no
+            padding waste) and all are joined at once: prefill there is bound
+            by arithmetic, about as many tokens a second at every window
+            size, and a padded batch of a burst made every newcomer wait for
+            the whole batch (``benchmarks/burst.py --batched-prefill on``:
+            more tokens a second and a shorter p99, a later p50).
         speculative: ``"prompt-lookup"`` (or a drafter object) for batched
             speculative decoding: rows draft tokens that one compiled verify
             step per bucket judges; None (default) decodes one token a step.
