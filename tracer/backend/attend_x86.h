@@ -178,23 +178,32 @@ inline __m512 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   const __m512 s2 = _mm512_add_ps(s4, _mm512_permute_ps(s4, 0x4E));
   return _mm512_add_ps(s2, _mm512_permute_ps(s2, 0xB1));
 }
+// Keys s .. s + 4 (C slices of 16 values each), widened once for every query row.
+template <int K, int CK>
+inline void load_quad(const void* k, int D, int s, int C, __m512 (&kc)[4][CK]) {
+  for (int j = 0; j < 4; ++j)
+    for (int c = 0; c < C; ++c) kc[j][c] = load16<K>(k, size_t(s + j) * D + 16 * c);
+}
+// Query row qr's dot products with a quad's keys, in lanes 0, 4, 8, 12 (attend's tree).
+template <int CK>
+inline __m512 quad_sums(const float* qr, const __m512 (&kc)[4][CK], int C) {
+  __m512 a[4];
+  for (int j = 0; j < 4; ++j) a[j] = _mm512_setzero_ps();
+  for (int c = 0; c < C; ++c) {
+    const __m512 qc = _mm512_loadu_ps(qr + 16 * c);
+    for (int j = 0; j < 4; ++j) a[j] = _mm512_fmadd_ps(qc, kc[j][c], a[j]);
+  }
+  return reduce4(a[0], a[1], a[2], a[3]);
+}
 template <int K, int CC>
 inline void scores4(const float* q, int R, int D, const void* k, int S, int s, const float* b, int per, float* out) {
   const int C = CC > 0 ? CC : D / 16;
   constexpr int CK = CC > 0 ? CC : 16;
-  __m512 kc[4][CK];  // the four keys, widened once for the R rows
-  for (int j = 0; j < 4; ++j)
-    for (int c = 0; c < C; ++c) kc[j][c] = load16<K>(k, size_t(s + j) * D + 16 * c);
+  __m512 kc[4][CK];
+  load_quad<K>(k, D, s, C, kc);
   for (int r = 0, bias_row = 0, in_row = 0; r < R; ++r) {
-    const float* qr = q + size_t(r) * D;
-    __m512 a[4];
-    for (int j = 0; j < 4; ++j) a[j] = _mm512_setzero_ps();
-    for (int c = 0; c < C; ++c) {
-      const __m512 qc = _mm512_loadu_ps(qr + 16 * c);
-      for (int j = 0; j < 4; ++j) a[j] = _mm512_fmadd_ps(qc, kc[j][c], a[j]);
-    }
     alignas(64) float t[16];
-    _mm512_store_ps(t, reduce4(a[0], a[1], a[2], a[3]));
+    _mm512_store_ps(t, quad_sums(q + size_t(r) * D, kc, C));
     float* o = out + size_t(r) * S + s;
     const float* br = b + size_t(bias_row) * S;  // row r's bias
     for (int j = 0; j < 4; ++j) o[j] = attend::masked_key(br[j]) ? br[j] : br[j] + t[4 * j];
@@ -224,18 +233,8 @@ inline void scores_group(const float* q, int R, int D, const void* k, int S, int
         continue;
       }
       __m512 kc[4][CK];
-      for (int j = 0; j < 4; ++j)
-        for (int c = 0; c < C; ++c) kc[j][c] = load16<K>(k, size_t(s + 4 * g + j) * D + 16 * c);
-      for (int i = 0; i < n; ++i) {
-        const float* qr = q + size_t(r0 + i) * D;
-        __m512 a[4];
-        for (int j = 0; j < 4; ++j) a[j] = _mm512_setzero_ps();
-        for (int c = 0; c < C; ++c) {
-          const __m512 qc = _mm512_loadu_ps(qr + 16 * c);
-          for (int j = 0; j < 4; ++j) a[j] = _mm512_fmadd_ps(qc, kc[j][c], a[j]);
-        }
-        _mm512_store_ps(sums[i][g], reduce4(a[0], a[1], a[2], a[3]));
-      }
+      load_quad<K>(k, D, s + 4 * g, C, kc);
+      for (int i = 0; i < n; ++i) _mm512_store_ps(sums[i][g], quad_sums(q + size_t(r0 + i) * D, kc, C));
     }
     for (int i = 0; i < n; ++i) {
       // lane 4 g + j: quad g's key j (its sum sits in lane 4 j of sums[i][g])

@@ -279,12 +279,6 @@ void rope_rows(const float* y, const float* C, const float* S, const float* F, s
   }
 }
 
-// MLX's CPU softmax of R rows [R, S] in place (float32, precise: max, fast
-// exp, sum, times 1 / sum), each row's bits as MLX's softmax gives them: its
-// exps summed one after the other from key 0 (MLX's order; several rows' sums
-// run side by side so that their additions overlap), its max taken in 16
-// lanes (the same value: a max does not depend on its order, NaN wins either
-// way; a zero's sign, which could, does not change any exp(x - max)).
 // The sums over j < S of rows row[0 .. N), each in order from 0, side by side.
 template <int N>
 void sums_side_by_side(float* const* row, int S, float* norm) {
@@ -317,6 +311,12 @@ float row_max(const float* row, int S) {
   return nan ? std::numeric_limits<float>::quiet_NaN() : top;
 }
 
+// MLX's CPU softmax of R rows [R, S] in place (float32, precise: max, fast
+// exp, sum, times 1 / sum), each row's bits as MLX's softmax gives them: its
+// exps summed one after the other from key 0 (MLX's order; several rows' sums
+// run side by side so that their additions overlap), its max taken in 16
+// lanes (the same value: a max does not depend on its order, NaN wins either
+// way; a zero's sign, which could, does not change any exp(x - max)).
 void softmax_rows(float* rows, int R, int S) {
   constexpr int kSide = 4;  // rows summed side by side
   for (int r0 = 0; r0 < R; r0 += kSide) {

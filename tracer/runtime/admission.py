@@ -60,12 +60,8 @@ class PrefillJob:
         for g in self.groups:
             lead = lead_rows(g)
             caches = start_caches(compiled, lead, bucket_for(len(lead), buckets))
-            seqs = [r.prompt[:-1] for r in lead]
-            top = max(len(q) for q in seqs)
-            steps = feed_windows(compiled, caches, seqs, windows)
-            for L in windows(top) if top else []:
+            for L in feed_windows(compiled, caches, [r.prompt[:-1] for r in lead], windows):
                 yield L * caches[0].width
-                next(steps)  # the window (and after the last, the caches' finalize)
             if len(lead) < len(g):
                 fork_rows(caches, len(g), bucket_for(len(g), buckets))
             self.caches.append(caches)

@@ -90,8 +90,10 @@ def start_caches(compiled: CompiledModel, reqs: Sequence[Request], width: int) -
 
 def feed_windows(compiled: CompiledModel, caches: List[StaticKVCache], seqs: Sequence[Sequence[int]],
                  windows: Callable[[int], List[int]]):
-    """:func:`feed`, one window at a time: a generator that yields after each
-    window step is evaluated (its caller may run other steps in between)."""
+    """:func:`feed`, one window at a time: a generator that yields each
+    window's length before running it (resumed: runs the window step and
+    evaluates it; after the last, the caches' finalize), so that its caller
+    may run other steps in between and knows what the next window costs."""
     lengths = [len(s) for s in seqs]
     top = max(lengths, default=0)
     if top == 0:
@@ -105,12 +107,10 @@ def feed_windows(compiled: CompiledModel, caches: List[StaticKVCache], seqs: Seq
         c.prepare(lengths=lengths, right_padding=[padded - n for n in lengths])
     done = 0
     for L in plan:
+        yield L
         compiled.step(caches, mx.array(tokens[:, done : done + L]))
         mx.eval([c.state for c in caches])
         done += L
-        if done < padded:
-            yield L
     for c in caches:
         c.finalize()
     mx.eval([c.state for c in caches])
-    yield plan[-1]
