@@ -117,13 +117,16 @@ def test_float16_scales_are_widened_not_computed_in_float16():
 @pytest.mark.parametrize("isa", PATHS, indirect=True)
 @pytest.mark.parametrize("contract", ["exact", "fast"])
 @pytest.mark.parametrize("group,bits", [(32, 8), (32, 4), (64, 4)])
-def test_scales_read_in_place_or_widened_give_the_same_bits(isa, contract, group, bits):
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_scales_read_in_place_or_widened_give_the_same_bits(isa, contract, group, bits, dtype):
     """float32 scales are read where they lie (group 32: every contract; a
-    quantized embedding's head or Q4_K's blocks), float16 ones widened: the
+    quantized embedding's head or Q4_K's blocks), float16/bfloat16 ones
+    widened (the exact contract's few-row tiles: a tile's rows at a time,
+    as the tile starts; with rows left over past the last whole tile): the
     same values give the same bits either way."""
-    w, s, b = quantized(300, 576, group, bits, mx.float16, seed=3)
-    x = mx.random.normal((2, 576), key=mx.random.key(4))
-    for M in (1, 2):
+    w, s, b = quantized(301, 576, group, bits, getattr(mx, dtype), seed=3)
+    x = mx.random.normal((9, 576), key=mx.random.key(4))
+    for M in (1, 2, 3, 9):
         got = K.qmm(x[:M], w, s.astype(mx.float32), b.astype(mx.float32), group, bits, contract=contract)
         assert mx.array_equal(got, K.qmm(x[:M], w, s, b, group, bits, contract=contract)).item()
 

@@ -63,6 +63,7 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <type_traits>
 #include <chrono>
 #include <cmath>
 #include <limits>
