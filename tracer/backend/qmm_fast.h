@@ -199,11 +199,15 @@ void quantize_x_rows(const QmmJob& j, int8_t* xq, float* xd, float* xg) {
   }
 }
 
-// The fast contract's tiles: the rows' scales and biases widened [rows, G]
-// each; past group 32, each block's scale [rows, K / 32] after them.
+// The fast contract's tiles: a quad's rows' scales and biases widened [rows, G]
+// each (past group 32, each block's scale [rows, K / 32] after them) as the
+// quad starts, into the thread's buffer (float32 scales of group 32 read in
+// place); a pass over a whole chunk's before its quads waited on memory with
+// nothing to overlap, as the exact contract's did (qmm_isa.h's ExactTile).
 template <int BITS>
 struct FastTile {
   const QmmJob& j;
+  // Rows [n0, n1)'s parameters as fast_tile reads them.
   FastParams params(int n0, int n1, std::vector<float>& buffer) const {
     const int G = j.K / j.group, per = j.group / kBlock, B = j.K / kBlock;
     const size_t rows = n1 - n0;
@@ -225,34 +229,33 @@ struct FastTile {
     return {s, wb, B, G, n0};
   }
   template <int Q, int MT>
-  void run(int n, int n1, int m0, const FastParams& p) const {
-    fast_tile<Q, MT, BITS>(j, n, n1, m0, p);
+  void run(int n, int n1, int m0) const {
+    thread_local std::vector<float> buffer;
+    fast_tile<Q, MT, BITS>(j, n, n1, m0, params(n, std::min(n1, n + kStep * Q), buffer));
   }
 };
 
 template <class Tile, int MT>
-inline void fast_quads_mt(int n0, int n1, int m0, const Tile& t, const FastParams& p) {
+inline void fast_quads_mt(int n0, int n1, int m0, const Tile& t) {
   constexpr int Q = kFastQuads(MT);
   int n = n0;
-  for (; n + kStep * Q <= n1; n += kStep * Q) t.template run<Q, MT>(n, n1, m0, p);
-  for (; n < n1; n += kStep) t.template run<1, MT>(n, n1, m0, p);
+  for (; n + kStep * Q <= n1; n += kStep * Q) t.template run<Q, MT>(n, n1, m0);
+  for (; n < n1; n += kStep) t.template run<1, MT>(n, n1, m0);
 }
 
 template <class Tile, int MT>
-inline void fast_quads_upto(int mt, int n0, int n1, int m0, const Tile& t, const FastParams& p) {
+inline void fast_quads_upto(int mt, int n0, int n1, int m0, const Tile& t) {
   if constexpr (MT > 1) {
-    if (mt < MT) return fast_quads_upto<Tile, MT - 1>(mt, n0, n1, m0, t, p);
+    if (mt < MT) return fast_quads_upto<Tile, MT - 1>(mt, n0, n1, m0, t);
   }
-  fast_quads_mt<Tile, MT>(n0, n1, m0, t, p);
+  fast_quads_mt<Tile, MT>(n0, n1, m0, t);
 }
 
 template <int BITS>
 void fast_rows_bits(const QmmJob& j, int n0, int n1) {
-  thread_local std::vector<float> buffer;
   const FastTile<BITS> t{j};
-  const FastParams p = t.params(n0, n1, buffer);
   for (int m0 = 0; m0 < j.M; m0 += kFastTile) {
-    fast_quads_upto<FastTile<BITS>, kFastTile>(std::min(kFastTile, j.M - m0), n0, n1, m0, t, p);
+    fast_quads_upto<FastTile<BITS>, kFastTile>(std::min(kFastTile, j.M - m0), n0, n1, m0, t);
   }
 }
 
