@@ -7,11 +7,14 @@
 //                 accumulators each (row, x row) pair has (enough independent chains);
 //   halves        float16 scales to float32;
 //   splat, loadu, storeu, add, fmadd (a * b + c), hsum (lanes in a fixed order);
-//   Group, group<BITS>(scale, bias)  what dequant needs of a group;
-//   dequant<BITS>(p, group, w)  the 32 weights of the packed block at p, each
+//   Group, group<BITS, X>(scale, bias)  what dequant needs of a group;
+//   dequant<BITS, X>(p, group, w)  the 32 weights of the packed block at p, each
 //       scale * q, rounded, + bias in float32, into w[32 / L] in block order
 //       (at 4 bits: the even-numbered weights, then the odd ones; qmm.cpp
-//       permutes x to match).
+//       permutes x to match). X (kExactProducts): the scales are widened
+//       float16/bfloat16, so scale * q is exact in float32 (at most 11 + 8
+//       significant bits), its rounding a no-op, and one fused multiply-add
+//       gives the same bits as the product rounded, then the bias added.
 // (qmm_fast.h tiles the fast contract its own way, in quads of weight rows.)
 // Everything here is the same for every ISA; only the lane count and the
 // accumulation order differ between them.
@@ -25,7 +28,7 @@ constexpr int kVecs = kBlock / L;
 // whatever MT): its sums depend neither on R, on MT, nor on which rows share
 // its tile, so an output has the same bits at every M up to kSmallMaxM (a
 // verify window's rows are its decode steps' rows, bit for bit).
-template <int R, int MT, int BITS>
+template <int R, int MT, int BITS, bool X>
 inline void row_tile(const QmmJob& j, int n, int m0, const float* s, const float* b) {
   constexpr int A = kAcc(MT), bb = kBlock * BITS / 8;
   const int G = j.K / j.group, per = j.group / kBlock;
@@ -47,7 +50,7 @@ inline void row_tile(const QmmJob& j, int n, int m0, const float* s, const float
   for (int g = 0; g < G; ++g) {
     Group grp[R];
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) grp[r] = group<BITS>(s[r * G + g], b[r * G + g]);
+    for (int r = 0; r < R; ++r) grp[r] = group<BITS, X>(s[r * G + g], b[r * G + g]);
     for (int t = 0; t < per; ++t, p += bb, xk += kBlock) {
       if (MT >= kPrefetchMinM && (size_t(p - w0) & 63) < bb) {  // once a line: the rows kPrefetchTiles tiles ahead
 #pragma GCC unroll 8
@@ -55,7 +58,7 @@ inline void row_tile(const QmmJob& j, int n, int m0, const float* s, const float
       }
       F w[R][kVecs];
 #pragma GCC unroll 8
-      for (int r = 0; r < R; ++r) dequant<BITS>(p + r * row_bytes, grp[r], w[r]);
+      for (int r = 0; r < R; ++r) dequant<BITS, X>(p + r * row_bytes, grp[r], w[r]);
 #pragma GCC unroll 8
       for (int m = 0; m < MT; ++m) {
 #pragma GCC unroll 4
@@ -134,14 +137,14 @@ struct ExactTile {
   template <int R, int MT>
   void run(int n, int m0, const Params<S>& p) const {
     if constexpr (std::is_same_v<S, float>) {
-      row_tile<R, MT, BITS>(j, n, m0, p.scales(n), p.biases(n));
+      row_tile<R, MT, BITS, false>(j, n, m0, p.scales(n), p.biases(n));
     } else {
       const int G = j.K / j.group;  // the R rows' scales, then their biases, in float32
       thread_local std::vector<float> tile;
       if (tile.size() < size_t(2 * R * G)) tile.resize(2 * R * G);
       widen(p.scales(n), j.scale, 0, R * G, tile.data(), halves);
       widen(p.biases(n), j.scale, 0, R * G, tile.data() + R * G, halves);
-      row_tile<R, MT, BITS>(j, n, m0, tile.data(), tile.data() + R * G);
+      row_tile<R, MT, BITS, true>(j, n, m0, tile.data(), tile.data() + R * G);
     }
   }
 };
@@ -157,7 +160,7 @@ void rows_small(const QmmJob& j, int n0, int n1) {
   j.bits == 4 ? rows_small_bits<4>(j, n0, n1) : rows_small_bits<8>(j, n0, n1);
 }
 
-template <int BITS>
+template <int BITS, bool X>
 void dequant_rows_bits(const QmmJob& j, int n0, int n1, float* panel) {
   const int G = j.K / j.group;
   std::vector<float> params(2 * size_t(G));
@@ -168,7 +171,7 @@ void dequant_rows_bits(const QmmJob& j, int n0, int n1, float* panel) {
     for (int k = 0; k < j.K; k += kBlock) {
       const int g = k / j.group;
       F w[kVecs];
-      dequant<BITS>(wr + k * BITS / 8, group<BITS>(params[g], params[G + g]), w);
+      dequant<BITS, X>(wr + k * BITS / 8, group<BITS, X>(params[g], params[G + g]), w);
       for (int v = 0; v < kVecs; ++v) storeu(row + k + v * L, w[v]);
     }
   }
@@ -176,5 +179,7 @@ void dequant_rows_bits(const QmmJob& j, int n0, int n1, float* panel) {
 
 // panel [n1 - n0, K] = weight rows [n0, n1) dequantized, each block in block order.
 void dequant_rows(const QmmJob& j, int n0, int n1, float* panel) {
-  j.bits == 4 ? dequant_rows_bits<4>(j, n0, n1, panel) : dequant_rows_bits<8>(j, n0, n1, panel);
+  const bool x = j.scale != Scale::f32;  // widened halves: exact products (dequant)
+  j.bits == 4 ? (x ? dequant_rows_bits<4, true>(j, n0, n1, panel) : dequant_rows_bits<4, false>(j, n0, n1, panel))
+              : (x ? dequant_rows_bits<8, true>(j, n0, n1, panel) : dequant_rows_bits<8, false>(j, n0, n1, panel));
 }

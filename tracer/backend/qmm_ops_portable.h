@@ -42,18 +42,18 @@ struct Group {
   float s, b;
 };
 
-template <int BITS>
+template <int BITS, bool X = false>
 inline Group group(float s, float b) {
   return {s, b};
 }
-template <int BITS>
+template <int BITS, bool X = false>
 inline void dequant(const uint8_t* p, const Group& g, F* w) {
   float q[kBlock];  // loops the compiler vectorizes
   for (int i = 0; i < kBlock / 2; ++i) {
     q[i] = BITS == 8 ? p[i] : p[i] & 15;
     q[i + kBlock / 2] = BITS == 8 ? p[i + kBlock / 2] : p[i] >> 4;
   }
-  for (int i = 0; i < kBlock; ++i) q[i] = q[i] * g.s + g.b;
+  for (int i = 0; i < kBlock; ++i) q[i] = X ? std::fma(q[i], g.s, g.b) : q[i] * g.s + g.b;
   std::memcpy(w, q, sizeof q);
 }
 // The fast contract's integer dot products and float lanes (loops the compiler vectorizes).

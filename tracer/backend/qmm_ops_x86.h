@@ -33,12 +33,12 @@ inline F widen8(__m128i bytes) {  // the low 8 bytes
 struct Group {
   F s, b;
 };
-template <int BITS>
+template <int BITS, bool X = false>
 inline Group group(float s, float b) {
   return {splat(s), splat(b)};
 }
 
-template <int BITS>
+template <int BITS, bool X = false>
 inline void dequant(const uint8_t* p, const Group& g, F* w) {
   if constexpr (BITS == 4) {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), m = _mm_set1_epi8(0x0f);
@@ -47,7 +47,7 @@ inline void dequant(const uint8_t* p, const Group& g, F* w) {
   } else {
     for (int i = 0; i < 4; ++i) w[i] = widen8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i)));
   }
-  for (int v = 0; v < 4; ++v) w[v] = _mm256_add_ps(_mm256_mul_ps(w[v], g.s), g.b);
+  for (int v = 0; v < 4; ++v) w[v] = X ? _mm256_fmadd_ps(w[v], g.s, g.b) : _mm256_add_ps(_mm256_mul_ps(w[v], g.s), g.b);
 }
 // The fast contract: unsigned weight bytes times signed x bytes by maddubs,
 // 4 bits as they are (a pair sums to at most 2 * 15 * 127: no saturation),
@@ -167,15 +167,16 @@ inline float hsum(F a) { return _mm512_reduce_add_ps(a); }
 struct Group {
   F a, b;
 };
-template <int BITS>
+template <int BITS, bool X = false>
 inline Group group(float s, float b) {
   if constexpr (BITS == 4) {
     const F q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    return {_mm512_add_ps(_mm512_mul_ps(q, splat(s)), splat(b)), splat(0.0f)};
+    return {X ? _mm512_fmadd_ps(q, splat(s), splat(b)) : _mm512_add_ps(_mm512_mul_ps(q, splat(s)), splat(b)),
+            splat(0.0f)};
   }
   return {splat(s), splat(b)};
 }
-template <int BITS>
+template <int BITS, bool X = false>
 inline void dequant(const uint8_t* p, const Group& g, F* w) {
   if constexpr (BITS == 4) {
     const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -184,7 +185,7 @@ inline void dequant(const uint8_t* p, const Group& g, F* w) {
   } else {
     for (int i = 0; i < 2; ++i) {
       const F q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i))));
-      w[i] = _mm512_add_ps(_mm512_mul_ps(q, g.a), g.b);
+      w[i] = X ? _mm512_fmadd_ps(q, g.a, g.b) : _mm512_add_ps(_mm512_mul_ps(q, g.a), g.b);
     }
   }
 }
