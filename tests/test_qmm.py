@@ -92,12 +92,16 @@ def test_qmm_is_within_its_contract_of_the_float32_dequantized_matmul(isa, bits,
 
 
 @pytest.mark.parametrize("isa", PATHS, indirect=True)
-@pytest.mark.parametrize("bits,group", [(4, 32), (8, 64), (4, 128)])
-def test_each_weight_is_mlx_float32_dequantize_bit_for_bit(isa, bits, group):
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 64), (4, 128), (8, 32)])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_each_weight_is_mlx_float32_dequantize_bit_for_bit(isa, bits, group, dtype):
     """Rows of the identity pick single weights out: no sum, so the outputs are
-    the dequantized weights themselves (few-row and panel paths)."""
+    the dequantized weights themselves (few-row and panel paths). Widened
+    float16/bfloat16 scales take one fused multiply-add (their products with
+    q are exact in float32), float32 ones the product rounded, then the bias:
+    MLX's bits either way."""
     Kd = 256
-    w, s, b = quantized(40, Kd, group, bits, mx.float16)
+    w, s, b = quantized(40, Kd, group, bits, getattr(mx, dtype))
     want = np.array(dequantized(w, s, b, group, bits)).T  # [K, N]
     eye = mx.eye(Kd)
     for r0, rows in ((0, 1), (5, 8), (64, 3), (0, Kd)):
