@@ -125,9 +125,9 @@ def test_float16_scales_are_widened_not_computed_in_float16():
 def test_scales_read_in_place_or_widened_give_the_same_bits(isa, contract, group, bits, dtype):
     """float32 scales are read where they lie (group 32: every contract; a
     quantized embedding's head or Q4_K's blocks), float16/bfloat16 ones
-    widened (the exact contract's few-row tiles: a tile's rows at a time,
-    as the tile starts; with rows left over past the last whole tile): the
-    same values give the same bits either way."""
+    widened (the exact contract's few-row tiles: 16 weight rows at a time,
+    rows left over past the last 16 and x rows past one tile of 8 too):
+    the same values give the same bits either way."""
     w, s, b = quantized(301, 576, group, bits, getattr(mx, dtype), seed=3)
     x = mx.random.normal((9, 576), key=mx.random.key(4))
     for M in (1, 2, 3, 9):

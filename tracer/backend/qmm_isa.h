@@ -81,71 +81,78 @@ inline void row_tile(const QmmJob& j, int n, int m0, const float* s, const float
   }
 }
 
-// A range of weight rows' scales and biases (float32, or float16/bfloat16
-// where S is uint16_t), as a tile reads them: row n's at s + (n - n0) * ls and b + (n - n0) * lb.
-template <class S = float>
+// A range of weight rows' scales and biases in float32, as a tile reads them:
+// row n's at s + (n - n0) * ls and b + (n - n0) * lb.
 struct Params {
-  const S* s;
-  const S* b;
+  const float* s;
+  const float* b;
   int ls, lb, n0;
-  const S* scales(int n) const { return s + size_t(n - n0) * ls; }
-  const S* biases(int n) const { return b + size_t(n - n0) * lb; }
+  const float* scales(int n) const { return s + size_t(n - n0) * ls; }
+  const float* biases(int n) const { return b + size_t(n - n0) * lb; }
 };
 
 // Calls Tile::run<R, MT>(n, m0, params) over rows [n0, n1) for the x rows
 // [m0, m0 + MT): Tile::rows(MT) weight rows at once, the rest one by one.
-template <class Tile, int MT, class P>
-inline void over_tiles_mt(int n0, int n1, int m0, const Tile& t, const P& p) {
+template <class Tile, int MT>
+inline void over_tiles_mt(int n0, int n1, int m0, const Tile& t, const Params& p) {
   constexpr int R = Tile::rows(MT);
   int n = n0;
   for (; n + R <= n1; n += R) t.template run<R, MT>(n, m0, p);
   for (; n < n1; ++n) t.template run<1, MT>(n, m0, p);
 }
 
-template <class Tile, int MT, class P>
-inline void over_tiles_upto(int mt, int n0, int n1, int m0, const Tile& t, const P& p) {
+template <class Tile, int MT>
+inline void over_tiles_upto(int mt, int n0, int n1, int m0, const Tile& t, const Params& p) {
   if constexpr (MT > 1) {
     if (mt < MT) return over_tiles_upto<Tile, MT - 1>(mt, n0, n1, m0, t, p);
   }
   over_tiles_mt<Tile, MT>(n0, n1, m0, t, p);
 }
 
-// Every (weight rows, x rows) tile of out[:, n0 .. n1), x in tiles of kTile rows.
+// Every (weight rows, x rows) tile of out[:, n0 .. n1), x in tiles of kTile
+// rows, kParamRows weight rows at a time (their parameters made ready once:
+// Tile::params).
+constexpr int kParamRows = 16;
 template <class Tile>
 void over_tiles(const QmmJob& j, int n0, int n1, const Tile& t) {
-  const auto p = t.params(n0, n1);
-  for (int m0 = 0; m0 < j.M; m0 += kTile) {
-    over_tiles_upto<Tile, kTile>(std::min(kTile, j.M - m0), n0, n1, m0, t, p);
+  for (int a = n0; a < n1; a += kParamRows) {
+    const int b = std::min(n1, a + kParamRows);
+    const Params p = t.params(a, b);
+    for (int m0 = 0; m0 < j.M; m0 += kTile) {
+      over_tiles_upto<Tile, kTile>(std::min(kTile, j.M - m0), a, b, m0, t, p);
+    }
   }
 }
 
-// The exact contract's tiles over the rows' scales [rows, G] and biases [rows, G]
-// where they lie: float32 ones (S = float) read as they are; float16 or
-// bfloat16 ones (S = uint16_t) widened a tile at a time, as the tile starts
-// (a pass over a whole chunk's before its tiles waited on memory with
-// nothing to overlap: SmolLM2's 120 layer matrices at M = 1, one thread,
-// 8.6 -> 7.3 ms, the 8-bit head 3.4 -> 3.1; a decode step at bucket 1
-// 11.7 -> 11.0 ms, in-process A/B).
+// The exact contract's tiles over the rows' scales [rows, G] and biases [rows, G]:
+// float32 ones (S = float) read where they lie; float16 or bfloat16 ones
+// (S = uint16_t) widened kParamRows rows at a time, just before their tiles,
+// and dequantized with one fused multiply-add (dequant's X: exact products).
+// 0.5.5 widened a whole chunk's in a pass before its tiles (SmolLM2's 120
+// layer matrices at M = 1, one thread, in-process A/B: 9.7 -> 8.9 ms);
+// widening each tile's own (R rows) was 5 % slower at 8 x rows, where a tile
+// takes one row (Llama-3.2-1B's shape, bucket 8).
 template <int BITS, class S>
 struct ExactTile {
   const QmmJob& j;
   static constexpr int rows(int mt) { return kRows(mt); }
-  Params<S> params(int n0, int) const {
+  Params params(int n0, int n1) const {
     const size_t G = j.K / j.group;
-    return {static_cast<const S*>(j.scales) + n0 * G, static_cast<const S*>(j.biases) + n0 * G, int(G), int(G), n0};
+    if constexpr (std::is_same_v<S, float>) {
+      const float* s = static_cast<const float*>(j.scales) + n0 * G;
+      return {s, static_cast<const float*>(j.biases) + n0 * G, int(G), int(G), n0};
+    } else {
+      const size_t n = (n1 - n0) * G;  // the rows' scales, then their biases, in float32
+      thread_local std::vector<float> rows;
+      if (rows.size() < 2 * n) rows.resize(2 * n);
+      widen(j.scales, j.scale, n0 * G, int(n), rows.data(), halves);
+      widen(j.biases, j.scale, n0 * G, int(n), rows.data() + n, halves);
+      return {rows.data(), rows.data() + n, int(G), int(G), n0};
+    }
   }
   template <int R, int MT>
-  void run(int n, int m0, const Params<S>& p) const {
-    if constexpr (std::is_same_v<S, float>) {
-      row_tile<R, MT, BITS, false>(j, n, m0, p.scales(n), p.biases(n));
-    } else {
-      const int G = j.K / j.group;  // the R rows' scales, then their biases, in float32
-      thread_local std::vector<float> tile;
-      if (tile.size() < size_t(2 * R * G)) tile.resize(2 * R * G);
-      widen(p.scales(n), j.scale, 0, R * G, tile.data(), halves);
-      widen(p.biases(n), j.scale, 0, R * G, tile.data() + R * G, halves);
-      row_tile<R, MT, BITS, true>(j, n, m0, tile.data(), tile.data() + R * G);
-    }
+  void run(int n, int m0, const Params& p) const {
+    row_tile<R, MT, BITS, std::is_same_v<S, uint16_t>>(j, n, m0, p.scales(n), p.biases(n));
   }
 };
 
