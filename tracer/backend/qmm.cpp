@@ -63,10 +63,10 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
-#include <type_traits>
 #include <chrono>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>

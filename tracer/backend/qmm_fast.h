@@ -199,11 +199,11 @@ void quantize_x_rows(const QmmJob& j, int8_t* xq, float* xd, float* xg) {
   }
 }
 
-// The fast contract's tiles: a quad's rows' scales and biases widened [rows, G]
-// each (past group 32, each block's scale [rows, K / 32] after them) as the
-// quad starts, into the thread's buffer (float32 scales of group 32 read in
-// place); a pass over a whole chunk's before its quads waited on memory with
-// nothing to overlap, as the exact contract's did (qmm_isa.h's ExactTile).
+// The fast contract's tiles: the rows' scales and biases widened [rows, G]
+// each (past group 32, each block's scale [rows, K / 32] after them) into
+// the thread's buffer, kParamRows rows at a time just before their quads, as
+// the exact contract's tiles widen theirs (float32 scales of group 32 read
+// in place).
 template <int BITS>
 struct FastTile {
   const QmmJob& j;
@@ -229,33 +229,39 @@ struct FastTile {
     return {s, wb, B, G, n0};
   }
   template <int Q, int MT>
-  void run(int n, int n1, int m0) const {
-    thread_local std::vector<float> buffer;
-    fast_tile<Q, MT, BITS>(j, n, n1, m0, params(n, std::min(n1, n + kStep * Q), buffer));
+  void run(int n, int n1, int m0, const FastParams& p) const {
+    fast_tile<Q, MT, BITS>(j, n, n1, m0, p);
   }
 };
 
 template <class Tile, int MT>
-inline void fast_quads_mt(int n0, int n1, int m0, const Tile& t) {
+inline void fast_quads_mt(int n0, int n1, int m0, const Tile& t, const FastParams& p) {
   constexpr int Q = kFastQuads(MT);
   int n = n0;
-  for (; n + kStep * Q <= n1; n += kStep * Q) t.template run<Q, MT>(n, n1, m0);
-  for (; n < n1; n += kStep) t.template run<1, MT>(n, n1, m0);
+  for (; n + kStep * Q <= n1; n += kStep * Q) t.template run<Q, MT>(n, n1, m0, p);
+  for (; n < n1; n += kStep) t.template run<1, MT>(n, n1, m0, p);
 }
 
 template <class Tile, int MT>
-inline void fast_quads_upto(int mt, int n0, int n1, int m0, const Tile& t) {
+inline void fast_quads_upto(int mt, int n0, int n1, int m0, const Tile& t, const FastParams& p) {
   if constexpr (MT > 1) {
-    if (mt < MT) return fast_quads_upto<Tile, MT - 1>(mt, n0, n1, m0, t);
+    if (mt < MT) return fast_quads_upto<Tile, MT - 1>(mt, n0, n1, m0, t, p);
   }
-  fast_quads_mt<Tile, MT>(n0, n1, m0, t);
+  fast_quads_mt<Tile, MT>(n0, n1, m0, t, p);
 }
 
+// Rows [n0, n1) in blocks of kParamRows (whole quads), every x tile over each.
 template <int BITS>
 void fast_rows_bits(const QmmJob& j, int n0, int n1) {
+  static_assert(kParamRows % kStep == 0);
+  thread_local std::vector<float> buffer;
   const FastTile<BITS> t{j};
-  for (int m0 = 0; m0 < j.M; m0 += kFastTile) {
-    fast_quads_upto<FastTile<BITS>, kFastTile>(std::min(kFastTile, j.M - m0), n0, n1, m0, t);
+  for (int a = n0; a < n1; a += kParamRows) {
+    const int b = std::min(n1, a + kParamRows);
+    const FastParams p = t.params(a, b, buffer);
+    for (int m0 = 0; m0 < j.M; m0 += kFastTile) {
+      fast_quads_upto<FastTile<BITS>, kFastTile>(std::min(kFastTile, j.M - m0), a, b, m0, t, p);
+    }
   }
 }
 
