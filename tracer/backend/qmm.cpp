@@ -116,7 +116,15 @@ constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 // sgemm (single-thread CPU time on SmolLM2's shapes: the tiles were faster at
 // 10, 20 and 40 rows, by up to 1.8x, even at 64, the panels faster from 96).
 constexpr int kSmallMaxM = 64;
-constexpr size_t kChunkBytes = 16 << 10;     // packed weights a chunk of the few-row path
+// Packed weights a chunk of the few-row paths takes (exact and fast tiles).
+// Each chunk is claimed and counted done with an atomic the two cores share,
+// and starts on cold cache lines: at 16 KB (0.5.6) a bucket-1 SmolLM2 step had
+// ~5,800 chunks. 64 KB: the step 7-10 % faster at bucket 1, 3-4 % at 2 and 4,
+// the same at 8 (in-process A/B on compiled decode steps, both sizes taking
+// turns; 48-128 KB alike; sizes that shrank towards a job's end were no
+// better than 16 KB).
+constexpr size_t kTileChunkBytes = 64 << 10;
+constexpr size_t kPanelChunkBytes = 16 << 10;  // ... and of the many-row path's dequantized panels
 constexpr size_t kPoolBytes = 64 << 10;      // less work than this (~6 us at M = 1) does not wake the pool
 constexpr size_t kPanelBytes = 512 << 10;    // a dequantized panel of the many-row path
 constexpr int kBlock = 32;                   // weights a kernel step: 16 bytes at 4 bits, 32 at 8
@@ -302,14 +310,14 @@ const Path& path() {
 #include "qmm_pool.h"
 
 // ------------------------------------------------------------- the work
-// Calls fn(n0, n1) for weight rows [n0, n1) in chunks of about kChunkBytes
+// Calls fn(n0, n1) for weight rows [n0, n1) in chunks of about chunk_bytes
 // of packed weights (at least `align` rows, a multiple of it), on the pool.
 // Work under kPoolBytes (packed bytes times (M + 1) / 2) runs on the calling
 // thread alone, in the same chunks (the same bits).
 template <class Fn>
-void over_rows(const QmmJob& j, int n0, int n1, int align, const Fn& fn) {
+void over_rows(const QmmJob& j, int n0, int n1, int align, size_t chunk_bytes, const Fn& fn) {
   const size_t row_bytes = size_t(j.K) * j.bits / 8;
-  int rows = int(std::max<size_t>(align, (kChunkBytes + row_bytes - 1) / row_bytes)) / align * align;
+  int rows = int(std::max<size_t>(align, (chunk_bytes + row_bytes - 1) / row_bytes)) / align * align;
   rows = std::max(rows, (n1 - n0 + Pool::kMaxChunks - 1) / Pool::kMaxChunks);
   struct Ctx {
     const Fn* fn;
@@ -324,7 +332,7 @@ void over_rows(const QmmJob& j, int n0, int n1, int align, const Fn& fn) {
 
 // Few x rows: straight from the packed weights.
 void run_small(const QmmJob& j, const Path& p) {
-  over_rows(j, 0, j.N, 4, [&](int n0, int n1) { p.small(j, n0, n1); });
+  over_rows(j, 0, j.N, 4, kTileChunkBytes, [&](int n0, int n1) { p.small(j, n0, n1); });
 }
 
 // Many x rows: panels of weight rows dequantized (on the pool), each one cblas_sgemm.
@@ -333,7 +341,7 @@ void run_large(const QmmJob& j, const Path& p) {
   std::vector<float> panel(size_t(std::min(rows, j.N)) * j.K);  // [rows, K]
   for (int n0 = 0; n0 < j.N; n0 += rows) {
     const int nr = std::min(rows, j.N - n0);
-    over_rows(j, n0, n0 + nr, 1, [&](int a, int b) { p.dequant(j, a, b, panel.data() + size_t(a - n0) * j.K); });
+    over_rows(j, n0, n0 + nr, 1, kPanelChunkBytes, [&](int a, int b) { p.dequant(j, a, b, panel.data() + size_t(a - n0) * j.K); });
     cblas_sgemm(kRowMajor, kNoTrans, kTrans, j.M, nr, j.K, 1.0f, j.x, int(j.ldx), panel.data(), j.K, 0.0f,
                 j.out + n0, j.N);
   }
@@ -371,7 +379,7 @@ void run(QmmJob j, Contract contract) {
     thread_local std::vector<int8_t> xq;
     thread_local std::vector<float> xd, xg;
     quantize_x(j, p, xq, xd, xg);
-    over_rows(j, 0, j.N, 4, [&](int n0, int n1) { p.fast(j, n0, n1); });
+    over_rows(j, 0, j.N, 4, kTileChunkBytes, [&](int n0, int n1) { p.fast(j, n0, n1); });
     return;
   }
   const bool small = j.M <= kSmallMaxM;
