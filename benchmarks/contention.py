@@ -1,7 +1,7 @@
 """SmolLM2 decode and prefill at bucket 1 beside N busy processes, per BLAS
 thread setting: how much a busy machine slows the compiled loop.
 
-    python benchmarks/contention.py --busy 2 [--reps 2] [--tokens 32] [--prompt-repeat 16]
+    python benchmarks/contention.py --busy 2 [--reps 2] [--tokens 32] [--prompt-repeat 16] [--weights quantized]
 
 Each setting runs in a fresh process (the BLAS thread count is read at
 import); the busy processes are shell loops, killed at the end. Prints the
@@ -21,7 +21,7 @@ RUN = r'''
 import json, sys
 import mlx_tracer
 from mlx_tracer import Generator
-gen = Generator.load(weights="float32", buckets=(1,))
+gen = Generator.load(weights=sys.argv[3], buckets=(1,))
 gen.warmup(buckets=[1], prefill=False)
 prompt = " ".join(["Write a short paragraph about the history of Paris."] * int(sys.argv[2]))
 gen.generate(prompt, max_tokens=4)  # prefill windows traced, kernels built
@@ -44,6 +44,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--prompt-repeat", type=int, default=1,
                     help="repeat the prompt sentence N times (1: ~12 prompt tokens, a noisy prefill figure; 16: ~190)")
+    ap.add_argument("--weights", default="float32",
+                    help="the weight format (float32: the figures before 0.5; quantized: qmm's pool, what auto picks)")
     args = ap.parse_args()
     base = {k: v for k, v in os.environ.items() if k != "MLX_TRACER_BLAS_THREADS"}
     hogs = [subprocess.Popen(["sh", "-c", "while :; do :; done"]) for _ in range(args.busy)]
@@ -52,7 +54,7 @@ def main() -> int:
         load0 = os.getloadavg()
         for _ in range(args.reps):
             for name, env in SETTINGS.items():
-                r = subprocess.run([sys.executable, "-c", RUN, str(args.tokens), str(args.prompt_repeat)], capture_output=True, text=True, env=dict(base, **env))
+                r = subprocess.run([sys.executable, "-c", RUN, str(args.tokens), str(args.prompt_repeat), args.weights], capture_output=True, text=True, env=dict(base, **env))
                 if r.returncode != 0:
                     print(r.stderr[-2000:], file=sys.stderr)
                     return 1
