@@ -2,23 +2,20 @@
 // counter by the caller and sleeping workers (as the BLAS shim splits its
 // GEMMs, blas_shim.c). Included by qmm.cpp inside its anonymous namespace.
 
-// How long an idle thread polls before it sleeps, yielding its core at each
-// poll (to the Python thread that builds the next step, or anyone else who
-// wants it) instead of pausing. Waking a sleeper is dear on a VM whose idle
-// vCPUs halt (this project's machine: a futex round trip ~60 us, ~11 us of it
-// the waker's own time), and the gaps between a step's qmm jobs are mostly
-// shorter than 1 ms. 0.5.6 paused for 20 us, then slept: a pipelined
-// bucket-1 SmolLM2 decode, the ways taking turns every 0.25 s in one process
-// (a scratch script; medians of ~1,400 token intervals each), 8.76 -> 8.58 ms
-// a token (1 ms of yielding; 2 ms: 8.55, 20 us: 8.61).
-constexpr long kSpinNs = 1000000;
+constexpr long kSpinNs = 20000;  // how long an idle thread spins before it sleeps
+
+inline void cpu_relax() {
+#if defined(__x86_64__)
+  _mm_pause();
+#endif
+}
 
 long now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
       .count();
 }
 
-// A word threads wait on to change: bounded polling, then a futex sleep. Who
+// A word threads wait on to change: a bounded spin, then a futex sleep. Who
 // changes it calls the futex only while someone sleeps (one syscall less a
 // job where the waiters still spin): a sleeper counts itself before it reads
 // the word a last time, the changer reads the count after its store (both
@@ -30,11 +27,11 @@ struct Signal {
   // Waits until word != seen; returns the new value.
   uint32_t wait_change(uint32_t seen) {
     const long until = now_ns() + kSpinNs;
-    for (;;) {
+    for (int i = 1;; ++i) {
       const uint32_t v = word.load(std::memory_order_acquire);
       if (v != seen) return v;
-      sched_yield();
-      if (now_ns() > until) break;
+      cpu_relax();
+      if ((i & 63) == 0 && now_ns() > until) break;
     }
     sleepers.fetch_add(1);
     uint32_t v;
