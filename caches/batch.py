@@ -271,6 +271,23 @@ class StaticKVCache:
         self.rows = self.rows.select(order)
         return True
 
+    def narrow(self, width: int) -> bool:
+        """Move to the narrower bucket ``width`` without copying: the live rows
+        are rows ``0 .. n-1`` (after :meth:`move_rows`), so the buffers become
+        views of their first ``width`` rows, the rows past them dropped. The
+        memory stays that of the wider buffers until the batch is laid out
+        again (a join that widens, :meth:`filter`); a decode step writes the
+        views in place as it writes whole buffers. Returns False and changes
+        nothing where the live rows do not fit ``width`` or a prompt is pending."""
+        width = int(width)
+        if self.rows.pending is not None or not self.rows.n <= width <= self.width:
+            return False
+        if self.keys is not None and width < self.width:
+            self.keys = each(lambda a: a[:width], self.keys)
+            self.values = each(lambda a: a[:width], self.values)
+        self._width = width
+        return True
+
     def _relayout_preferred(self, order: Sequence[int]) -> bool:
         """Whether rows ``order`` should rather be laid out again (see :meth:`move_rows`)."""
         return False

@@ -267,6 +267,65 @@ def test_rows_leaving_within_a_bucket_copy_only_the_rows_that_move():
     assert [r.uid for r in batch.rows] == [uids[i] for i in (0, 6, 2, 3, 4, 5)]
 
 
+@pytest.mark.parametrize("fmt", FORMATS[:2], ids=lambda f: f.describe().replace(" ", ""))
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.__name__)
+def test_narrow_holds_what_filter_holds_without_a_copy(kind, fmt):
+    """Rows leaving for a narrower bucket: the live rows moved to the front,
+    then the buffers are views of their first rows (nothing allocated); they
+    hold what the copying filter gives, and decode on in place alike."""
+    rng = np.random.default_rng(8)
+    batch, _ = running_batch(kind, fmt, rng)
+    order = [0, 4, 2]  # bucket 16 -> 4
+    want = kind.join([batch], width=16)
+    want.filter(order, width=4)
+    mx.eval(want.state)
+    total = batch.nbytes
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    assert batch.move_rows(order) and batch.narrow(4)
+    mx.eval(batch.state)
+    assert mx.get_peak_memory() - base < total // 8  # one row of 16 moved, none copied
+    assert batch.width == 4 and batch.n == 3
+    same_rows(rows_of(batch), rows_of(want))
+    for c in (batch, want):
+        decode(c, np.random.default_rng(9), 20)
+    same_rows(rows_of(batch), rows_of(want))
+    assert not batch.narrow(2) and batch.width == 4  # 3 live rows do not fit 2: nothing changes
+
+
+def test_rows_leaving_for_a_narrower_bucket_copy_no_row_and_write_in_place():
+    """In the engine: 5 rows of bucket 8 leaving 3 (bucket 4) move one row and
+    copy none; the decode steps after it write the narrowed buffers in place
+    (the kernels' cache_writes: all donated, none copied)."""
+    from mlx_tracer.backend import kernels
+
+    K = kernels.load()
+    if K is None:
+        pytest.skip(f"native kernels unavailable: {kernels.status()}")
+    cm = CompiledModel(tiny_model("llama", head_dim=64))
+    eng = Engine(cm, buckets=(1, 2, 4, 8), prefill_chunks=(4, 8), prefill_step_tokens=8)
+    for k in range(5):
+        eng.add([3 + k] + PROMPT[:40], max_tokens=40)
+    for _ in range(14):
+        eng.step()
+    batch = eng.batch
+    assert len(batch.rows) == 5 and batch.width == 8 and batch.pipeline
+    uids = [r.uid for r in batch.rows]
+    mx.eval([c.state for c in batch.caches])
+    total = sum(c.nbytes for c in batch.caches)
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    batch.keep([1, 2, 4])
+    mx.eval([c.state for c in batch.caches])
+    assert mx.get_peak_memory() - base < total // 4  # one row of 8 moved
+    assert batch.width == 4 and [r.uid for r in batch.rows] == [uids[i] for i in (4, 1, 2)]
+    donated, copied = K.cache_writes()
+    for _ in range(6):
+        eng.step()
+    assert K.cache_writes()[1] == copied  # written where they lie
+    assert K.cache_writes()[0] >= donated + 5 * 2 * len(batch.caches)
+
+
 def test_move_rows_leaves_half_empty_full_caches_to_filter():
     """A full cache whose remaining rows would fit half its capacity is laid out again."""
     rng = np.random.default_rng(5)

@@ -210,6 +210,22 @@ def test_a_client_that_disconnects_mid_stream_frees_its_row_and_the_neighbour_lo
     wait_for(lambda: metrics(url)["mlx_tracer_live_rows"] == 0, what="its row to be freed")
 
 
+def test_the_load_scripts_burst_beside_running_streams_measures_both_and_frees_every_row(server):
+    """``python -m mlx_tracer.serve.load clients --running N``: the running
+    streams stream before the clients arrive, their gaps during the burst are
+    counted, and closing them afterwards frees their rows."""
+    from mlx_tracer.serve.load import Server, burst
+
+    url, _ = server
+    before = metrics(url).get('mlx_tracer_requests_finished_total{reason="cancelled"}', 0)
+    r = burst(Server(url), clients=3, max_tokens=4, running=2, running_tokens=2000)
+    assert r["tokens"] == 3 * 4 and len(r["ttft"]) == 3 and all(0 < t < r["wall"] for t in r["ttft"])
+    assert r["running_tokens"] >= 2 and len(r["gaps"]) >= 2 and all(g > 0 for g in r["gaps"])
+    wait_for(lambda: metrics(url).get('mlx_tracer_requests_finished_total{reason="cancelled"}', 0) == before + 2,
+             what="the running streams' cancels")
+    wait_for(lambda: metrics(url)["mlx_tracer_live_rows"] == 0, what="their rows to be freed")
+
+
 # -------------------------------------------------------- bad requests
 @pytest.mark.parametrize("body, status, param", [
     (b"{not json", 400, None),

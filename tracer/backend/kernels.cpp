@@ -1472,6 +1472,16 @@ void quantize_group(const float* w, int group, int bits, uint32_t* words, float*
   *bias_out = bias;
 }
 
+// Whether buf's memory can hold out (buf's shape and dtype) as it is, once
+// MLX may donate it: row-major elements, each once. A buffer of a batch that
+// moved to a narrower bucket is a view of the first rows of a wider one
+// (StaticKVCache.narrow): row-major, at offset 0, with a tail no row uses;
+// it is written where it lies as a whole buffer is.
+bool reusable(const array& buf, const array& out) {
+  return buf.flags().row_contiguous && buf.nbytes() == out.nbytes() && buf.data_size() == buf.size() &&
+         buf.buffer_size() >= out.nbytes();
+}
+
 // A decode step's cache write: buf [B, H, S, D] with new [B, H, 1, D] at
 // column col [1] int32 (clamped to the buffer), as mx.slice_update writes it.
 // buf float32, float16 or bfloat16, new float32 (stored as new.astype(buf's
@@ -1501,7 +1511,7 @@ class CacheWrite : public Kernel {
     array upd = dense(in[1]);
     const int32_t* col = in[2].data<int32_t>();
     array& out = outputs[0];
-    const bool fits = buf.flags().row_contiguous && buf.buffer_size() == out.nbytes();
+    const bool fits = reusable(buf, out);
     while (fits && !buf.is_donatable() && mx::scheduler::n_active_tasks() > 0) {
       mx::scheduler::wait_for_one();
     }
@@ -1583,7 +1593,7 @@ class Realign : public Kernel {
     const array& buf = in[0];
     const array delta = dense(in[1]);
     array& out = outputs[0];
-    const bool fits = buf.flags().row_contiguous && buf.buffer_size() == out.nbytes();
+    const bool fits = reusable(buf, out);
     while (fits && !buf.is_donatable() && mx::scheduler::n_active_tasks() > 0) {
       mx::scheduler::wait_for_one();
     }

@@ -2,12 +2,16 @@
 engine's own figure to compare it with.
 
     python -m mlx_tracer.serve.load clients --url http://127.0.0.1:8080 --clients 16 --max-tokens 64
+    python -m mlx_tracer.serve.load clients --url http://127.0.0.1:8080 --clients 16 --running 4   # a burst beside 4 streams
     python -m mlx_tracer.serve.load chat --url http://127.0.0.1:8080 --turns 5
     python -m mlx_tracer.serve.load engine --rows 8 --max-tokens 64     # no server: the engine alone
 
 ``clients``: concurrent streaming chat clients (threads, standard library
 HTTP); prints aggregate completion tokens/s, time to first token (p50, p99)
-and the server's own decode figures over the run (from ``/metrics``).
+and the server's own decode figures over the run (from ``/metrics``); with
+``--running N``, N long streams start first and the clients arrive together
+once they stream: their gaps between tokens during the burst (median,
+longest) are printed too.
 ``chat``: a multi-turn conversation; prints per turn the prompt tokens, the
 tokens the prefix cache served, the tokens prefilled and the turn's time. ``engine``: the same
 batch decoded by an in-process Generator, no HTTP: the engine's batched
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import statistics
 import sys
 import threading
 import time
@@ -80,14 +85,29 @@ def _percentile(xs: List[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]
 
 
-def clients(args) -> int:
-    server = Server(args.url)
-    n = args.clients
-    results: List[Optional[dict]] = [None] * n
+class _Stop(Exception):
+    """Ends a running stream's read (its connection closes: the server cancels it)."""
 
-    def one(i: int):
-        body = {"messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], "max_tokens": args.max_tokens,
-                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+
+def _chat_body(text: str, max_tokens: int) -> dict:
+    return {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+
+
+def burst(server: "Server", clients: int, max_tokens: int, running: int = 0, running_tokens: int = 1024,
+          settle_s: float = 120.0) -> dict:
+    """``clients`` streaming chat requests sent together, beside ``running``
+    streams started first (each asks for ``running_tokens`` and is ended by
+    closing its connection once the burst is over). Returns the newcomers'
+    figures (``tokens``, ``wall``, ``ttft`` list, seconds) and, with running
+    streams, ``gaps``: every interval between two of their content chunks
+    that ends during the burst (the one across its start included)."""
+    results: List[Optional[dict]] = [None] * clients
+    errors: List[BaseException] = []
+    stop = threading.Event()
+    stamps: List[List[float]] = [[] for _ in range(running)]
+
+    def newcomer(i: int):
         t0, first, usage = time.perf_counter(), None, None
 
         def line(data):
@@ -100,29 +120,79 @@ def clients(args) -> int:
             elif first is None and chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
                 first = time.perf_counter()
 
-        server.post("/v1/chat/completions", body, line)
-        results[i] = {"start": t0, "ttft": first - t0, "end": time.perf_counter(), "tokens": usage["completion_tokens"]}
+        try:
+            server.post("/v1/chat/completions", _chat_body(QUESTIONS[i % len(QUESTIONS)], max_tokens), line)
+            results[i] = {"start": t0, "ttft": first - t0, "end": time.perf_counter(), "tokens": usage["completion_tokens"]}
+        except BaseException as e:  # reported after the run
+            errors.append(e)
 
-    before = server.metrics()
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    def runner(i: int):
+        def line(data):
+            if stop.is_set():
+                raise _Stop
+            if data != "[DONE]":
+                chunk = json.loads(data)
+                if chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    stamps[i].append(time.perf_counter())
+
+        try:
+            text = "Tell me a long story about a lighthouse keeper, in many chapters. " + QUESTIONS[i % len(QUESTIONS)]
+            server.post("/v1/chat/completions", _chat_body(text, running_tokens), line)
+            if not stop.is_set():
+                errors.append(RuntimeError(f"a running stream ended before the burst was over "
+                                           f"({len(stamps[i])} tokens): raise --running-tokens"))
+        except _Stop:
+            pass
+        except BaseException as e:
+            errors.append(e)
+
+    runners = [threading.Thread(target=runner, args=(i,), daemon=True) for i in range(running)]
+    for t in runners:
+        t.start()
+    t_wait = time.perf_counter()
+    while any(len(s) < 4 for s in stamps) and not errors:  # every running stream streams before the burst
+        if time.perf_counter() - t_wait > settle_s:
+            raise RuntimeError(f"the running streams did not start streaming within {settle_s:.0f} s")
+        time.sleep(0.01)
+    threads = [threading.Thread(target=newcomer, args=(i,)) for i in range(clients)]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
-    after = server.metrics()
+    t1 = time.perf_counter()
+    stop.set()
+    for t in runners:
+        t.join(60)
+    if errors:
+        raise RuntimeError(f"{len(errors)} request(s) failed; the first: {errors[0]!r}") from errors[0]
     done = [r for r in results if r]
-    tokens = sum(r["tokens"] for r in done)
-    ttft = [r["ttft"] for r in done]
+    gaps = [b - a for s in stamps for a, b in zip(s, s[1:]) if t0 < b <= t1]
+    return {"tokens": sum(r["tokens"] for r in done), "wall": t1 - t0, "ttft": [r["ttft"] for r in done],
+            "gaps": gaps, "running_tokens": sum(1 for s in stamps for b in s if t0 < b <= t1)}
+
+
+def clients(args) -> int:
+    server = Server(args.url)
+    n = args.clients
+    before = server.metrics()
+    r = burst(server, n, args.max_tokens, running=args.running, running_tokens=args.running_tokens)
+    after = server.metrics()
+    tokens, wall, ttft = r["tokens"], r["wall"], r["ttft"]
     d_tok = after["mlx_tracer_decode_tokens_total"] - before["mlx_tracer_decode_tokens_total"]
     d_s = after["mlx_tracer_decode_seconds_total"] - before["mlx_tracer_decode_seconds_total"]
     p_tok = after["mlx_tracer_prefill_tokens_total"] - before["mlx_tracer_prefill_tokens_total"]
     p_s = after["mlx_tracer_prefill_seconds_total"] - before["mlx_tracer_prefill_seconds_total"]
-    print(f"{len(done)}/{n} streaming clients, {args.max_tokens} tokens each: {tokens} completion tokens in {wall:.2f} s")
+    beside = f", beside {args.running} running streams" if args.running else ""
+    print(f"{len(ttft)}/{n} streaming clients, {args.max_tokens} tokens each{beside}: {tokens} completion tokens in {wall:.2f} s")
     print(f"  aggregate (client side, wall clock): {tokens / wall:.1f} tok/s")
     print(f"  time to first token: p50 {_percentile(ttft, 0.5) * 1e3:.0f} ms, p99 {_percentile(ttft, 0.99) * 1e3:.0f} ms, "
           f"max {max(ttft) * 1e3:.0f} ms")
+    if args.running:
+        g = r["gaps"]
+        med, top = statistics.median(g), max(g)
+        print(f"  running streams during the burst: {r['running_tokens']} tokens; gap between tokens median "
+              f"{med * 1e3:.0f} ms, longest {top * 1e3:.0f} ms ({top / med:.1f}x the median)")
     print(f"  engine over the run: decode {d_tok:.0f} tokens in {d_s:.2f} s = {d_tok / d_s if d_s else 0:.1f} tok/s; "
           f"prefill {p_tok:.0f} tokens in {p_s:.2f} s")
     return 0
@@ -175,6 +245,10 @@ def main(argv=None) -> int:
     c.add_argument("--url", default="http://127.0.0.1:8080")
     c.add_argument("--clients", type=int, default=16)
     c.add_argument("--max-tokens", type=int, default=64)
+    c.add_argument("--running", type=int, default=0,
+                   help="streams started (and streaming) before the clients arrive; their gaps between tokens "
+                        "during the burst are reported")
+    c.add_argument("--running-tokens", type=int, default=1024, help="max_tokens of each running stream")
     c.set_defaults(func=clients)
     t = sub.add_parser("chat", help="a multi-turn chat: prefill per turn")
     t.add_argument("--url", default="http://127.0.0.1:8080")
