@@ -206,25 +206,32 @@ def test_place_declines_what_does_not_fit_and_changes_nothing(kind):
     assert batch.place([too_many], width=32) and batch.width == 32 and batch.n == 17  # a wider bucket: one copy
 
 
+@pytest.mark.parametrize("width", [16, 4], ids=["same-bucket", "narrower"])
 @pytest.mark.parametrize("fmt", FORMATS[:2], ids=lambda f: f.describe().replace(" ", ""))
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.__name__)
-def test_move_rows_holds_what_filter_holds_and_copies_only_the_moved_rows(kind, fmt):
+def test_move_rows_holds_what_filter_holds_and_copies_only_the_moved_rows(kind, fmt, width):
+    """Rows 1 and 3 of 5 leave (row 4 takes row 1's place), in the same
+    bucket (16) or for a narrower one (4: then ``narrow``, the buffers views
+    of their first rows, nothing allocated); the caches hold what the
+    copying filter gives, and decode on alike."""
     rng = np.random.default_rng(3)
     batch, _ = running_batch(kind, fmt, rng)
-    order = [0, 4, 2]  # rows 1 and 3 leave; row 4 takes row 1's place
+    order = [0, 4, 2]
     want = kind.join([batch], width=16)
-    want.filter(order, width=16)
+    want.filter(order, width=width)
     mx.eval(want.state)
     total = batch.nbytes
     mx.reset_peak_memory()
     base = mx.get_active_memory()
-    assert batch.move_rows(order)
+    assert batch.move_rows(order) and batch.narrow(width)
     mx.eval(batch.state)
-    assert mx.get_peak_memory() - base < total // 4
+    assert mx.get_peak_memory() - base < total // 8  # one row of 16 moved, none copied
+    assert batch.width == width and batch.n == 3
     same_rows(rows_of(batch), rows_of(want))
     for c in (batch, want):
         decode(c, np.random.default_rng(4), 20)
     same_rows(rows_of(batch), rows_of(want))
+    assert not batch.narrow(2) and batch.width == width  # 3 live rows do not fit 2: nothing changes
 
 
 def test_move_rows_drops_shared_padding_instead_of_growing():
@@ -248,49 +255,31 @@ def test_move_rows_drops_shared_padding_instead_of_growing():
 def test_rows_leaving_within_a_bucket_copy_only_the_rows_that_move():
     """In the engine (buffers the compiled step returned, a step in flight):
     a row leaving 7 rows of bucket 8 moves the last row into its place."""
+    eng, uids, peak = rows_leave(7, [0, 2, 3, 4, 5, 6])
+    assert peak < 1 / 4  # one row of 8 moved
+    assert eng.batch.width == 8 and [r.uid for r in eng.batch.rows] == [uids[i] for i in (0, 6, 2, 3, 4, 5)]
+
+
+def rows_leave(rows: int, keep):
+    """An engine decoding ``rows`` rows of bucket 8 (a step in flight) that keeps
+    rows ``keep``: ``(engine, the rows' uids before, peak memory of the keep
+    as a share of the caches)``."""
     cm = CompiledModel(tiny_model("llama", head_dim=64))
     eng = Engine(cm, buckets=(1, 2, 4, 8), prefill_chunks=(4, 8), prefill_step_tokens=8)
-    for k in range(7):
+    for k in range(rows):
         eng.add([3 + k] + PROMPT[:40], max_tokens=40)
     for _ in range(14):
         eng.step()
     batch = eng.batch
-    assert len(batch.rows) == 7 and batch.width == 8 and batch.pipeline
+    assert len(batch.rows) == rows and batch.width == 8 and batch.pipeline
     uids = [r.uid for r in batch.rows]
     mx.eval([c.state for c in batch.caches])
     total = sum(c.nbytes for c in batch.caches)
     mx.reset_peak_memory()
     base = mx.get_active_memory()
-    batch.keep([0, 2, 3, 4, 5, 6])
+    batch.keep(list(keep))
     mx.eval([c.state for c in batch.caches])
-    assert mx.get_peak_memory() - base < total // 4  # one row of 8 moved
-    assert [r.uid for r in batch.rows] == [uids[i] for i in (0, 6, 2, 3, 4, 5)]
-
-
-@pytest.mark.parametrize("fmt", FORMATS[:2], ids=lambda f: f.describe().replace(" ", ""))
-@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.__name__)
-def test_narrow_holds_what_filter_holds_without_a_copy(kind, fmt):
-    """Rows leaving for a narrower bucket: the live rows moved to the front,
-    then the buffers are views of their first rows (nothing allocated); they
-    hold what the copying filter gives, and decode on in place alike."""
-    rng = np.random.default_rng(8)
-    batch, _ = running_batch(kind, fmt, rng)
-    order = [0, 4, 2]  # bucket 16 -> 4
-    want = kind.join([batch], width=16)
-    want.filter(order, width=4)
-    mx.eval(want.state)
-    total = batch.nbytes
-    mx.reset_peak_memory()
-    base = mx.get_active_memory()
-    assert batch.move_rows(order) and batch.narrow(4)
-    mx.eval(batch.state)
-    assert mx.get_peak_memory() - base < total // 8  # one row of 16 moved, none copied
-    assert batch.width == 4 and batch.n == 3
-    same_rows(rows_of(batch), rows_of(want))
-    for c in (batch, want):
-        decode(c, np.random.default_rng(9), 20)
-    same_rows(rows_of(batch), rows_of(want))
-    assert not batch.narrow(2) and batch.width == 4  # 3 live rows do not fit 2: nothing changes
+    return eng, uids, (mx.get_peak_memory() - base) / total
 
 
 def test_rows_leaving_for_a_narrower_bucket_copy_no_row_and_write_in_place():
@@ -302,22 +291,9 @@ def test_rows_leaving_for_a_narrower_bucket_copy_no_row_and_write_in_place():
     K = kernels.load()
     if K is None:
         pytest.skip(f"native kernels unavailable: {kernels.status()}")
-    cm = CompiledModel(tiny_model("llama", head_dim=64))
-    eng = Engine(cm, buckets=(1, 2, 4, 8), prefill_chunks=(4, 8), prefill_step_tokens=8)
-    for k in range(5):
-        eng.add([3 + k] + PROMPT[:40], max_tokens=40)
-    for _ in range(14):
-        eng.step()
+    eng, uids, peak = rows_leave(5, [1, 2, 4])
     batch = eng.batch
-    assert len(batch.rows) == 5 and batch.width == 8 and batch.pipeline
-    uids = [r.uid for r in batch.rows]
-    mx.eval([c.state for c in batch.caches])
-    total = sum(c.nbytes for c in batch.caches)
-    mx.reset_peak_memory()
-    base = mx.get_active_memory()
-    batch.keep([1, 2, 4])
-    mx.eval([c.state for c in batch.caches])
-    assert mx.get_peak_memory() - base < total // 4  # one row of 8 moved
+    assert peak < 1 / 4  # one row of 8 moved
     assert batch.width == 4 and [r.uid for r in batch.rows] == [uids[i] for i in (4, 1, 2)]
     donated, copied = K.cache_writes()
     for _ in range(6):
