@@ -1,6 +1,6 @@
 """Where a compiled decode step's time goes, per native kernel phase.
 
-    MLX_TRACER_KERNEL_PROFILE=1 python benchmarks/kernel_profile.py [B=1] [CTX=128] [WEIGHTS=quantized] [--steps 40] [--kv-dtype float16] [--window L]
+    MLX_TRACER_KERNEL_PROFILE=1 python benchmarks/kernel_profile.py [B=1] [CTX=128] [WEIGHTS=quantized] [--steps 40] [--kv-dtype float16 | --kv-bits 8] [--window L]
 
 SmolLM2 at bucket B over CTX positions; each step built and evaluated before
 the next (no pipelining: the step median includes the host's build). Prints
@@ -36,6 +36,7 @@ def main() -> int:
     ap.add_argument("weights", nargs="?", default="quantized")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--kv-dtype", default=None, help="store K/V as float16/bfloat16 (default: the model's dtype)")
+    ap.add_argument("--kv-bits", type=int, default=None, help="store K/V quantized to 4 or 8 bits (mlx-lm's layout)")
     ap.add_argument("--window", type=int, default=0, help="profile verify windows of this many tokens a row too")
     args = ap.parse_args()
     if args.window == 1 or args.window < 0:
@@ -44,7 +45,7 @@ def main() -> int:
     if K is None:
         raise SystemExit(f"native kernels unavailable: {kernels.status()}")
     model, label = load_bench_model("smollm2", weights=args.weights)
-    compiled = CompiledModel(model, kv=check_kv(kv_dtype=args.kv_dtype))
+    compiled = CompiledModel(model, kv=check_kv(kv_bits=args.kv_bits, kv_dtype=args.kv_dtype))
     build, evaluate, verify = _tracer_steps(compiled, [synthetic_context(model, compiled.layout, args.context)]
                                             * args.bucket, windows=True)
     kinds = {"decode": lambda: (build(), evaluate())}
@@ -66,7 +67,8 @@ def main() -> int:
             for name, (ns, calls) in got.items():
                 total = phases[kind].setdefault(name, [0, 0])
                 total[0], total[1] = total[0] + ns, total[1] + calls
-    print(f"{label} B{args.bucket} ctx{args.context} K/V {args.kv_dtype or 'model dtype'}, attention "
+    kv_label = f"{args.kv_bits}-bit" if args.kv_bits else args.kv_dtype or "model dtype"
+    print(f"{label} B{args.bucket} ctx{args.context} K/V {kv_label}, attention "
           f"{K.attention_mode()}, load average {os.getloadavg()[0]:.2f}")
     median = {kind: statistics.median(t) for kind, t in steps.items()}
     for kind in kinds:

@@ -37,15 +37,26 @@ inline void prefetch_rows(const void* base, int s, int n, int D) {
   for (size_t off = 0; off < size_t(n) * D * item; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 // Per key of p [R, S]: whether some row gives it a nonzero share (else its
-// values are not read), found once for the block (a thread's buffer).
-inline const uint8_t* keys_read(const float* p, int R, int S) {
+// values are not read), found once for the block into a thread's buffer;
+// keys from `from` on here (the ISA paths fill the ones before on lanes).
+inline uint8_t* keys_read_from(const float* p, int R, int S, int from) {
   thread_local std::vector<uint8_t> read;
-  read.assign(S, 0);
-  for (int r = 0; r < R; ++r) {
-    const float* pr = p + size_t(r) * S;
-    for (int s = 0; s < S; ++s) read[s] |= pr[s] != 0.0f;
+  read.resize(S);
+  for (int s = from; s < S; ++s) {
+    uint8_t any = 0;
+    for (int r = 0; r < R; ++r) any |= p[size_t(r) * S + s] != 0.0f;
+    read[s] = any;
   }
   return read.data();
+}
+// Calls f(std::integral_constant<int, g>) for a run-time g in [1, G]: a
+// loop over g rows with the count fixed at compile time (no test a key).
+template <int G, class F>
+inline void with_rows(int g, F&& f) {
+  if constexpr (G > 1) {
+    if (g < G) return with_rows<G - 1>(g, f);
+  }
+  f(std::integral_constant<int, G>{});
 }
 }  // namespace attend
 
@@ -111,40 +122,58 @@ inline void scores_group(const float* q, int R, int D, const void* k, int S, int
                          float* out) {
   scores4<K, CC>(q, R, D, k, S, s, b, per, out);
 }
+inline const uint8_t* keys_read(const float* p, int R, int S) {
+  const int whole = S / 8 * 8;
+  uint8_t* read = attend::keys_read_from(p, R, S, whole);
+  const __m256 zero = _mm256_setzero_ps();
+  for (int s = 0; s < whole; s += 8) {
+    __m256 any = zero;
+    for (int r = 0; r < R; ++r) any = _mm256_or_ps(any, _mm256_cmp_ps(_mm256_loadu_ps(p + size_t(r) * S + s), zero, _CMP_NEQ_UQ));
+    const int m = _mm256_movemask_ps(any);
+    for (int i = 0; i < 8; ++i) read[s + i] = m >> i & 1;
+  }
+  return read;
+}
+// out [G, D] (rows D apart) = p [G, S] @ v [S, D] for the C slices from d0, in registers.
+template <int K, int C, int G>
+inline void values_rows(const float* p, int S, const void* v, int D, int d0, const uint8_t* read, bool prefetch,
+                        float* out) {
+  __m256 acc[G][C][2];
+  for (int i = 0; i < G; ++i)
+    for (int c = 0; c < C; ++c) acc[i][c][0] = acc[i][c][1] = _mm256_setzero_ps();
+  for (int s = 0; s < S; ++s) {
+    if (!read[s]) continue;  // a key every row gives 0 (a masked one): skipped
+    if (prefetch) attend::prefetch_rows<K>(v, s, 1, D);
+    __m256 vlo[C], vhi[C];
+    for (int c = 0; c < C; ++c) load16<K>(v, size_t(s) * D + d0 + 16 * c, vlo[c], vhi[c]);
+    for (int i = 0; i < G; ++i) {
+      const __m256 pv = _mm256_set1_ps(p[size_t(i) * S + s]);
+      for (int c = 0; c < C; ++c) {
+        acc[i][c][0] = _mm256_fmadd_ps(pv, vlo[c], acc[i][c][0]);
+        acc[i][c][1] = _mm256_fmadd_ps(pv, vhi[c], acc[i][c][1]);
+      }
+    }
+  }
+  for (int i = 0; i < G; ++i)
+    for (int c = 0; c < C; ++c) {
+      float* o = out + size_t(i) * D + d0 + 16 * c;
+      _mm256_storeu_ps(o, acc[i][c][0]);
+      _mm256_storeu_ps(o + 8, acc[i][c][1]);
+    }
+}
 // out [R, D] = p [R, S] @ v [S, D]; G rows at a time in registers.
 template <int K, int CC>
 void values_k(const float* p, int R, int S, const void* v, int D, float* out) {
   constexpr int C = CC > 0 ? CC : 1;  // with CC = 0: one 16-column slice at a time
-  const uint8_t* read = attend::keys_read(p, R, S);
+  const uint8_t* read = keys_read(p, R, S);
   constexpr int G = CC > 0 ? (CC <= 2 ? 4 : CC <= 4 ? 2 : 1) : 4;
   const int slices = CC > 0 ? 1 : D / 16;
   for (int sl = 0; sl < slices; ++sl) {
-    const int d0 = 16 * sl;
     for (int r0 = 0; r0 < R; r0 += G) {
-      const int g = std::min(G, R - r0);
-      __m256 acc[G][C][2];
-      for (int i = 0; i < G; ++i)
-        for (int c = 0; c < C; ++c) acc[i][c][0] = acc[i][c][1] = _mm256_setzero_ps();
-      for (int s = 0; s < S; ++s) {
-        if (!read[s]) continue;  // a key every row gives 0 (a masked one): skipped
-        if (sl == 0 && r0 == 0) attend::prefetch_rows<K>(v, s, 1, D);
-        __m256 vlo[C], vhi[C];
-        for (int c = 0; c < C; ++c) load16<K>(v, size_t(s) * D + d0 + 16 * c, vlo[c], vhi[c]);
-        for (int i = 0; i < G; ++i) {
-          if (i >= g) break;
-          const __m256 pv = _mm256_set1_ps(p[size_t(r0 + i) * S + s]);
-          for (int c = 0; c < C; ++c) {
-            acc[i][c][0] = _mm256_fmadd_ps(pv, vlo[c], acc[i][c][0]);
-            acc[i][c][1] = _mm256_fmadd_ps(pv, vhi[c], acc[i][c][1]);
-          }
-        }
-      }
-      for (int i = 0; i < g; ++i)
-        for (int c = 0; c < C; ++c) {
-          float* o = out + size_t(r0 + i) * D + d0 + 16 * c;
-          _mm256_storeu_ps(o, acc[i][c][0]);
-          _mm256_storeu_ps(o + 8, acc[i][c][1]);
-        }
+      attend::with_rows<G>(std::min(G, R - r0), [&](auto g) {
+        values_rows<K, C, decltype(g)::value>(p + size_t(r0) * S, S, v, D, 16 * sl, read, sl == 0 && r0 == 0,
+                                              out + size_t(r0) * D);
+      });
     }
   }
 }
@@ -248,32 +277,50 @@ inline void scores_group(const float* q, int R, int D, const void* k, int S, int
     }
   }
 }
+inline const uint8_t* keys_read(const float* p, int R, int S) {
+  const int whole = S / 16 * 16;
+  uint8_t* read = attend::keys_read_from(p, R, S, whole);
+  const __m512 zero = _mm512_setzero_ps();
+  const __m128i one = _mm_set1_epi8(1);
+  for (int s = 0; s < whole; s += 16) {
+    __mmask16 any = 0;
+    for (int r = 0; r < R; ++r) any |= _mm512_cmp_ps_mask(_mm512_loadu_ps(p + size_t(r) * S + s), zero, _CMP_NEQ_UQ);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(read + s), _mm_maskz_mov_epi8(any, one));
+  }
+  return read;
+}
+// out [G, D] (rows D apart) = p [G, S] @ v [S, D] for the C slices from d0, in registers.
+template <int K, int C, int G>
+inline void values_rows(const float* p, int S, const void* v, int D, int d0, const uint8_t* read, bool prefetch,
+                        float* out) {
+  __m512 acc[G][C];
+  for (int i = 0; i < G; ++i)
+    for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int s = 0; s < S; ++s) {
+    if (!read[s]) continue;  // a key every row gives 0 (a masked one): skipped
+    if (prefetch) attend::prefetch_rows<K>(v, s, 1, D);
+    __m512 vc[C];
+    for (int c = 0; c < C; ++c) vc[c] = load16<K>(v, size_t(s) * D + d0 + 16 * c);
+    for (int i = 0; i < G; ++i) {
+      const __m512 pv = _mm512_set1_ps(p[size_t(i) * S + s]);
+      for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(pv, vc[c], acc[i][c]);
+    }
+  }
+  for (int i = 0; i < G; ++i)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + size_t(i) * D + d0 + 16 * c, acc[i][c]);
+}
 template <int K, int CC>
 void values_k(const float* p, int R, int S, const void* v, int D, float* out) {
-  const uint8_t* read = attend::keys_read(p, R, S);
+  const uint8_t* read = keys_read(p, R, S);
   constexpr int C = CC > 0 ? CC : 1;
   constexpr int G = CC > 0 ? (CC <= 2 ? 8 : CC <= 4 ? 6 : 3) : 8;
   const int slices = CC > 0 ? 1 : D / 16;
   for (int sl = 0; sl < slices; ++sl) {
-    const int d0 = 16 * sl;
     for (int r0 = 0; r0 < R; r0 += G) {
-      const int g = std::min(G, R - r0);
-      __m512 acc[G][C];
-      for (int i = 0; i < G; ++i)
-        for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
-      for (int s = 0; s < S; ++s) {
-        if (!read[s]) continue;  // a key every row gives 0 (a masked one): skipped
-        if (sl == 0 && r0 == 0) attend::prefetch_rows<K>(v, s, 1, D);
-        __m512 vc[C];
-        for (int c = 0; c < C; ++c) vc[c] = load16<K>(v, size_t(s) * D + d0 + 16 * c);
-        for (int i = 0; i < G; ++i) {
-          if (i >= g) break;
-          const __m512 pv = _mm512_set1_ps(p[size_t(r0 + i) * S + s]);
-          for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(pv, vc[c], acc[i][c]);
-        }
-      }
-      for (int i = 0; i < g; ++i)
-        for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + size_t(r0 + i) * D + d0 + 16 * c, acc[i][c]);
+      attend::with_rows<G>(std::min(G, R - r0), [&](auto g) {
+        values_rows<K, C, decltype(g)::value>(p + size_t(r0) * S, S, v, D, 16 * sl, read, sl == 0 && r0 == 0,
+                                              out + size_t(r0) * D);
+      });
     }
   }
 }
