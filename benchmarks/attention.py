@@ -7,7 +7,9 @@ memory, so the K/V stream from DRAM as in a decode step), SmolLM2's shapes
 by default (3 key heads, 3 query heads each, head size 64, 1152 columns: the
 capacity bucket of a 1024-token context). Prints the median ms of a call
 and the K/V bytes it read per second, for the BLAS path (MLX's bits) and
-the vector path, float32 / float16 / bfloat16 K/V.
+the vector path, float32 / float16 / bfloat16 K/V, and 8-/4-bit packed K/V
+(group 64, float32 scales: MLX's quantized_matmul arithmetic, "mlx", and the
+vector lanes on MLX's dequantized values).
 """
 
 from __future__ import annotations
@@ -51,6 +53,18 @@ def main() -> int:
             print(f"  {str(dtype).split('.')[-1]:9s} {'vector' if vector else 'blas':6s} {ns / 1e6:8.2f} ms "
                   f"{gb / (ns / 1e9):6.1f} GB/s of K/V")
         del k, v
+    k = mx.array(rng.standard_normal((B, nk, S, D), dtype=np.float32))
+    v = mx.array(rng.standard_normal((B, nk, S, D), dtype=np.float32))
+    for bits in (8, 4):  # mlx-lm's QuantizedKVCache layout, group 64 (or the head size if smaller)
+        group = min(64, D)
+        kq, vq = mx.quantize(k, group_size=group, bits=bits), mx.quantize(v, group_size=group, bits=bits)
+        mx.eval(kq, vq)
+        gb = sum(a.nbytes for a in (*kq, *vq)) / 1e9
+        for vector in (False, True):
+            _, ns = K.decode_attention(q, kq[0], vq[0], bias, vector, args.repeat, packed=[kq[1], kq[2], vq[1], vq[2]])
+            print(f"  {f'{bits}-bit':9s} {'vector' if vector else 'mlx':6s} {ns / 1e6:8.2f} ms "
+                  f"{gb / (ns / 1e9):6.1f} GB/s of K/V")
+        del kq, vq
     return 0
 
 

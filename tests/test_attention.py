@@ -2,7 +2,8 @@
 portable loops in kernels.cpp): the same bits on every ISA path, the
 attention's values up to summation order (a float64 reference and the BLAS
 arithmetic), float32 / float16 / bfloat16 keys and values read as stored,
-masked columns never reaching the result, and ``auto`` picking it exactly
+8- and 4-bit packed ones dequantized as MLX does (the values MLX's
+dequantize gives, then the same lanes), masked columns never reaching the result, and ``auto`` picking it exactly
 where the layer's projections are packed blocks."""
 
 from __future__ import annotations
@@ -100,6 +101,63 @@ def test_masked_columns_never_reach_the_result(dtype):
     assert np.isfinite(dirty).all()
     assert np.array_equal(dirty.view(np.int32), clean.view(np.int32))
     assert np.isnan(attend(q, kd, vd, bias, vector=False)).any()
+
+
+PACKED = [(8, 64), (4, 64), (8, 32), (4, 32), (8, 128), (4, 128)]
+
+
+def packed_inputs(B, nk, R, S, D, bits, group, seed=0):
+    """inputs() with K/V quantized as mlx-lm's QuantizedKVCache stores them."""
+    q, k, v, bias = inputs(B, nk, R, S, D, mx.float32, seed)
+    kq, vq = mx.quantize(k, group_size=group, bits=bits), mx.quantize(v, group_size=group, bits=bits)
+    mx.eval(kq, vq)
+    deq = [mx.dequantize(*t, group_size=group, bits=bits) for t in (kq, vq)]
+    mx.eval(deq)
+    return q, kq, vq, bias, deq
+
+
+def attend_packed(q, kq, vq, bias, vector=True) -> np.ndarray:
+    out = K.decode_attention(q, kq[0], vq[0], bias, vector, packed=[kq[1], kq[2], vq[1], vq[2]])[0]
+    return np.asarray(out, np.float32)
+
+
+PACKED_CASES = [(shape, bits, group) for shape in [(2, 3, 3, 37, 128), (1, 2, 5, 130, 128), (3, 1, 4, 19, 256),
+                                                   (2, 2, 15, 66, 128)] for bits, group in PACKED] + \
+    [((2, 3, 3, 37, 64), bits, group) for bits, group in PACKED if group <= 64] + [((1, 1, 2, 5, 32), 4, 32)]
+
+
+@pytest.mark.parametrize("shape,bits,group", PACKED_CASES, ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
+def test_vector_attention_reads_packed_blocks_as_mlx_dequantizes_them(shape, bits, group):
+    """The vector lanes on packed K/V: the same bits on every ISA path, and
+    the bits the same lanes give on float32 K/V holding MLX's dequantized
+    values (so each value is exactly MLX's dequantize, then the float
+    path's arithmetic); MLX's quantized_matmul arithmetic (vector=False)
+    agrees up to summation order."""
+    q, kq, vq, bias, (kd, vd) = packed_inputs(*shape, bits, group)
+    outs = {}
+    for path in ("portable", "avx2", "avx512"):
+        try:
+            with forced_isa(K, path):
+                outs[path] = attend_packed(q, kq, vq, bias)
+        except pytest.skip.Exception:
+            continue
+    assert "portable" in outs and len(outs) >= 2, outs.keys()
+    for p, o in outs.items():
+        assert np.array_equal(o.view(np.int32), outs["portable"].view(np.int32)), p
+    same_lanes = attend(q, kd, vd, bias)  # float32 blocks of MLX's dequantized values
+    assert np.array_equal(outs["portable"].view(np.int32), same_lanes.view(np.int32))
+    want, mlx_bits = reference(q, kd, vd, bias), attend_packed(q, kq, vq, bias, vector=False)
+    tol = 32 * np.finfo(np.float32).eps * np.abs(want).max()
+    assert np.abs(outs["portable"] - want).max() <= tol
+    assert np.abs(mlx_bits - want).max() <= tol
+
+
+def test_packed_attention_inputs_are_checked():
+    q, kq, vq, bias, _ = packed_inputs(1, 1, 2, 8, 64, 8, 64)
+    with pytest.raises(ValueError, match="scales and biases"):
+        K.decode_attention(q, kq[0], vq[0], bias, True)
+    with pytest.raises(ValueError, match="float32"):
+        K.decode_attention(q, kq[0], vq[0], bias, True, packed=[kq[1].astype(mx.float16), kq[2], vq[1], vq[2]])
 
 
 def test_the_mode_is_checked_and_named(mode):

@@ -21,6 +21,28 @@ from mlx_tracer.runtime.step import CompiledModel
 from .helpers import FRANCE, model_present
 from .tiny_models import tiny_model
 
+try:
+    from mlx_tracer.backend import kernels as _kernels
+
+    KERNELS = _kernels.load()
+except Exception:  # pragma: no cover - the kernels' own tests say why
+    KERNELS = None
+
+
+@pytest.fixture(params=["auto", "vector"])
+def attention(request):
+    """The kernels' decode attention as ``auto`` picks it (beside these float32
+    projections: MLX's arithmetic) and on vector lanes (what packed
+    projections get: the float path's lanes on MLX's dequantized values)."""
+    if request.param == "vector" and KERNELS is None:
+        pytest.skip("native kernels unavailable")
+    before = KERNELS.attention_mode() if KERNELS is not None else None
+    if KERNELS is not None:
+        KERNELS.attention_mode(request.param)
+    yield request.param
+    if KERNELS is not None:
+        KERNELS.attention_mode(before)
+
 # three rows of different lengths and budgets: bucket 4, then 2 and 1 as they finish
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [9, 10], [5, 6, 7, 5, 6, 7, 5, 6]]
 BUDGETS = [12, 6, 9]
@@ -79,7 +101,7 @@ def kv_options(fmt: KVFormat) -> dict:
     ("llama", KVFormat(dtype="float16")),
     ("llama_mixed", KVFormat(dtype="float16")),  # rings and a full layer
 ], ids=lambda x: x if isinstance(x, str) else x.describe().replace(" ", ""))
-def test_greedy_tokens_equal_mlx_lm_with_a_cache_of_the_same_format(family, fmt, fuse):
+def test_greedy_tokens_equal_mlx_lm_with_a_cache_of_the_same_format(family, fmt, fuse, attention):
     model = tiny_model(family, head_dim=64)
     want = [mlx_lm_greedy(model, p, n, fmt) for p, n in zip(PROMPTS, BUDGETS)]
     cm = CompiledModel(model, fuse=fuse, kv=fmt)
@@ -93,7 +115,7 @@ def test_greedy_tokens_equal_mlx_lm_with_a_cache_of_the_same_format(family, fmt,
 
 
 @pytest.mark.parametrize("family", ["llama", "ring_only"])
-def test_speculative_rollback_drops_quantized_columns(family):
+def test_speculative_rollback_drops_quantized_columns(family, attention):
     """Verify windows over 8-bit K/V refuse drafts (a ring long after it wrapped
     too): every token equals plain decoding with the same caches, and mlx-lm's
     where it has the cache (full attention)."""

@@ -1,7 +1,8 @@
-// The decode attention's two products on vector lanes, for float keys and
-// values read as stored (float32, float16 widened by F16C, bfloat16 by a
-// shift): no widened copy of the block, one pass over its keys, one over its
-// values. One (row, key head) block a call, R query rows against S keys of D
+// The decode attention's two products on vector lanes, for keys and values
+// read as stored (float32, float16 widened by F16C, bfloat16 by a shift,
+// 8- and 4-bit packed blocks dequantized 16 values at a time as MLX
+// dequantizes them, scale * q + bias with both operations rounded): no
+// widened copy of the block, one pass over its keys, one over its values. One (row, key head) block a call, R query rows against S keys of D
 // (a multiple of 16, at most 256) values each, rows D apart.
 //
 // The arithmetic (every path, kernels.cpp's portable one too, the same bits):
@@ -23,18 +24,48 @@
 // Included by qmm.cpp inside its anonymous namespace, on x86-64 only.
 
 namespace attend {
-enum Kind { f32 = 0, f16 = 1, bf16 = 2 };
+enum Kind { f32 = 0, f16 = 1, bf16 = 2, q8 = 3, q4 = 4 };
+constexpr bool packed(int K) { return K == q8 || K == q4; }
+using tracer_qmm::AttendPacked;
 using tracer_qmm::masked_key;
 // Keys/values rows [s, s + n), kAheadBytes on, into the caches ahead of
 // their use (a block is a short stream; a prefetch past it cannot fault).
 constexpr int kAheadBytes = 4096;  // 0, 2, 4, 8 KB measured alike within the noise (benchmarks/attention.py)
 template <int K>
 inline void prefetch_rows(const void* base, int s, int n, int D) {
+  if constexpr (packed(K)) {  // the rows' bytes, scales and biases
+    const AttendPacked& p = *static_cast<const AttendPacked*>(base);
+    const int at = s + kAheadBytes / p.row_bytes;
+    const char* d = reinterpret_cast<const char*>(p.data) + size_t(at) * p.row_bytes;
+    for (size_t off = 0; off < size_t(n) * p.row_bytes; off += 64) _mm_prefetch(d + off, _MM_HINT_T0);
+    const size_t g0 = size_t(at) * p.groups, bytes = size_t(n) * p.groups * sizeof(float);
+    for (size_t off = 0; off < bytes; off += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(p.scales + g0) + off, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p.biases + g0) + off, _MM_HINT_T0);
+    }
+    return;
+  }
   const size_t item = K == f32 ? 4 : 2;
   const int ahead = kAheadBytes / (D * int(item));
   s += ahead;
   const char* p = static_cast<const char*>(base) + size_t(s) * D * item;
   for (size_t off = 0; off < size_t(n) * D * item; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
+// Values d .. d + 16 of packed row s as 16 bytes, one value each (4 bits:
+// byte i's low nibble is value 2 i, its high nibble value 2 i + 1), and
+// the group's scale and bias.
+template <int K>
+inline __m128i packed16(const void* block, int s, int d, float& scale, float& bias) {
+  const AttendPacked& p = *static_cast<const AttendPacked*>(block);
+  const uint8_t* row = p.data + size_t(s) * p.row_bytes;
+  const size_t g = size_t(s) * p.groups + (d >> p.group_shift);
+  scale = p.scales[g], bias = p.biases[g];
+  if constexpr (K == q8) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d));
+  } else {
+    const __m128i x8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d / 2)), low4 = _mm_set1_epi8(0x0F);
+    return _mm_unpacklo_epi8(_mm_and_si128(x8, low4), _mm_and_si128(_mm_srli_epi16(x8, 4), low4));
+  }
 }
 // Per key of p [R, S]: whether some row gives it a nonzero share (else its
 // values are not read), found once for the block into a thread's buffer;
@@ -63,14 +94,23 @@ inline void with_rows(int g, F&& f) {
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace attend_avx2 {
-// Lanes 0..7 and 8..15 of 16 values of a stored row from element i.
+// Lanes 0..7 and 8..15 of values d .. d + 16 of stored row s (D values a row).
 template <int K>
-inline void load16(const void* row, size_t i, __m256& lo, __m256& hi) {
+inline void load16(const void* block, int D, int s, int d, __m256& lo, __m256& hi) {
+  if constexpr (attend::packed(K)) {
+    float scale, bias;
+    const __m128i q = attend::packed16<K>(block, s, d, scale, bias);
+    const __m256 vs = _mm256_set1_ps(scale), vb = _mm256_set1_ps(bias);
+    lo = _mm256_add_ps(_mm256_mul_ps(vs, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q))), vb);
+    hi = _mm256_add_ps(_mm256_mul_ps(vs, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)))), vb);
+    return;
+  }
+  const size_t i = size_t(s) * D + d;
   if constexpr (K == attend::f32) {
-    const float* p = static_cast<const float*>(row) + i;
+    const float* p = static_cast<const float*>(block) + i;
     lo = _mm256_loadu_ps(p), hi = _mm256_loadu_ps(p + 8);
   } else {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + i));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(block) + i));
     const __m128i a = _mm256_castsi256_si128(h), b = _mm256_extracti128_si256(h, 1);
     if constexpr (K == attend::f16) {
       lo = _mm256_cvtph_ps(a), hi = _mm256_cvtph_ps(b);
@@ -93,7 +133,7 @@ inline void scores4(const float* q, int R, int D, const void* k, int S, int s, c
   constexpr int CK = CC > 0 ? CC : 16;
   __m256 klo[4][CK], khi[4][CK];  // the four keys, widened once for the R rows
   for (int j = 0; j < 4; ++j)
-    for (int c = 0; c < C; ++c) load16<K>(k, size_t(s + j) * D + 16 * c, klo[j][c], khi[j][c]);
+    for (int c = 0; c < C; ++c) load16<K>(k, D, s + j, 16 * c, klo[j][c], khi[j][c]);
   for (int r = 0, bias_row = 0, in_row = 0; r < R; ++r) {
     const float* qr = q + size_t(r) * D;
     __m256 lo[4], hi[4], s8[4];
@@ -145,7 +185,7 @@ inline void values_rows(const float* p, int S, const void* v, int D, int d0, con
     if (!read[s]) continue;  // a key every row gives 0 (a masked one): skipped
     if (prefetch) attend::prefetch_rows<K>(v, s, 1, D);
     __m256 vlo[C], vhi[C];
-    for (int c = 0; c < C; ++c) load16<K>(v, size_t(s) * D + d0 + 16 * c, vlo[c], vhi[c]);
+    for (int c = 0; c < C; ++c) load16<K>(v, D, s, d0 + 16 * c, vlo[c], vhi[c]);
     for (int i = 0; i < G; ++i) {
       const __m256 pv = _mm256_set1_ps(p[size_t(i) * S + s]);
       for (int c = 0; c < C; ++c) {
@@ -184,12 +224,20 @@ void values_k(const float* p, int R, int S, const void* v, int D, float* out) {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,fma,f16c")
 namespace attend_avx512 {
+// Values d .. d + 16 of stored row s (D values a row).
 template <int K>
-inline __m512 load16(const void* row, size_t i) {
+inline __m512 load16(const void* block, int D, int s, int d) {
+  if constexpr (attend::packed(K)) {
+    float scale, bias;
+    const __m128i q = attend::packed16<K>(block, s, d, scale, bias);
+    return _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(scale), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q))),
+                         _mm512_set1_ps(bias));
+  }
+  const size_t i = size_t(s) * D + d;
   if constexpr (K == attend::f32) {
-    return _mm512_loadu_ps(static_cast<const float*>(row) + i);
+    return _mm512_loadu_ps(static_cast<const float*>(block) + i);
   } else {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(row) + i));
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(block) + i));
     if constexpr (K == attend::f16) {
       return _mm512_cvtph_ps(h);
     } else {
@@ -211,7 +259,7 @@ inline __m512 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 template <int K, int CK>
 inline void load_quad(const void* k, int D, int s, int C, __m512 (&kc)[4][CK]) {
   for (int j = 0; j < 4; ++j)
-    for (int c = 0; c < C; ++c) kc[j][c] = load16<K>(k, size_t(s + j) * D + 16 * c);
+    for (int c = 0; c < C; ++c) kc[j][c] = load16<K>(k, D, s + j, 16 * c);
 }
 // Query row qr's dot products with a quad's keys, in lanes 0, 4, 8, 12 (attend's tree).
 template <int CK>
@@ -300,7 +348,7 @@ inline void values_rows(const float* p, int S, const void* v, int D, int d0, con
     if (!read[s]) continue;  // a key every row gives 0 (a masked one): skipped
     if (prefetch) attend::prefetch_rows<K>(v, s, 1, D);
     __m512 vc[C];
-    for (int c = 0; c < C; ++c) vc[c] = load16<K>(v, size_t(s) * D + d0 + 16 * c);
+    for (int c = 0; c < C; ++c) vc[c] = load16<K>(v, D, s, d0 + 16 * c);
     for (int i = 0; i < G; ++i) {
       const __m512 pv = _mm512_set1_ps(p[size_t(i) * S + s]);
       for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(pv, vc[c], acc[i][c]);

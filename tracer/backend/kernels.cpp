@@ -919,12 +919,35 @@ std::string attention_mode(std::optional<std::string> name) {
 // Whether a decode attention over k, v with packed (or float32) projections runs on vector lanes.
 bool vector_attention(const KV& k, const KV& v, bool packed_weights) {
   const int mode = g_attention.load(std::memory_order_relaxed);
-  return (mode == kAttnVector || (mode == kAttnAuto && packed_weights)) && k.kind != KV::packed &&
-         v.kind != KV::packed && k.D % 16 == 0 && k.D <= 256;
+  return (mode == kAttnVector || (mode == kAttnAuto && packed_weights)) && k.D % 16 == 0 && k.D <= 256;
 }
 
-// Row s of a float block as float32: the block's own memory, or widened into `buf`.
-const float* stored_row(const KV& kv, const void* block, int s, float* buf) {
+// Block (b, h) of kv as the vector attention takes it (tracer_qmm::attend_*):
+// its memory, or for packed blocks `p` filled in and its address.
+const void* attend_block(const KV& kv, int b, int h, tracer_qmm::AttendPacked& p) {
+  if (kv.kind != KV::packed) return kv.data.at<char>(b, h);
+  p = {kv.data.at<uint8_t>(b, h), kv.scales.at<float>(b, h), kv.biases.at<float>(b, h), kv.D * kv.bits / 8,
+       kv.D / kv.group, std::countr_zero(unsigned(kv.group))};
+  return &p;
+}
+// Its storage as tracer_qmm::attend_* names it.
+int attend_kind(const KV& kv) {
+  return kv.kind == KV::packed ? (kv.bits == 8 ? 3 : 4) : int(kv.kind);
+}
+
+// Row s of a block as float32: a float32 block's own memory, else widened
+// or (packed: `block` an AttendPacked) dequantized as MLX does into `buf`.
+__attribute__((optimize("fp-contract=off"))) const float* stored_row(const KV& kv, const void* block, int s,
+                                                                     float* buf) {
+  if (kv.kind == KV::packed) {
+    const auto& p = *static_cast<const tracer_qmm::AttendPacked*>(block);
+    const uint8_t* row = p.data + size_t(s) * p.row_bytes;
+    for (int d = 0; d < kv.D; ++d) {
+      const size_t g = size_t(s) * p.groups + (d >> p.group_shift);
+      buf[d] = Add()(Multiply()(p.scales[g], packed_at(row, d, kv.bits)), p.biases[g]);
+    }
+    return buf;
+  }
   const size_t at = size_t(s) * kv.D;
   if (kv.kind == KV::f32) return static_cast<const float*>(block) + at;
   widen(kv, static_cast<const uint16_t*>(block) + at, buf, kv.D);
@@ -978,13 +1001,14 @@ void attend_values_loops(const float* p, int R, int S, const KV& v, const void* 
 void attention_vector(const float* q, const KV& k, const KV& v, const float* bias, int per, int b, int h, int R,
                       int D, float* scores, float* o) {
   const int S = k.S;
-  const void* kb = k.data.at<char>(b, h);
-  const void* vb = v.data.at<char>(b, h);
-  if (!tracer_qmm::attend_scores(q, R, D, kb, int(k.kind), S, bias, per, scores)) {
+  tracer_qmm::AttendPacked kp, vp;
+  const void* kb = attend_block(k, b, h, kp);
+  const void* vb = attend_block(v, b, h, vp);
+  if (!tracer_qmm::attend_scores(q, R, D, kb, attend_kind(k), S, bias, per, scores)) {
     attend_scores_loops(q, R, D, k, kb, S, bias, per, scores);
   }
   softmax_rows(scores, R, S);
-  if (!tracer_qmm::attend_values(scores, R, S, vb, int(v.kind), D, o)) {
+  if (!tracer_qmm::attend_values(scores, R, S, vb, attend_kind(v), D, o)) {
     attend_values_loops(scores, R, S, v, vb, D, o);
   }
 }
@@ -1923,30 +1947,51 @@ void register_logprobs(nb::module_& m);  // logprobs.cpp
 
 // layer_mid's decode attention alone (tests and benchmarks/attention.py):
 // q [B, nk, R, D] float32 (scaled), keys/values [B, nk, S, D] float32,
-// float16 or bfloat16, bias [B, S] float32, all evaluated and row-contiguous;
-// `vector` picks the arithmetic. Runs it `repeat` times; returns the output
-// [B * nk * R * D] and the median nanoseconds of a run.
+// float16 or bfloat16, or packed (mx.quantize's uint32 [B, nk, S, D bits /
+// 32] with float32 scales and biases [B, nk, S, D / group] in `packed`:
+// keys' scales, keys' biases, values' scales, values' biases), bias [B, S]
+// float32, all evaluated and row-contiguous; `vector` picks the arithmetic.
+// Runs it `repeat` times; returns the output [B * nk * R * D] and the
+// median nanoseconds of a run.
 std::pair<std::vector<float>, int64_t> decode_attention(const array& q, const array& k, const array& v,
-                                                        const array& bias, bool vector, int repeat) {
+                                                        const array& bias, bool vector, int repeat,
+                                                        const std::vector<array>& packed) {
   for (const array* a : {&q, &k, &v, &bias}) {
     need(a->flags().row_contiguous && a->data_shared_ptr() != nullptr,
          "decode_attention: evaluate its inputs (row-contiguous) first");
   }
+  const bool quantized = k.dtype() == mx::uint32;
   need(q.ndim() == 4 && k.ndim() == 4 && v.shape() == k.shape() && q.dtype() == mx::float32 &&
-           q.shape(0) == k.shape(0) && q.shape(1) == k.shape(1) && q.shape(3) == k.shape(3) &&
+           q.shape(0) == k.shape(0) && q.shape(1) == k.shape(1) && (quantized || q.shape(3) == k.shape(3)) &&
            bias.shape() == mx::Shape{k.shape(0), k.shape(2)} && bias.dtype() == mx::float32 && k.dtype() == v.dtype(),
-       "decode_attention: q [B, nk, R, D] float32, keys/values [B, nk, S, D], bias [B, S] float32");
-  need(k.dtype() == mx::float32 || k.dtype() == mx::float16 || k.dtype() == mx::bfloat16,
-       "decode_attention: keys/values float32, float16 or bfloat16");
-  need(!vector || k.shape(3) % 16 == 0 && k.shape(3) <= 256, "decode_attention: vector needs D a multiple of 16 up to 256");
-  auto kv_of = [](const array& a) {
+       "decode_attention: q [B, nk, R, D] float32, keys/values [B, nk, S, D] (packed: [B, nk, S, D bits / 32]), "
+       "bias [B, S] float32");
+  need(k.dtype() == mx::float32 || k.dtype() == mx::float16 || k.dtype() == mx::bfloat16 || quantized,
+       "decode_attention: keys/values float32, float16, bfloat16 or packed uint32");
+  const int D = q.shape(3);
+  need(!vector || D % 16 == 0 && D <= 256, "decode_attention: vector needs D a multiple of 16 up to 256");
+  need(quantized == (packed.size() == 4), "decode_attention: packed keys/values need their scales and biases (4 arrays)");
+  for (const array& a : packed) {
+    need(a.flags().row_contiguous && a.data_shared_ptr() != nullptr && a.dtype() == mx::float32 && a.ndim() == 4 &&
+             a.shape(2) == k.shape(2) && D % a.shape(3) == 0 && (D / a.shape(3)) % 16 == 0,
+         "decode_attention: scales/biases [B, nk, S, D / group] float32, evaluated (group a multiple of 16)");
+  }
+  auto blocks = [](const array& a) { return KV::Blocks{a.data<char>(), a.strides()[0], a.strides()[1], a.itemsize()}; };
+  auto kv_of = [&](const array& a, int part) {
     KV out;
-    out.data = KV::Blocks{a.data<char>(), a.strides()[0], a.strides()[1], a.itemsize()};
-    out.S = a.shape(2), out.D = a.shape(3);
-    out.kind = KV::float_kind(a.dtype());
+    out.data = blocks(a);
+    out.S = a.shape(2), out.D = D;
+    if (quantized) {
+      out.kind = KV::packed;
+      out.scales = blocks(packed[2 * part]), out.biases = blocks(packed[2 * part + 1]);
+      out.bits = a.shape(3) * 32 / D, out.group = D / packed[2 * part].shape(3);
+      need(out.bits == 4 || out.bits == 8, "decode_attention: packed keys/values of 4 or 8 bits");
+    } else {
+      out.kind = KV::float_kind(a.dtype());
+    }
     return out;
   };
-  const KV kk = kv_of(k), vv = kv_of(v);
+  const KV kk = kv_of(k, 0), vv = kv_of(v, 1);
   std::vector<float> o(q.size());
   std::vector<int64_t> ns;
   for (int i = 0; i < std::max(1, repeat); ++i) {
@@ -1973,7 +2018,7 @@ NB_MODULE(_mlx_tracer_kernels, m) {
   m.def("kv_isa", &kv_isa, "the path layer_mid reads packed K/V on: avx512, avx2 or portable (the same bits)");
   m.def("kv_set_isa", &kv_set_isa, nb::arg("name"), "use that path from now on (portable where the CPU lacks it); returns the one in use");
   m.def("decode_attention", &decode_attention, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("bias"),
-        nb::arg("vector"), nb::arg("repeat") = 1,
+        nb::arg("vector"), nb::arg("repeat") = 1, nb::arg("packed") = std::vector<array>{},
         "layer_mid's decode attention alone (tests, benchmarks): (output [B nk R D] as a list, median ns a run)");
   m.def("attention_mode", &attention_mode, nb::arg("name") = nb::none(),
         "the decode attention's arithmetic: 'auto' (vector lanes where the layer's projections are packed, MLX's "

@@ -36,11 +36,22 @@ bool swiglu(const float* a, const float* b, float* out, int n);
 // path in use (attend_x86.h, where the arithmetic is stated): scores [R, S] =
 // bias [R / per, S] (row r: bias row r / per) + q [R, D] . k [S, D], and
 // out [R, D] = p [R, S] @ v [S, D], keys
-// and values stored as `kind` (0 float32, 1 float16, 2 bfloat16), D a
+// and values stored as `kind` (0 float32, 1 float16, 2 bfloat16; 3 and 4:
+// mx.quantize's 8- and 4-bit blocks, `k` / `v` then an AttendPacked), D a
 // multiple of 16 up to 256. False, doing nothing, where the path has none
 // (the caller runs the same arithmetic in plain loops).
 // A key the decode bias masks (float32's lowest or -inf): its score is the
 // bias itself (what bias + dot rounds to for any |dot| < 2^103), not computed.
+// One (row, key head) block of packed keys or values (mx.quantize's layout
+// along D, mlx-lm's QuantizedKVCache): S rows of row_bytes, float32 scales
+// and biases [S, groups], groups of 1 << group_shift values (32, 64, 128).
+// Each value is read as MLX dequantizes it: scale * q + bias, both rounded.
+struct AttendPacked {
+  const uint8_t* data;
+  const float* scales;
+  const float* biases;
+  int row_bytes, groups, group_shift;
+};
 inline bool masked_key(float bias) {
   return bias == -std::numeric_limits<float>::max() || bias == -std::numeric_limits<float>::infinity();
 }
