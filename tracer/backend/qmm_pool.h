@@ -2,7 +2,15 @@
 // counter by the caller and sleeping workers (as the BLAS shim splits its
 // GEMMs, blas_shim.c). Included by qmm.cpp inside its anonymous namespace.
 
-constexpr long kSpinNs = 20000;  // how long an idle thread spins before it sleeps
+// How long an idle thread spins before it sleeps: longer than the gaps
+// between one decode step's pool jobs (a layer's last matmul, its small
+// nodes, the next layer's attention: 20-60 us), since on this machine's VM
+// a sleeping thread takes ~60 us to wake and a job's chunks meanwhile run on
+// the caller alone (a bucket-8 step's attention: 2.8 -> 2.1-2.4 ms with
+// 200 us). In-process A/B on pipelined generation (benchmarks/contention.py
+// too, beside two busy processes: not slower): 100 us 3-7 % faster than 20
+// at buckets 1 and 8, 60 and 200 alike.
+constexpr long kSpinNs = 100000;
 
 inline void cpu_relax() {
 #if defined(__x86_64__)
