@@ -61,21 +61,27 @@ def attend(q, k, v, bias, vector=True) -> np.ndarray:
     return np.asarray(K.decode_attention(q, k, v, bias, vector)[0], np.float32)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_vector_attention_same_bits_on_every_path_and_mlx_values(shape, dtype):
-    q, k, v, bias = inputs(*shape, dtype)
+def on_every_path(run) -> dict:
+    """run() on every ISA path this CPU has (portable and at least one more),
+    asserted to give the same bits on each; {path: output}."""
     outs = {}
     for path in ("portable", "avx2", "avx512"):
         try:
             with forced_isa(K, path):
-                outs[path] = attend(q, k, v, bias)
+                outs[path] = run()
         except pytest.skip.Exception:
             continue
     assert "portable" in outs and len(outs) >= 2, outs.keys()
-    bits = {p: o.view(np.int32) for p, o in outs.items()}
-    for p, b in bits.items():
-        assert np.array_equal(b, bits["portable"]), p
+    for p, o in outs.items():
+        assert np.array_equal(o.view(np.int32), outs["portable"].view(np.int32)), p
+    return outs
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_vector_attention_same_bits_on_every_path_and_mlx_values(shape, dtype):
+    q, k, v, bias = inputs(*shape, dtype)
+    outs = on_every_path(lambda: attend(q, k, v, bias))
     want, blas = reference(q, k, v, bias), attend(q, k, v, bias, vector=False)
     got = outs["portable"]
     # float32 sums in another order: errors as small as the BLAS arithmetic's
@@ -134,16 +140,7 @@ def test_vector_attention_reads_packed_blocks_as_mlx_dequantizes_them(shape, bit
     path's arithmetic); MLX's quantized_matmul arithmetic (vector=False)
     agrees up to summation order."""
     q, kq, vq, bias, (kd, vd) = packed_inputs(*shape, bits, group)
-    outs = {}
-    for path in ("portable", "avx2", "avx512"):
-        try:
-            with forced_isa(K, path):
-                outs[path] = attend_packed(q, kq, vq, bias)
-        except pytest.skip.Exception:
-            continue
-    assert "portable" in outs and len(outs) >= 2, outs.keys()
-    for p, o in outs.items():
-        assert np.array_equal(o.view(np.int32), outs["portable"].view(np.int32)), p
+    outs = on_every_path(lambda: attend_packed(q, kq, vq, bias))
     same_lanes = attend(q, kd, vd, bias)  # float32 blocks of MLX's dequantized values
     assert np.array_equal(outs["portable"].view(np.int32), same_lanes.view(np.int32))
     want, mlx_bits = reference(q, kd, vd, bias), attend_packed(q, kq, vq, bias, vector=False)
