@@ -53,11 +53,17 @@ def writable_cache_dir() -> Optional[Path]:
         return None
 
 
+_SAID = "MLX_TRACER_SAID_NOT_CACHING"  # the folder already reported: a command started again under mimalloc keeps quiet
+
+
 def say_not_caching(d: Path, error: BaseException) -> None:
-    """One stderr line per process: the cache folder refused a write."""
-    if _refused["said"]:
+    """One stderr line per command: the cache folder refused a write (a
+    process the command started again, :mod:`mlx_tracer.backend.malloc`,
+    inherits that it was said)."""
+    if _refused["said"] or os.environ.get(_SAID) == str(d):
         return
     _refused["said"] = True
+    os.environ[_SAID] = str(d)
     reason = getattr(error, "strerror", None) or str(error)
     print(
         f"[mlx-tracer] cache folder {d} is not writable ({reason}): running without caching "

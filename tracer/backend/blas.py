@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..home import cache_dir, check_kept, keep_built, writable_cache_dir
+from .dl import defining_library
 
 ENV = "MLX_TRACER_BLAS"
 ENV_THREADS = "MLX_TRACER_BLAS_THREADS"
@@ -205,22 +206,14 @@ def set_threads(n: int) -> None:
         _state["threads"] = int(n)
 
 
-class _DlInfo(ctypes.Structure):
-    _fields_ = [("dli_fname", ctypes.c_char_p), ("dli_fbase", ctypes.c_void_p), ("dli_sname", ctypes.c_char_p), ("dli_saddr", ctypes.c_void_p)]
-
-
 def _sgemm_library() -> Optional[str]:
     """The file defining the ``cblas_sgemm`` MLX binds to: the global scope's,
     if any (it precedes MLX's own dependencies), else MLX's bundled BLAS."""
     import mlx.core  # noqa: F401  (MLX's own BLAS must be loaded to be seen)
 
-    try:
-        addr = ctypes.cast(ctypes.CDLL(None).cblas_sgemm, ctypes.c_void_p).value
-        info = _DlInfo()
-        if ctypes.CDLL(None).dladdr(ctypes.c_void_p(addr), ctypes.byref(info)) and info.dli_fname:
-            return os.path.realpath(info.dli_fname.decode())
-    except (AttributeError, OSError):
-        pass
+    lib = defining_library("cblas_sgemm")
+    if lib is not None:
+        return lib
     try:
         with open("/proc/self/maps") as f:
             for line in f:

@@ -16,6 +16,7 @@ import os
 import sys
 from typing import Optional
 
+from ..backend.malloc import without_preload
 from ..runtime.step import CompiledModel
 from .models import load_bench_model, synthetic_context
 from .protocol import Worker, serve
@@ -60,7 +61,7 @@ class BaselineWorker(Worker):
 
     def __init__(self):
         super().__init__([sys.executable, "-m", "mlx_tracer.bench", "--worker"], name="the as-run baseline",
-                         env=dict(os.environ, MLX_TRACER_BLAS="0"))
+                         env=dict(without_preload(os.environ), MLX_TRACER_BLAS="0"))  # stock: glibc's malloc
         self.last_peak_mb: Optional[float] = None
 
     def load(self, name: str, path: Optional[str] = None):

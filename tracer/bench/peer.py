@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from ..backend.malloc import without_preload
 from .protocol import Worker, WorkerError
 
 EXTRA_HINT = ('pip install --no-binary llama-cpp-python -e ".[peer]" (builds llama.cpp for this CPU, about 10 '
@@ -38,7 +39,9 @@ class PeerWorker(Worker):
     """llama.cpp in a worker process run by ``python`` (see the module docstring)."""
 
     def __init__(self, python: str):
-        super().__init__([python, str(Path(__file__).with_name("peer_worker.py"))], name="llama.cpp")
+        # as its users run it: under the system's malloc, not the one the mlx-tracer command preloads
+        super().__init__([python, str(Path(__file__).with_name("peer_worker.py"))], name="llama.cpp",
+                         env=without_preload(os.environ))
         self.info = self.ask(op="hello")
 
     def load(self, path: str, threads: int) -> dict:

@@ -87,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=commands.trace, chat=None, system=None)
     serve.add_parser(sub, model_args)
     i = sub.add_parser("info", help="backend, BLAS in use and its measured GEMM rate, weight format, caches")
+    i.add_argument("--malloc-path", action="store_true",
+                   help="print only the malloc library the command preloads (for LD_PRELOAD with the Python API)")
     i.set_defaults(func=tools.info)
 
     b = sub.add_parser("bench", help="stock mlx-lm decode vs the compiled loop: table, JSON, plot")
@@ -121,7 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# commands that run a model: started again under mimalloc (backend/malloc.py) when run as a program
+RUNS_MODEL = ("generate", "trace", "serve", "bench", "info")
+
+
 def main(argv=None) -> int:
+    """The command (``argv``: its arguments; None: this process's, and the
+    command may start again under mimalloc, see :mod:`mlx_tracer.backend.malloc`)."""
+    program = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     bad = opt.undecodable_argument(argv)
@@ -137,6 +146,10 @@ def main(argv=None) -> int:
     from ..loading.store import FetchError
 
     try:
+        if program and args.command in RUNS_MODEL:
+            from ..backend import malloc
+
+            malloc.reexec()  # returns only where the malloc stays as it is
         return args.func(args)
     except KeyboardInterrupt:
         print("mlx-tracer: interrupted", file=sys.stderr, flush=True)

@@ -4,6 +4,7 @@ and caches) and bench (stock mlx-lm against the compiled loop)."""
 from __future__ import annotations
 
 import contextlib
+import sys
 
 from .commands import log
 
@@ -119,6 +120,17 @@ def info(args) -> int:
     import os
     import tempfile
 
+    from ..backend import malloc
+
+    if getattr(args, "malloc_path", False):
+        lib = malloc.wanted()
+        if lib is None:
+            print("mlx-tracer: no malloc to preload (not Linux, cmeel-mimalloc not installed, or "
+                  f"{malloc.ENV}=system)", file=sys.stderr)
+            return 1
+        print(lib)
+        return 0
+
     import mlx.core as mx
     from importlib import metadata
 
@@ -133,6 +145,7 @@ def info(args) -> int:
     print(f"BLAS         {st.note}")
     print(f"             cblas_sgemm from {st.library}")
     print(f"kernels      {kernels.status()}")
+    print(f"malloc       {malloc.status()}")
     m = bench.Machine.measure()
     rate = "fast" if m.gemm_gflops > 10 else "reference-class"
     print(f"             measured fp32 GEMM 8x4096x4096: {m.gemm_gflops:.1f} GFLOP/s ({rate}); "
