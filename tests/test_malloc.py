@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(
 
 # a child that reports what serves malloc in it, and whether the command's mark reached it
 REPORT = ("import os; from mlx_tracer.backend import malloc; "
-          "print(malloc.serving()); print(os.environ.get(malloc.MARK, '-'))")
+          "print(malloc.serving()); print(os.environ.get(malloc.MARK, '-')); "
+          "print(os.environ.get('MIMALLOC_PURGE_DELAY', '-'))")
 
 
 def env(**extra):
@@ -40,8 +41,8 @@ def test_a_plain_python_process_runs_on_glibc_and_says_how_to_preload():
     r = subprocess.run([sys.executable, "-c", REPORT + "; print(malloc.status())"], capture_output=True, text=True,
                        timeout=120, env=env())
     assert r.returncode == 0, r.stderr
-    lib, mark, status = r.stdout.splitlines()
-    assert "libc.so" in os.path.basename(lib) and mark == "-"
+    lib, mark, delay, status = r.stdout.splitlines()
+    assert "libc.so" in os.path.basename(lib) and mark == "-" and delay == "-"
     assert status.startswith("glibc") and "LD_PRELOAD" in status
 
 
@@ -61,8 +62,11 @@ def test_the_preload_reaches_the_command_process_itself_once():
                         "import sys; from mlx_tracer.backend import malloc; malloc.reexec(); " + code],
                        capture_output=True, text=True, timeout=120, env=env())
     assert r.returncode == 0, r.stderr
-    lib, mark = r.stdout.splitlines()
-    assert lib == malloc.mimalloc_path() and mark == lib
+    lib, mark, delay = r.stdout.splitlines()
+    assert lib == malloc.mimalloc_path() and mark == lib and delay == malloc.PURGE_DELAY_MS
+    r = subprocess.run([sys.executable, "-c", "from mlx_tracer.backend import malloc; malloc.reexec(); " + code],
+                       capture_output=True, text=True, timeout=120, env=env(MIMALLOC_PURGE_DELAY="-1"))
+    assert r.returncode == 0 and r.stdout.splitlines()[2] == "-1", r.stderr  # the user's setting wins
 
 
 def test_switched_off_it_stays_glibc():

@@ -30,6 +30,9 @@ the ``mlx-tracer`` command, before any model loads, and at most once
   it with ``LD_PRELOAD=$(mlx-tracer info --malloc-path)`` for the same effect
   (:func:`status` says what serves ``malloc`` in this process, read with
   ``dladdr``, never assumed);
+* mimalloc returns emptied pages to the system after 10 s (``PURGE_DELAY_MS``;
+  its own default, 10 ms, made each decode step fault pages back in);
+  ``MIMALLOC_PURGE_DELAY`` in the environment wins;
 * Linux only (elsewhere the system's malloc stays).
 """
 
@@ -44,6 +47,10 @@ from .dl import defining_library
 ENV = "MLX_TRACER_MALLOC"
 MARK = "MLX_TRACER_MALLOC_PRELOADED"  # set in the environment of the second start
 OFF = ("0", "off", "no", "false", "system", "glibc")
+# mimalloc gives freed pages back to the system 10 ms after they empty (its default); each step then faulted
+# ~1 page back in (bucket-1 decode 109 vs 113-123 tok/s with a longer delay). 10 s: a decode loop keeps its pages,
+# an idle server still returns them. MIMALLOC_PURGE_DELAY set by the user wins.
+PURGE_DELAY_MS = "10000"
 
 
 def mimalloc_path() -> Optional[str]:
@@ -94,6 +101,8 @@ def reexec() -> None:
     env = dict(os.environ)
     env["LD_PRELOAD"] = lib + (":" + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
     env[MARK] = lib
+    if "mimalloc" in os.path.basename(lib):
+        env.setdefault("MIMALLOC_PURGE_DELAY", PURGE_DELAY_MS)
     sys.stdout.flush()
     sys.stderr.flush()
     try:
