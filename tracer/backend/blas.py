@@ -55,7 +55,6 @@ from pathlib import Path
 from typing import Optional
 
 from ..home import cache_dir, check_kept, keep_built, writable_cache_dir
-from .dl import defining_library
 
 ENV = "MLX_TRACER_BLAS"
 ENV_THREADS = "MLX_TRACER_BLAS_THREADS"
@@ -210,6 +209,8 @@ def _sgemm_library() -> Optional[str]:
     """The file defining the ``cblas_sgemm`` MLX binds to: the global scope's,
     if any (it precedes MLX's own dependencies), else MLX's bundled BLAS."""
     import mlx.core  # noqa: F401  (MLX's own BLAS must be loaded to be seen)
+
+    from .dl import defining_library  # not at import: `import mlx_tracer` loads only this module and home
 
     lib = defining_library("cblas_sgemm")
     if lib is not None:
