@@ -101,4 +101,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from mlx_tracer.backend.malloc import reexec
+
+    reexec()  # measure under the malloc the mlx-tracer command runs with (MLX_TRACER_MALLOC=system: glibc)
     main()
