@@ -54,9 +54,9 @@ def test_the_command_runs_under_mimalloc_and_info_says_so():
 
 
 def test_the_preload_reaches_the_command_process_itself_once():
-    """``python -m mlx_tracer`` keeps its interpreter options and arguments
-    through the second start; the child a command starts inherits mimalloc
-    and the mark (so it never starts again)."""
+    """The second start keeps the interpreter's options (``-X utf8``) and
+    arguments; the child a command starts inherits mimalloc and the mark (so
+    it never starts again: a loop would hang here)."""
     code = f"import subprocess, sys; subprocess.run([sys.executable, '-c', {REPORT!r}])"
     r = subprocess.run([sys.executable, "-X", "utf8", "-c",
                         "import sys; from mlx_tracer.backend import malloc; malloc.reexec(); " + code],
@@ -83,6 +83,44 @@ def test_another_library_by_path_and_a_bad_path_refused_before_any_load(tmp_path
     r = cli("generate", "hi", "--model", str(tmp_path / "absent.gguf"), MLX_TRACER_MALLOC=str(missing))
     assert r.returncode == 2
     assert "MLX_TRACER_MALLOC" in r.stderr and "is not a file" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_malloc_the_user_preloaded_stays(tmp_path):
+    """Another allocator already preloaded (here a copy of mimalloc under
+    another name) is the user's choice: the command does not start again
+    over it, and info says whose preload it is."""
+    other = tmp_path / "libothermalloc.so"
+    other.write_bytes(open(malloc.mimalloc_path(), "rb").read())
+    r = subprocess.run([sys.executable, "-c", "from mlx_tracer.backend import malloc; malloc.reexec(); " + REPORT
+                        + "; print(malloc.status())"],
+                       capture_output=True, text=True, timeout=120, env=env(LD_PRELOAD=str(other)))
+    assert r.returncode == 0, r.stderr
+    lib, mark, delay, status = r.stdout.splitlines()
+    assert lib == str(other.resolve()) and mark == "-" and delay == "-"
+    assert status == f"libothermalloc.so ({lib}); preloaded by the user"
+
+
+def test_bench_workers_start_without_the_commands_preload(monkeypatch):
+    """Stock mlx-lm and llama.cpp run as their users start them: the bench's
+    worker processes get the environment without mimalloc and its mark."""
+    from mlx_tracer.bench import baseline, peer, protocol
+
+    lib = malloc.mimalloc_path()
+    monkeypatch.setenv("LD_PRELOAD", lib)
+    monkeypatch.setenv(malloc.MARK, lib)
+    started = []
+
+    def popen(argv, **kw):  # record what the worker would start with, start nothing
+        started.append(kw["env"])
+        raise OSError("not started in this test")
+
+    monkeypatch.setattr(protocol.subprocess, "Popen", popen)
+    for make in (baseline.BaselineWorker, lambda: peer.PeerWorker(sys.executable)):
+        with pytest.raises(OSError):
+            make()
+    assert len(started) == 2
+    for e in started:
+        assert "LD_PRELOAD" not in e and malloc.MARK not in e and e.get("PATH") == os.environ.get("PATH")
 
 
 def test_bench_systems_other_than_ours_run_under_the_system_malloc():

@@ -25,7 +25,8 @@ the ``mlx-tracer`` command, before any model loads, and at most once
 * mimalloc comes from the PyPI wheel ``cmeel-mimalloc`` (a Linux dependency
   of mlx-tracer; ~0.5 MB);
 * ``MLX_TRACER_MALLOC=system`` (or ``0``) keeps glibc's; a path to a shared
-  library (e.g. jemalloc's) preloads that one instead;
+  library (e.g. jemalloc's) preloads that one instead; a malloc the user
+  already preloaded (``LD_PRELOAD``) stays unless such a path is given;
 * the Python API cannot change the malloc of a running interpreter: start
   it with ``LD_PRELOAD=$(mlx-tracer info --malloc-path)`` for the same effect
   (:func:`status` says what serves ``malloc`` in this process, read with
@@ -96,8 +97,11 @@ def reexec() -> None:
     run under it yet (see the module docstring); returns where nothing is to
     be done or the start is refused (the command then runs as it is)."""
     lib = wanted()
-    if lib is None or MARK in os.environ or serving() == lib or not getattr(sys, "orig_argv", None):
+    if lib is None or MARK in os.environ or not getattr(sys, "orig_argv", None):
         return
+    now = serving()
+    if now == lib or (not os.environ.get(ENV, "").strip() and now and not _is_glibc(now)):
+        return  # already there, or the user preloaded a malloc of their own (MLX_TRACER_MALLOC=PATH overrides it)
     env = dict(os.environ)
     env["LD_PRELOAD"] = lib + (":" + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
     env[MARK] = lib
@@ -125,15 +129,20 @@ def without_preload(env: dict) -> dict:
     return env
 
 
+def _is_glibc(lib: str) -> bool:
+    return os.path.basename(lib).startswith("libc.so")
+
+
 def status() -> str:
     """One line: which malloc serves this process, and how to change it."""
     lib = serving()
-    name = os.path.basename(lib) if lib else "unknown"
-    if lib and "mimalloc" in name:
-        return f"mimalloc ({lib}){'; preloaded by the mlx-tracer command' if MARK in os.environ else ''}"
-    if lib and "libc.so" in name:
+    if lib is None:
+        return "unknown"
+    if _is_glibc(lib):
         why = (f"{ENV}={os.environ[ENV]}" if os.environ.get(ENV, "").strip().lower() in OFF
                else "the mlx-tracer command preloads mimalloc; the Python API needs LD_PRELOAD"
                if mimalloc_path() else "cmeel-mimalloc is not installed")
         return f"glibc ({why})"
-    return f"{name} ({lib})" if lib else "unknown"
+    name = "mimalloc" if "mimalloc" in os.path.basename(lib) else os.path.basename(lib)
+    how = "preloaded by the mlx-tracer command" if os.environ.get(MARK) == lib else "preloaded by the user"
+    return f"{name} ({lib}); {how}"
