@@ -274,6 +274,18 @@ def test_the_environment_forces_a_path_and_the_thread_count():
     assert best.returncode == 0, best.stderr
     best_isa = best.stdout.split()[0]
     assert best_isa in PATHS and best.stdout.split()[1] == str(len(os.sched_getaffinity(0)))
+    # unset or empty: the best path the CPU has, without a word (on a CPU
+    # without AVX-512 0.5.10 said "MLX_TRACER_QMM_ISA= is not supported" at
+    # every start)
+    unset = subprocess.run([sys.executable, "-c", "import mlx_tracer; from mlx_tracer.backend import kernels; "
+                            "print(kernels.load().qmm_isa())"], capture_output=True, text=True, timeout=120,
+                           env={k: v for k, v in os.environ.items() if k != "MLX_TRACER_QMM_ISA"})
+    assert unset.stdout.split() == [best_isa] and "MLX_TRACER_QMM_ISA" not in unset.stderr, unset.stderr
+    assert "MLX_TRACER_QMM_ISA" not in best.stderr, best.stderr
+    if best_isa != PATHS[-1]:  # a path better than the CPU has: said, and the best it has serves
+        beyond = run_with({"MLX_TRACER_QMM_ISA": PATHS[-1]})
+        assert beyond.stdout.split()[0] == best_isa
+        assert f"MLX_TRACER_QMM_ISA={PATHS[-1]} is not supported by this CPU; using {best_isa}" in beyond.stderr
     for name in PATHS[: PATHS.index(best_isa) + 1]:
         out = run_with({"MLX_TRACER_QMM_ISA": name, "MLX_TRACER_QMM_THREADS": "3"})
         assert out.stdout.split() == [name, "3"], out.stderr

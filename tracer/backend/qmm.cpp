@@ -299,8 +299,13 @@ const Path& path() {
   const Path* p = g_path.load();
   if (p == nullptr) {
     const char* env = std::getenv("MLX_TRACER_QMM_ISA");
-    const Path* want = env && *env ? find_path(env) : &kPaths[kPathCount - 1];
-    p = usable(want, std::string("MLX_TRACER_QMM_ISA=") + (env ? env : ""));
+    if (env == nullptr || *env == '\0') {  // unset: the best path this CPU has, silently
+      for (const Path& q : kPaths) {
+        if (q.supported()) p = &q;
+      }
+    } else {
+      p = usable(find_path(env), std::string("MLX_TRACER_QMM_ISA=") + env);
+    }
     g_path.store(p);
   }
   return *p;
