@@ -88,3 +88,17 @@ def test_python_m_mlx_tracer_serve_answers_and_stops_on_ctrl_c(tmp_path):
         assert proc.wait(30) == 0  # drained: nothing was running
     finally:
         stop_process(proc)
+
+
+def test_the_server_defaults_to_buckets_for_many_clients():
+    """`serve` without --buckets gets SERVE_BUCKETS (room for a burst of
+    clients: 0.5.10's default widths 1,2,4,8 kept 12 of 20 requests waiting
+    for a row); `generate` keeps the engine's default; --buckets still wins."""
+    from mlx_tracer.cli import build_parser
+    from mlx_tracer.runtime.options import DEFAULT_BUCKETS, SERVE_BUCKETS
+
+    p = build_parser()
+    assert tuple(p.parse_args(["serve"]).buckets) == SERVE_BUCKETS
+    assert max(SERVE_BUCKETS) >= 32 and SERVE_BUCKETS[: len(DEFAULT_BUCKETS)] == DEFAULT_BUCKETS
+    assert tuple(p.parse_args(["serve", "--buckets", "1,2"]).buckets) == (1, 2)
+    assert p.parse_args(["generate", "x"]).buckets is None

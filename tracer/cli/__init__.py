@@ -41,9 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--quiet", action="store_true", help="no progress output")
     f.set_defaults(func=commands.fetch)
 
-    def model_args(q):
+    def model_args(q, buckets=None, buckets_help=""):
         q.add_argument("--model", help="a GGUF file or a local mlx-lm model directory (default: SmolLM2, fetched on first use)")
-        q.add_argument("--buckets", type=opt.buckets, help=f"batch-width buckets, e.g. 1,2,4,8 (each <= {MAX_BUCKET})")
+        q.add_argument("--buckets", type=opt.buckets, default=buckets,
+                       help=f"batch-width buckets, e.g. 1,2,4,8 (each <= {MAX_BUCKET}){buckets_help}")
         q.add_argument("--weights", default="auto", choices=WEIGHTS,
                        help="weight format (auto: the fastest on this machine, measured once and cached)")
         opt.add_kv_args(q)

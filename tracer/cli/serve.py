@@ -11,7 +11,7 @@ import math
 import os
 
 from ..runtime.options import (
-    DEFAULT_DRAFT_TOKENS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_PREFILL_STEP_TOKENS, DEFAULT_SHUTDOWN_GRACE, PROMPT_LOOKUP, OptionError,
+    DEFAULT_DRAFT_TOKENS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_PREFILL_STEP_TOKENS, DEFAULT_SHUTDOWN_GRACE, PROMPT_LOOKUP, SERVE_BUCKETS, OptionError,
     check_request_bytes, check_shutdown_grace,
 )
 from . import options as opt
@@ -65,7 +65,9 @@ def api_key(text: str) -> str:
 
 def add_parser(sub, model_args):
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat and text completions, streaming, metrics)")
-    model_args(s)
+    model_args(s, buckets=SERVE_BUCKETS,
+               buckets_help=f"; default {','.join(map(str, SERVE_BUCKETS))}: rows for that many clients at once, "
+                            "each width traced at start; a request beyond the widest waits for a row")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=port, default=8080, help="port to listen on (default 8080; 0: any free port)")
     s.add_argument("--max-queue", type=opt.queue_size, default=64,
