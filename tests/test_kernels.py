@@ -664,3 +664,22 @@ def test_realign_moves_columns_as_the_gather_does(dtype):
     assert mx.array_equal(buf, before).item()
     with pytest.raises(ValueError, match="delta must be int32"):
         K.realign(buf, delta.astype(mx.int64))
+
+
+def test_a_compiler_that_fails_is_named_in_the_kernels_status(tmp_path):
+    """The build compiles its units side by side (0.5.11); a unit that fails
+    stops it and the status carries the compiler's words, or its exit status
+    where it said nothing."""
+    code = "import mlx_tracer\nfrom mlx_tracer.backend import kernels\nprint(kernels.load(), kernels.status())"
+    loud = tmp_path / "loud-cxx"
+    loud.write_text('#!/bin/sh\necho "qmm.cpp:1:1: error: no room" >&2\nexit 1\n')
+    loud.chmod(0o755)
+    for cxx, said in ((str(loud), "kernel build failed: qmm.cpp:1:1: error: no room"),
+                      ("/bin/false", "kernel build failed: /bin/false exited with status 1 on qmm.cpp")):
+        home = tmp_path / ("home-" + os.path.basename(cxx))
+        home.mkdir()
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "MLX_TRACER_HOME": str(home), "CXX": cxx})
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith("None not used: ") and said in r.stdout, r.stdout
+        assert not list(home.glob("kernels-*")), "a failed build left files behind"
