@@ -225,6 +225,12 @@ void row_params(const QmmJob& j, int n, float* s, float* b, Halves halves) {
   widen(j.biases, j.scale, size_t(n) * G, G, b, halves);
 }
 
+// x of a 4-bit block in the order most paths' dequant gives its weights: the
+// even-numbered ones, then the odd ones (32 floats).
+inline void order4_even_odd(const float* from, float* to) {
+  for (int i = 0; i < kBlock / 2; ++i) to[i] = from[2 * i], to[kBlock / 2 + i] = from[2 * i + 1];
+}
+
 // --------------------------------------------------------------- kernels
 // MLX packs weight i of a row at bits 4 (i % 8) of little-endian word i / 8
 // (8 (i % 4) of i / 4 at 8 bits): byte i of a 4-bit block holds weights 2i
@@ -245,6 +251,7 @@ struct Path {
   void (*dequant)(const QmmJob&, int n0, int n1, float* panel);
   void (*fast)(const QmmJob&, int n0, int n1);
   void (*quantize_x)(const QmmJob&, int8_t* xq, float* xd, float* xg);
+  void (*order4)(const float* from, float* to);  // x of a 4-bit block in the order its dequant gives the weights
   // The layer kernels' vector math (vmath_x86.h); null: MLX's one-lane functors serve.
   void (*exp_shifted)(const float* x, float shift, float* out, int n);
   void (*swiglu)(const float* a, const float* b, float* out, int n);
@@ -256,13 +263,13 @@ struct Path {
 
 const Path kPaths[] = {  // worst to best
     {"portable", [] { return true; }, isa_portable::rows_small, isa_portable::dequant_rows, isa_portable::fast_rows,
-     isa_portable::quantize_x_rows, nullptr, nullptr, nullptr, nullptr},
+     isa_portable::quantize_x_rows, isa_portable::order4, nullptr, nullptr, nullptr, nullptr},
 #if defined(__x86_64__)
     {"avx2", has_avx2, isa_avx2::rows_small, isa_avx2::dequant_rows, isa_avx2::fast_rows, isa_avx2::quantize_x_rows,
-     vmath_avx2::exp_shifted, vmath_avx2::swiglu, attend_avx2::scores, attend_avx2::values},
+     isa_avx2::order4, vmath_avx2::exp_shifted, vmath_avx2::swiglu, attend_avx2::scores, attend_avx2::values},
     {"avx512", has_avx512, isa_avx512::rows_small, isa_avx512::dequant_rows, fast_avx512,
      isa_avx2::quantize_x_rows,  // the same bytes on every path
-     vmath_avx512::exp_shifted, vmath_avx512::swiglu, attend_avx512::scores, attend_avx512::values},
+     isa_avx512::order4, vmath_avx512::exp_shifted, vmath_avx512::swiglu, attend_avx512::scores, attend_avx512::values},
 #endif
 };
 constexpr int kPathCount = int(sizeof(kPaths) / sizeof(kPaths[0]));
@@ -381,8 +388,9 @@ void quantize_x(QmmJob& j, const Path& p, std::vector<int8_t>& xq, std::vector<f
   j.xq = q, j.xd = d, j.xg = g;
 }
 
-// 4-bit blocks come out of dequant in block order (even weights, then odd):
-// x goes into the same order, which changes only the order of summation. The
+// 4-bit blocks come out of dequant in the path's block order (even weights,
+// then odd; AVX2: its own, qmm_ops_x86.h): x goes into the same order
+// (Path::order4), which changes only the order of summation. The
 // few-row kernels read x from an aligned copy.
 void run(QmmJob j, Contract contract) {
   const Path& p = path();
@@ -404,9 +412,7 @@ void run(QmmJob j, Contract contract) {
         std::memcpy(to, from, sizeof(float) * j.K);
         continue;
       }
-      for (int k = 0; k < j.K; k += kBlock) {
-        for (int i = 0; i < kBlock / 2; ++i) to[k + i] = from[k + 2 * i], to[k + kBlock / 2 + i] = from[k + 2 * i + 1];
-      }
+      for (int k = 0; k < j.K; k += kBlock) p.order4(from + k, to + k);
     }
     j.x = xa, j.ldx = j.K;
   }

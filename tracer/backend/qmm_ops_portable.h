@@ -46,6 +46,7 @@ template <int BITS, bool X = false>
 inline Group group(float s, float b) {
   return {s, b};
 }
+inline void order4(const float* from, float* to) { order4_even_odd(from, to); }
 template <int BITS, bool X = false>
 inline void dequant(const uint8_t* p, const Group& g, F* w) {
   float q[kBlock];  // loops the compiler vectorizes
