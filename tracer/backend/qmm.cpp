@@ -41,9 +41,10 @@
 //  * more rows: panels of weight rows dequantized (on the pool) to float32
 //    scratch sized to stay in L2, each handed to the process's cblas_sgemm
 //    (the BLAS shim splits it; its bits do not depend on the thread count).
-// A 4-bit block is dequantized with its even-numbered weights first, then
-// the odd ones (no interleaving shuffle), and x is permuted to match: the
-// same products, summed in another order. AVX-512 looks 4-bit weights up in
+// A 4-bit block is dequantized in an order of the path's own (portable and
+// AVX-512: its even-numbered weights first, then the odd ones; AVX2: lanes
+// of interleaved weights, qmm_ops_x86.h), and x is permuted to match
+// (Path::order4): the same products, summed in another order. AVX-512 looks 4-bit weights up in
 // a 16-entry table per group (scale * q + bias for q = 0..15, computed as
 // above), the same values as computing each.
 // Weights stream from memory (a decode step reads every matrix once): the
@@ -291,11 +292,16 @@ const Path* find_path(const std::string& name) {
 }
 
 // `want`, or the best path the CPU has where it lacks it (said on stderr).
-const Path* usable(const Path* want, const std::string& asked) {
+const Path* best_path() {
   const Path* best = &kPaths[0];
   for (const Path& p : kPaths) {
     if (p.supported()) best = &p;
   }
+  return best;
+}
+
+const Path* usable(const Path* want, const std::string& asked) {
+  const Path* best = best_path();
   if (want != nullptr && want->supported()) return want;
   std::fprintf(stderr, "mlx_tracer qmm: %s %s; using %s\n", asked.c_str(),
                want ? "is not supported by this CPU" : ("is not one of " + path_names()).c_str(), best->name);
@@ -306,13 +312,8 @@ const Path& path() {
   const Path* p = g_path.load();
   if (p == nullptr) {
     const char* env = std::getenv("MLX_TRACER_QMM_ISA");
-    if (env == nullptr || *env == '\0') {  // unset: the best path this CPU has, silently
-      for (const Path& q : kPaths) {
-        if (q.supported()) p = &q;
-      }
-    } else {
-      p = usable(find_path(env), std::string("MLX_TRACER_QMM_ISA=") + env);
-    }
+    p = env == nullptr || *env == '\0' ? best_path()  // unset: the best path this CPU has, silently
+                                        : usable(find_path(env), std::string("MLX_TRACER_QMM_ISA=") + env);
     g_path.store(p);
   }
   return *p;
