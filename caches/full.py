@@ -6,10 +6,23 @@ ladder of capacity buckets (64, 128, ..., 512, 576, 640, ...). Column ``c`` hold
 a row's tokens are the columns ``[left_padding[r], time)``. Writing past the
 capacity moves the cache to the next bucket: one reallocation, counted in
 ``regrows``, never per token.
+
+On the CPU a reallocation's cost was mostly the new memory's first touch:
+at 20 rows of SmolLM2 (bucket 24, float32 K/V) the decode step that crossed
+64 -> 128 -> 192 -> 256 columns took 200-560 ms against a 140 ms median, a
+stall of every stream in the batch each time a row reached a rung. So
+``GROWTH_LEAD`` columns before the rung, a decode step's plan names the next
+capacity (``StepPlan.ahead``) and the caches of the family build zeroed
+buffers of that size, a few caches a step (each at its own column: the
+first touch of all of them in one step cost as much as the crossing had),
+on a CPU stream of their own (:func:`_side_stream`); the crossing then only
+copies the columns in (the same bits as ``mx.pad``).
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
@@ -20,7 +33,7 @@ from .batch import RowSource, StaticKVCache
 from .masks import MaskGeometry, full_columns
 from .plan import StepPlan
 from .rows import RowBook
-from .storage import KVFormat, each, first
+from .storage import KVFormat, each, first, is_quantized
 from .writes import realign_rows, write_columns
 
 
@@ -38,6 +51,35 @@ def capacity_ladder(smallest: int = 64, largest: int = 32768, per_octave: int = 
 
 
 DEFAULT_CAPACITIES = capacity_ladder()
+GROWTH_LEAD = 16  # columns before a full cache's capacity from which its next buffers are made ready
+
+_slots = itertools.count()
+
+_side = threading.local()  # MLX's streams belong to the thread that made them
+
+
+def _side_stream():
+    """This thread's CPU stream the next capacity's buffers are built on (None
+    off the CPU: there the device allocates, and no host thread touches pages)."""
+    if mx.default_device() != mx.cpu:
+        return None
+    if getattr(_side, "stream", None) is None:
+        _side.stream = mx.new_stream(mx.cpu)
+    return _side.stream
+
+
+def _grown(a: mx.array, capacity: int) -> tuple:
+    return (a.shape[0], a.shape[1], capacity) + tuple(a.shape[3:])
+
+
+def _arrays(buf) -> tuple:
+    return tuple(buf) if is_quantized(buf) else (buf,)
+
+
+def _place(spare: mx.array, a: mx.array) -> mx.array:
+    """``a``'s columns written into the zeroed ``spare`` (which they update in place)."""
+    spare[:, :, : a.shape[2]] = a
+    return spare
 
 
 def capacity_bucket(tokens: int, capacities: Sequence[int] = DEFAULT_CAPACITIES) -> int:
@@ -78,6 +120,9 @@ class FullCache(StaticKVCache):
         self.capacities = tuple(sorted(capacities))
         self.capacity = capacity or self.capacities[0]
         self.regrows = 0
+        self._spare = None  # (capacity, keys, values): zeroed buffers made ready for the next rung
+        self._slot = next(_slots) % GROWTH_LEAD + 1  # made ready with this many columns left
+        self.spare_hits = 0  # crossings that found their buffers ready
 
     @property
     def S(self) -> int:
@@ -95,12 +140,39 @@ class FullCache(StaticKVCache):
     def fit(self, plan: StepPlan):
         if plan.capacity > self.capacity:
             self._grow(plan.capacity)
+        if plan.ahead is not None and plan.ahead[1] <= self._slot:
+            self._ready(plan.ahead[0])
         return self.keys, self.values
+
+    def _spare_fits(self, new: int) -> bool:
+        """Whether the buffers made ready are what growing to ``new`` needs now
+        (rows may have come and gone since: then they are not)."""
+        if self._spare is None or self._spare[0] != new or self.keys is None:
+            return False
+        return all(s.shape == _grown(a, new) and s.dtype == a.dtype
+                   for spare, buf in zip(self._spare[1:], (self.keys, self.values))
+                   for s, a in zip(_arrays(spare), _arrays(buf)))
+
+    def _ready(self, new: int):
+        """Zeroed buffers of capacity ``new`` built on the side stream, unless ready."""
+        side = _side_stream()
+        if side is None or self.keys is None or new <= self.capacity or self._spare_fits(new):
+            return
+        spare = tuple(each(lambda a: mx.zeros(_grown(a, new), a.dtype, stream=side), buf)
+                      for buf in (self.keys, self.values))
+        self._spare = (new,) + spare
+        mx.async_eval(*[a for buf in spare for a in _arrays(buf)])
 
     def _grow(self, new: int):
         if self.keys is not None:
-            pad = [(0, 0), (0, 0), (0, new - self.capacity), (0, 0)]
-            self.keys, self.values = (each(lambda a: mx.pad(a, pad), buf) for buf in (self.keys, self.values))
+            if self._spare_fits(new):
+                _, ks, vs = self._spare
+                self.keys, self.values = each(_place, ks, self.keys), each(_place, vs, self.values)
+                self.spare_hits += 1
+            else:
+                pad = [(0, 0), (0, 0), (0, new - self.capacity), (0, 0)]
+                self.keys, self.values = (each(lambda a: mx.pad(a, pad), buf) for buf in (self.keys, self.values))
+        self._spare = None
         self.capacity = new
         self.regrows += 1
 
@@ -111,7 +183,15 @@ class FullCache(StaticKVCache):
         q = mx.array(np.arange(T, T + L, dtype=np.int32))  # [L] query times = their columns
         start = q if L == 1 else mx.array([T], dtype=mx.int32)  # [1] the first column written
         geometry = MaskGeometry(full_columns(self.capacity), q, q, *self._row_inputs())
-        return StepPlan(L, self.is_decode(L), self.capacity, self.offset, geometry, (start,))
+        return StepPlan(L, self.is_decode(L), self.capacity, self.offset, geometry, (start,), self._ahead(L))
+
+    def _ahead(self, L: int) -> Optional[tuple]:
+        """After a decode step within ``GROWTH_LEAD`` columns of the capacity:
+        (the next capacity, the columns left)."""
+        left = self.capacity - (self.rows.time + L)
+        if L != 1 or self.keys is None or left >= GROWTH_LEAD or self.capacity >= self.capacities[-1]:
+            return None
+        return capacity_bucket(self.capacity + 1, self.capacities), left
 
     @staticmethod
     def apply(decode, kbuf, vbuf, keys, values, writes):

@@ -37,6 +37,10 @@ class StepPlan:
     offsets: mx.array  # [Bk] int32 RoPE offsets (padding rows: 0)
     geometry: MaskGeometry
     writes: Tuple[mx.array, ...]  # int32 arrays read by the kind's pure step
+    # full caches: (the capacity the family crosses into within a few steps,
+    # columns left before it): its caches make the larger buffers ready
+    # beforehand (not a trace-key part)
+    ahead: Optional[Tuple[int, int]] = None
 
     @property
     def arrays(self) -> tuple:

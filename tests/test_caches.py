@@ -6,9 +6,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import BatchKVCache, BatchRotatingKVCache, KVCache, RotatingKVCache
 
 from mlx_tracer.caches import FullCache, RingCache, build_mask
+from mlx_tracer.caches.storage import KVFormat
 
 from .cache_oracle import D, H, Pair, junk_id, merged_pair, serial_cache, token_id
 
@@ -353,3 +355,68 @@ def test_buffers_stay_row_major_after_every_row_move(window):
     check("extend")
     pair.window_step(4)
     check("window")
+
+
+def _decode_across_rungs(monkeypatch, side: bool, storage, narrow_at=None):
+    """A full cache of 4 rows decoding one column at a time across two rungs
+    (32 -> 64 -> 128), with the side stream on or off; ``narrow_at``: keep two
+    rows at that column (a wider cache's ready buffers no longer fit)."""
+    from mlx_tracer.caches import full
+
+    monkeypatch.setattr(full, "_side_stream", full._side_stream if side else (lambda: None))
+    def kv(B, L, seed):  # head dimension 64: a whole group of quantized K/V
+        rng = np.random.default_rng(seed)
+        return tuple(mx.array(rng.standard_normal((B, 2, L, 64)).astype(np.float32)) for _ in "kv")
+
+    c = FullCache([0, 3, 1, 5], width=4, capacities=(32, 64, 128), storage=storage)
+    c.update_and_fetch(*kv(4, 9, 1))  # a window: no ready buffers asked for
+    steps = []
+    for i in range(70):
+        if i == narrow_at:
+            c.filter([0, 2], width=2)
+        k, v = c.update_and_fetch(*kv(c.width, 1, 100 + i))
+        steps.append((k, v))
+    mx.eval(steps)
+    return c, steps
+
+
+@pytest.mark.parametrize("storage", [KVFormat(), KVFormat(dtype="float16"), KVFormat(bits=8)],
+                         ids=["float32", "float16", "8-bit"])
+def test_a_decode_step_crossing_a_rung_finds_its_buffers_ready(monkeypatch, storage):
+    """The next capacity's zeroed buffers are built a few steps before a decode
+    step crosses into it (the first touch of new memory had made that step a
+    stall of every row): the crossing uses them, with the bits mx.pad gives."""
+    ours, got = _decode_across_rungs(monkeypatch, True, storage)
+    plain, want = _decode_across_rungs(monkeypatch, False, storage)
+    assert ours.capacity == plain.capacity == 128 and ours.regrows == plain.regrows == 2
+    assert ours.spare_hits == 2 and plain.spare_hits == 0
+    assert ours._spare is None  # nothing held after the crossing
+    for (k, v), (k0, v0) in zip(got, want):
+        for a, b in zip(tree_flatten((k, v)), tree_flatten((k0, v0))):
+            assert mx.array_equal(a[1], b[1])
+
+
+def test_buffers_made_ready_for_other_rows_are_not_used(monkeypatch):
+    """Rows leave at the crossing, the next capacity's buffers made ready for
+    4 rows: they are not used (the rows are laid out again at the new
+    capacity); the next rung's are made ready for the 2 rows. Same bits."""
+    at = 32 - 9  # the step that writes column 32 (the initial window wrote 9)
+    ours, got = _decode_across_rungs(monkeypatch, True, KVFormat(), narrow_at=at)
+    plain, want = _decode_across_rungs(monkeypatch, False, KVFormat(), narrow_at=at)
+    assert ours.width == 2 and (ours.capacity, ours.regrows) == (plain.capacity, plain.regrows) == (128, 1)
+    assert ours.spare_hits == 1  # the second rung, made ready for the 2 rows
+    for (k, v), (k0, v0) in zip(got, want):
+        assert mx.array_equal(k, k0) and mx.array_equal(v, v0)
+
+
+def test_buffers_are_made_ready_on_any_thread(monkeypatch):
+    """MLX's streams belong to the thread that made them: a cache stepped on
+    another thread (the server's engine thread) makes its own side stream."""
+    import threading
+
+    _decode_across_rungs(monkeypatch, True, KVFormat())  # this thread's side stream first
+    out = {}
+    t = threading.Thread(target=lambda: out.update(c=_decode_across_rungs(monkeypatch, True, KVFormat())[0]))
+    t.start()
+    t.join()
+    assert out["c"].spare_hits == 2
