@@ -22,6 +22,7 @@ import numpy as np
 from .assemble import RowSource, assemble, gather_columns
 from .plan import StepPlan
 from .rows import RowBook
+from .spare import Spare, make_ready, put
 from .storage import Buffer, KVFormat, column_bytes, each, first, serial_format, shapes
 from .storage import nbytes as buffer_bytes
 
@@ -39,6 +40,32 @@ class StaticKVCache:
         self.keys: Optional[Buffer] = None
         self.values: Optional[Buffer] = None
         self._width = max(width or 0, rows.n)
+        self._spare: Optional[Spare] = None  # zeroed buffers of the shape this cache moves to next (.spare)
+        self.spare_hits = 0  # moves that found their buffers ready
+
+    # ------------------------------------------------------------------ spare buffers
+    def make_ready(self, width: Optional[int]) -> bool:
+        """Buffers of ``width`` rows made ready for a join that widens the batch
+        (:mod:`.spare`); True if they were started now. None: drop them. Buffers
+        made ready for a capacity the cache is about to cross stay (that move
+        is certain and near)."""
+        spare = self._spare
+        if spare is not None and spare.shape[0] == self.width and spare.shape[1] > self.S:
+            return False
+        if width is None or self.keys is None or width <= self.width:
+            self._spare = None
+            return False
+        self._spare, started = make_ready(spare, self.keys, self.values, width, self.S)
+        return started
+
+    def take_spare(self, width: int, S: int) -> Optional[Spare]:
+        """The ready buffers if they are those of shape ``(width, S)`` for the
+        buffers as they are now (else None); the cache holds them no longer."""
+        spare, self._spare = self._spare, None
+        if spare is None or not spare.fits(self.keys, self.values, width, S):
+            return None
+        self.spare_hits += 1
+        return spare
 
     # ------------------------------------------------------------------ shape
     @property
@@ -357,12 +384,22 @@ class StaticKVCache:
             # rows n..n+k-1; once adopted, the old buffers' only references are
             # this graph's, so slice_update writes them where they are
             at = mx.array([n], dtype=mx.int32)
-            put = lambda b, x: mx.slice_update(b, x, at, axes=(0,))  # noqa: E731
+            put_all = lambda b, x: mx.slice_update(b, x, at, axes=(0,))  # noqa: E731
         else:  # one copy of the live rows, row-major (see assemble)
-            def put(b, x):
+            spare = self.take_spare(width, self.S)
+            if spare is not None:  # into buffers made ready beforehand
+                def into(s, b, x):
+                    return put(put(s, b[:n]), x, n)
+
+                return (each(into, spare.keys, self.keys, new_k), each(into, spare.values, self.values, new_v),
+                        RowBook.concat([self.rows] + books), width)
+
+            def put_rows(b, x):
                 parts = [b[:n], x] + ([mx.zeros((width - n - k, *b.shape[1:]), b.dtype)] if width > n + k else [])
                 return mx.concatenate(parts, axis=0)
-        return each(put, self.keys, new_k), each(put, self.values, new_v), RowBook.concat([self.rows] + books), width
+
+            put_all = put_rows
+        return each(put_all, self.keys, new_k), each(put_all, self.values, new_v), RowBook.concat([self.rows] + books), width
 
     def adopt_placement(self, placed: tuple):
         """Take what :meth:`placement` made."""

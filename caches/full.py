@@ -7,22 +7,15 @@ a row's tokens are the columns ``[left_padding[r], time)``. Writing past the
 capacity moves the cache to the next bucket: one reallocation, counted in
 ``regrows``, never per token.
 
-On the CPU a reallocation's cost was mostly the new memory's first touch:
-at 20 rows of SmolLM2 (bucket 24, float32 K/V) the decode step that crossed
-64 -> 128 -> 192 -> 256 columns took 200-560 ms against a 140 ms median, a
-stall of every stream in the batch each time a row reached a rung. So
-``GROWTH_LEAD`` columns before the rung, a decode step's plan names the next
-capacity (``StepPlan.ahead``) and the caches of the family build zeroed
-buffers of that size, a few caches a step (each at its own column: the
-first touch of all of them in one step cost as much as the crossing had),
-on a CPU stream of their own (:func:`_side_stream`); the crossing then only
-copies the columns in (the same bits as ``mx.pad``).
+From ``GROWTH_LEAD`` columns before a rung, a decode step's plan names the
+next capacity (``StepPlan.ahead``) and each cache of the family, at its own
+column (a few caches a step), makes buffers of that capacity ready
+(:mod:`.spare`); the crossing then only copies the columns in.
 """
 
 from __future__ import annotations
 
 import itertools
-import threading
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
@@ -33,7 +26,8 @@ from .batch import RowSource, StaticKVCache
 from .masks import MaskGeometry, full_columns
 from .plan import StepPlan
 from .rows import RowBook
-from .storage import KVFormat, each, first, is_quantized
+from .spare import make_ready, put
+from .storage import KVFormat, each, first
 from .writes import realign_rows, write_columns
 
 
@@ -54,32 +48,6 @@ DEFAULT_CAPACITIES = capacity_ladder()
 GROWTH_LEAD = 16  # columns before a full cache's capacity from which its next buffers are made ready
 
 _slots = itertools.count()
-
-_side = threading.local()  # MLX's streams belong to the thread that made them
-
-
-def _side_stream():
-    """This thread's CPU stream the next capacity's buffers are built on (None
-    off the CPU: there the device allocates, and no host thread touches pages)."""
-    if mx.default_device() != mx.cpu:
-        return None
-    if getattr(_side, "stream", None) is None:
-        _side.stream = mx.new_stream(mx.cpu)
-    return _side.stream
-
-
-def _grown(a: mx.array, capacity: int) -> tuple:
-    return (a.shape[0], a.shape[1], capacity) + tuple(a.shape[3:])
-
-
-def _arrays(buf) -> tuple:
-    return tuple(buf) if is_quantized(buf) else (buf,)
-
-
-def _place(spare: mx.array, a: mx.array) -> mx.array:
-    """``a``'s columns written into the zeroed ``spare`` (which they update in place)."""
-    spare[:, :, : a.shape[2]] = a
-    return spare
 
 
 def capacity_bucket(tokens: int, capacities: Sequence[int] = DEFAULT_CAPACITIES) -> int:
@@ -120,9 +88,7 @@ class FullCache(StaticKVCache):
         self.capacities = tuple(sorted(capacities))
         self.capacity = capacity or self.capacities[0]
         self.regrows = 0
-        self._spare = None  # (capacity, keys, values): zeroed buffers made ready for the next rung
-        self._slot = next(_slots) % GROWTH_LEAD + 1  # made ready with this many columns left
-        self.spare_hits = 0  # crossings that found their buffers ready
+        self._slot = next(_slots) % GROWTH_LEAD + 1  # the next rung's buffers made ready with this many columns left
 
     @property
     def S(self) -> int:
@@ -140,39 +106,18 @@ class FullCache(StaticKVCache):
     def fit(self, plan: StepPlan):
         if plan.capacity > self.capacity:
             self._grow(plan.capacity)
-        if plan.ahead is not None and plan.ahead[1] <= self._slot:
-            self._ready(plan.ahead[0])
+        if plan.ahead is not None and plan.ahead[1] <= self._slot and self.keys is not None:
+            self._spare, _ = make_ready(self._spare, self.keys, self.values, self.width, plan.ahead[0])
         return self.keys, self.values
-
-    def _spare_fits(self, new: int) -> bool:
-        """Whether the buffers made ready are what growing to ``new`` needs now
-        (rows may have come and gone since: then they are not)."""
-        if self._spare is None or self._spare[0] != new or self.keys is None:
-            return False
-        return all(s.shape == _grown(a, new) and s.dtype == a.dtype
-                   for spare, buf in zip(self._spare[1:], (self.keys, self.values))
-                   for s, a in zip(_arrays(spare), _arrays(buf)))
-
-    def _ready(self, new: int):
-        """Zeroed buffers of capacity ``new`` built on the side stream, unless ready."""
-        side = _side_stream()
-        if side is None or self.keys is None or new <= self.capacity or self._spare_fits(new):
-            return
-        spare = tuple(each(lambda a: mx.zeros(_grown(a, new), a.dtype, stream=side), buf)
-                      for buf in (self.keys, self.values))
-        self._spare = (new,) + spare
-        mx.async_eval(*[a for buf in spare for a in _arrays(buf)])
 
     def _grow(self, new: int):
         if self.keys is not None:
-            if self._spare_fits(new):
-                _, ks, vs = self._spare
-                self.keys, self.values = each(_place, ks, self.keys), each(_place, vs, self.values)
-                self.spare_hits += 1
+            spare = self.take_spare(self.width, new)
+            if spare is not None:
+                self.keys, self.values = each(put, spare.keys, self.keys), each(put, spare.values, self.values)
             else:
                 pad = [(0, 0), (0, 0), (0, new - self.capacity), (0, 0)]
                 self.keys, self.values = (each(lambda a: mx.pad(a, pad), buf) for buf in (self.keys, self.values))
-        self._spare = None
         self.capacity = new
         self.regrows += 1
 

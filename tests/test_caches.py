@@ -361,9 +361,9 @@ def _decode_across_rungs(monkeypatch, side: bool, storage, narrow_at=None):
     """A full cache of 4 rows decoding one column at a time across two rungs
     (32 -> 64 -> 128), with the side stream on or off; ``narrow_at``: keep two
     rows at that column (a wider cache's ready buffers no longer fit)."""
-    from mlx_tracer.caches import full
+    from mlx_tracer.caches import spare
 
-    monkeypatch.setattr(full, "_side_stream", full._side_stream if side else (lambda: None))
+    monkeypatch.setattr(spare, "side_stream", spare.side_stream if side else (lambda: None))
     def kv(B, L, seed):  # head dimension 64: a whole group of quantized K/V
         rng = np.random.default_rng(seed)
         return tuple(mx.array(rng.standard_normal((B, 2, L, 64)).astype(np.float32)) for _ in "kv")

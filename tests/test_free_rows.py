@@ -345,3 +345,20 @@ def test_serial_caches_admitted_together_join_one_by_one_with_the_tokens_of_solo
         if ev.token is not None:
             got[ev.uid].append(ev.token)
     assert [got[u] for u in uids] == want
+
+
+@pytest.mark.parametrize("family,fmt", [("llama", KVFormat()), ("llama_mixed", KVFormat(bits=8))],
+                         ids=["full", "mixed-8bit"])
+def test_joins_that_widen_the_batch_copy_into_buffers_made_ready(monkeypatch, family, fmt):
+    """While requests wait to join, the caches make buffers of the next bucket
+    ready a few a step (caches.spare: the first touch of new memory had made a
+    widening join a stall of every running row); the joins that widen copy the
+    running rows into them, with the tokens of an engine that does not."""
+    from mlx_tracer.caches import spare
+
+    model = tiny_model(family, **({"head_dim": 64} if fmt.quantized else {}))
+    ready, stats = serve(CompiledModel(model, kv=fmt), True, fmt)
+    monkeypatch.setattr(spare, "side_stream", lambda: None)
+    plain, before = serve(CompiledModel(model, kv=fmt), True, fmt)
+    assert ready == plain
+    assert stats.joins_into_ready >= 1 and before.joins_into_ready == 0

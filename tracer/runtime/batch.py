@@ -34,6 +34,9 @@ class InflightStep:
     t0: float  # when dispatch began
 
 
+READY_PER_STEP = 4  # caches a step that start building a wider bucket's buffers (make_ready)
+
+
 class RunningBatch:
     """Rows in one batch-width bucket, decoding in lockstep (see module docstring)."""
 
@@ -50,12 +53,27 @@ class RunningBatch:
         # joins and leaves write into free rows / move only the rows that move
         # where they can (False: every row laid out again, as 0.5.1 did)
         self.in_place = True
+        self._readying = False  # some caches may hold buffers made ready for a wider bucket (make_ready)
 
     @property
     def width(self) -> int:
         return self.caches[0].width if self.caches else 0
 
     # ------------------------------------------------------------ rows
+    def make_ready(self, width: Optional[int]) -> None:
+        """Newcomers will widen the batch to ``width`` rows: a few more caches
+        (``READY_PER_STEP``) start building buffers of that width, so that the
+        join copies its rows into memory already touched (caches.spare); None:
+        no widening in sight, drop them."""
+        if not self.caches or (width is None and not self._readying):
+            return
+        self._readying = width is not None
+        started = 0
+        for c in self.caches:
+            started += c.make_ready(width)
+            if started == READY_PER_STEP:
+                return
+
     def join(self, reqs: List[Request], prefilled: List[List[StaticKVCache]], width: Optional[int] = None):
         """Add ``reqs`` (with their prefilled caches, in order) to the batch.
         Only between steps: the pipeline must be empty. ``width``: a bucket
@@ -71,6 +89,7 @@ class RunningBatch:
             # one). Else every row is laid out again. Each cache decides on its
             # row book alone, so the caches of one family decide alike.
             layers = list(zip(self.caches, zip(*prefilled)))
+            hits = sum(c.spare_hits for c in self.caches)
             placed = [c.placement(new, width=width) if self.in_place else None for c, new in layers]
             caches = [c if p is not None else type(c).join([c, *new], width=width)
                       for (c, new), p in zip(layers, placed)]
@@ -79,6 +98,7 @@ class RunningBatch:
                     c.adopt_placement(p)
             self.stats.joins += 1
             self.stats.joins_in_place += all(p is not None for p in placed)
+            self.stats.joins_into_ready += sum(c.spare_hits for c in self.caches) > hits
         self.caches, self.rows = caches, self.rows + list(reqs)
         mx.eval([c.state for c in caches])  # the join's copies belong to admission, not to decode
 

@@ -295,6 +295,7 @@ class Engine:
         # where the BLAS thread count follows the load, drain every RECHECK_STEPS steps to ask again
         follows = threads.follows_load()
         recheck = follows and self.stats.steps % threads.RECHECK_STEPS == threads.RECHECK_STEPS - 1
+        self.batch.make_ready(self._width_soon())
         self.admission.interleave()  # one window of newcomers' prompts beside the running rows
         if not self.batch.pipeline:
             if follows and self.stats.steps and self.stats.steps % threads.RECHECK_STEPS == 0:  # (admit() asks too)
@@ -345,6 +346,16 @@ class Engine:
         if self.compiled.trace_count == traces:  # the step read, and the one dispatched beside it, did not trace
             spec.observe("decode", width, batch.last_step_s)
         return events + self._retire()
+
+    def _width_soon(self) -> Optional[int]:
+        """The bucket the running batch widens to next, if requests waiting
+        to join (queued or prefilling) will widen it; else None."""
+        rows, width = len(self.batch.rows), self.batch.width
+        if not rows or width >= self.scheduler.buckets[-1]:
+            return None
+        if rows + len(self.scheduler.queue) <= width:  # (a prefill job's requests are queued until they join)
+            return None
+        return bucket_for(width + 1, self.scheduler.buckets)
 
     def _admission_waits(self) -> bool:
         """Whether requests wait to be admitted (admission needs the pipeline drained)."""

@@ -99,6 +99,7 @@ class EngineStats:
     prefill_s: float = 0.0
     joins: int = 0
     joins_in_place: int = 0  # of them: newcomers written into free rows, the running rows' K/V not gathered again
+    joins_into_ready: int = 0  # of them: into a wider bucket whose buffers were made ready beforehand (caches.spare)
     verify_steps: int = 0  # speculative verify steps
     verify_tokens: int = 0  # tokens they emitted (all rows)
     drafted: int = 0  # drafts judged
