@@ -158,3 +158,42 @@ def test_a_burst_the_prefix_cache_holds_joins_in_one_step_with_the_tokens_of_sol
             got[ev.uid].append(ev.token)
     for p, u in zip(prompts, late):
         assert got[u] == solo(model, p, 6)
+
+
+def test_while_newcomers_wait_a_step_runs_one_decode_step_and_no_join_beside_windows():
+    """A dispatch returns only when its step is nearly done (MLX bounds the
+    tasks in flight), so a step that refilled the drained pipeline after a
+    join ran two decode steps for one token: while requests wait to join,
+    every step runs one; and a job whose last windows ran in a step joins at
+    the next (not after a budget of prefill in the same step). The tokens are
+    those of solo runs."""
+    model = tiny_model("llama")
+    cm = CompiledModel(model)
+    eng = Engine(cm, buckets=(1, 2, 4, 8), prefill_chunks=(8, 32), prefill_step_tokens=32)
+    first = eng.add([1, 2, 3], max_tokens=150)
+    for _ in range(4):
+        eng.step()
+    prompts = [LONG[k : k + 20] for k in (0, 20, 40, 60, 80)]
+    late = [eng.add(p, max_tokens=5) for p in prompts]
+    calls = []
+    windows_per_step(cm, calls)
+    got, joins = {u: [] for u in late}, 0
+    while eng.scheduler.queue:
+        before, joined = len(calls), eng.stats.joins
+        events = eng.step()
+        decodes = [L for L in calls[before:] if L == 1]
+        windows = [L for L in calls[before:] if L > 1]
+        if eng.scheduler.queue:  # (the step that joins the last one refills the pipeline)
+            assert len(decodes) <= 1, calls[before:]  # (0: the step read the one in flight)
+        if eng.stats.joins > joined:
+            joins += 1
+            assert not windows, calls[before:]
+        assert any(ev.uid == first and ev.token is not None for ev in events)
+        for ev in events:
+            if ev.uid in got and ev.token is not None:
+                got[ev.uid].append(ev.token)
+    assert joins == len(late)
+    for ev in eng.run():
+        if ev.uid in got and ev.token is not None:
+            got[ev.uid].append(ev.token)
+    assert [got[u] for u in late] == [solo(model, p, 5) for p in prompts]

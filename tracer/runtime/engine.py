@@ -287,7 +287,9 @@ class Engine:
         Steps are pipelined as in mlx-lm: while step t's tokens are read back
         and processed on the host, step t+1 (fed by step t's tokens on the
         device) is already computing. The pipeline drains before newcomers
-        are admitted; rows that finish at step t are filtered out of step t+1.
+        are admitted, and while requests wait to join it is not refilled (one
+        decode step a step; see below); rows that finish at step t are
+        filtered out of step t+1.
         """
         events = self._drop_cancelled() + self._retire()
         if self.speculator is not None:
@@ -296,17 +298,29 @@ class Engine:
         follows = threads.follows_load()
         recheck = follows and self.stats.steps % threads.RECHECK_STEPS == threads.RECHECK_STEPS - 1
         self.batch.make_ready(self._width_soon())
+        ready = self.admission.job is not None and self.admission.job.done
         self.admission.interleave()  # one window of newcomers' prompts beside the running rows
+        windows_now = self.admission.job is not None and not ready
         if not self.batch.pipeline:
             if follows and self.stats.steps and self.stats.steps % threads.RECHECK_STEPS == 0:  # (admit() asks too)
                 threads.apply()  # drained: a safe point to change BLAS threads
-            if self.admission.ready():  # a job still prefilling goes on at one budget of windows a step, whatever drained
+            # a job still prefilling goes on at one budget of windows a step, whatever
+            # drained; one whose last windows ran in this step joins at the next (a
+            # step with a budget of prefill and a join in it stalled the running rows
+            # for both)
+            if self.admission.ready() and not (windows_now and self.batch.rows):
                 self.admit()
             if not self.batch.rows:
                 return events
             self.batch.dispatch()
+        # a second step in flight (pipelined: the host builds step t+1 while step t
+        # computes) only while no request waits to join: a dispatch returns when
+        # its step is nearly done (MLX bounds the tasks in flight), so refilling
+        # a drained pipeline costs a step of two decode steps, and during a
+        # burst every join drains it (a running stream's gap was two decode
+        # steps at every join, instead of one)
         if (len(self.batch.pipeline) < 2 and self.batch.needs_more() and not recheck
-                and not self.admission.must_drain()):
+                and not self.admission.must_drain() and not self._admission_waits()):
             self.batch.dispatch()
         events += self.batch.read()
         return events + self._retire()
