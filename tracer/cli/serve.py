@@ -11,7 +11,7 @@ import math
 import os
 
 from ..runtime.options import (
-    DEFAULT_DRAFT_TOKENS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_PREFILL_STEP_TOKENS, DEFAULT_SHUTDOWN_GRACE, PROMPT_LOOKUP, SERVE_BUCKETS, OptionError,
+    DEFAULT_DRAFT_TOKENS, DEFAULT_MAX_REQUEST_BYTES, DEFAULT_SHUTDOWN_GRACE, PROMPT_LOOKUP, SERVE_BUCKETS, SERVE_PREFILL_STEP_TOKENS, OptionError,
     check_request_bytes, check_shutdown_grace,
 )
 from . import options as opt
@@ -79,9 +79,9 @@ def add_parser(sub, model_args):
     spec.add_argument("--draft-model", help="speculative decoding with this draft model (GGUF / mlx-lm folder, same tokenizer)")
     s.add_argument("--draft-tokens", type=opt.draft_tokens,
                    help=f"most drafts per row and verify step (k; default {DEFAULT_DRAFT_TOKENS}; needs --spec or --draft-model)")
-    s.add_argument("--prefill-step-tokens", type=opt.prefill_step_tokens, default=DEFAULT_PREFILL_STEP_TOKENS,
+    s.add_argument("--prefill-step-tokens", type=opt.prefill_step_tokens, default=SERVE_PREFILL_STEP_TOKENS,
                    help=f"with requests running, newcomers' prompts go in windows of at most this many tokens together "
-                        f"between decode steps (default {DEFAULT_PREFILL_STEP_TOKENS}; 0: whole, running streams wait)")
+                        f"between decode steps (default {SERVE_PREFILL_STEP_TOKENS}; 0: whole, running streams wait)")
     s.add_argument("--timeout", type=seconds, default=600.0, help="seconds a request may take before it is cancelled (default 600; answered 504)")
     s.add_argument("--max-request-bytes", type=request_bytes, default=DEFAULT_MAX_REQUEST_BYTES,
                    help=f"largest request body in bytes (default {DEFAULT_MAX_REQUEST_BYTES}: 4 MiB); larger ones get 413")

@@ -51,6 +51,11 @@ MAX_PREFILL_CHUNK = 8192  # tokens of a prefill window: a trace each, its scores
 # tokens, one per engine step: a running stream waits about one such window
 # for its next token (0: prefill newcomers whole, the running rows wait).
 DEFAULT_PREFILL_STEP_TOKENS = 64
+# ... and `mlx-tracer serve`'s: a step of a 32-token window and a decode step
+# kept a running stream's longest gap in a 16-client burst at 2.2-2.3x its
+# median (64: 2.9-3.3x; one ~40-token chat prompt a step), for a later first
+# token (TTFT p50 3.9-4.7 s against 3.4-3.8; 0.5.12, SmolLM2, 2-core Zen 3)
+SERVE_PREFILL_STEP_TOKENS = 32
 MAX_CAPACITY = 2**20  # positions of a full-attention cache bucket: beyond any context length in reach
 MAX_DRAFT_TOKENS = 64  # drafts per row and verify step: acceptance falls off long before
 MAX_TOKENS = 2**20  # completion tokens of a request (the model's context length bounds it further)
