@@ -387,18 +387,16 @@ class StaticKVCache:
             put_all = lambda b, x: mx.slice_update(b, x, at, axes=(0,))  # noqa: E731
         else:  # one copy of the live rows, row-major (see assemble)
             spare = self.take_spare(width, self.S)
-            if spare is not None:  # into buffers made ready beforehand
+            if spare is not None:  # into buffers made ready beforehand (caches.spare)
                 def into(s, b, x):
                     return put(put(s, b[:n]), x, n)
 
-                return (each(into, spare.keys, self.keys, new_k), each(into, spare.values, self.values, new_v),
-                        RowBook.concat([self.rows] + books), width)
+                keys, values = each(into, spare.keys, self.keys, new_k), each(into, spare.values, self.values, new_v)
+                return keys, values, RowBook.concat([self.rows] + books), width
 
-            def put_rows(b, x):
+            def put_all(b, x):
                 parts = [b[:n], x] + ([mx.zeros((width - n - k, *b.shape[1:]), b.dtype)] if width > n + k else [])
                 return mx.concatenate(parts, axis=0)
-
-            put_all = put_rows
         return each(put_all, self.keys, new_k), each(put_all, self.values, new_v), RowBook.concat([self.rows] + books), width
 
     def adopt_placement(self, placed: tuple):

@@ -362,3 +362,24 @@ def test_joins_that_widen_the_batch_copy_into_buffers_made_ready(monkeypatch, fa
     plain, before = serve(CompiledModel(model, kv=fmt), True, fmt)
     assert ready == plain
     assert stats.joins_into_ready >= 1 and before.joins_into_ready == 0
+
+
+@pytest.mark.parametrize("fmt", [KVFormat(), KVFormat(bits=8)], ids=["float32", "8-bit"])
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.__name__)
+def test_a_widening_place_uses_buffers_made_ready_only_for_its_width(kind, fmt):
+    """Buffers made ready for the next bucket (caches.spare): a place into
+    that bucket copies the live rows into them; one into another bucket does
+    not use them. Both hold what the copying join holds."""
+    for ready, width in ((16, 16), (16, 32)):
+        rng = np.random.default_rng(0)
+        batch, window = running_batch(kind, fmt, rng, width=8)  # 5 rows
+        newcomers = kind.merge([serial(rng, n, window) for n in (40, 11, 3, 20)], width=4, storage=fmt)
+        mx.eval(newcomers.state)
+        want = kind.join([batch, newcomers], width=width)
+        mx.eval(want.state)
+        assert batch.make_ready(ready)
+        assert batch.place([newcomers], width=width)
+        mx.eval(batch.state)
+        assert batch.width == width and batch.spare_hits == (ready == width)
+        assert batch._spare is None  # not held after the move
+        same_rows(rows_of(batch), rows_of(want))

@@ -298,9 +298,9 @@ class Engine:
         follows = threads.follows_load()
         recheck = follows and self.stats.steps % threads.RECHECK_STEPS == threads.RECHECK_STEPS - 1
         self.batch.make_ready(self._width_soon())
-        ready = self.admission.job is not None and self.admission.job.done
+        was_done = self.admission.job is not None and self.admission.job.done
         self.admission.interleave()  # one window of newcomers' prompts beside the running rows
-        windows_now = self.admission.job is not None and not ready
+        windows_now = self.admission.job is not None and not was_done
         if not self.batch.pipeline:
             if follows and self.stats.steps and self.stats.steps % threads.RECHECK_STEPS == 0:  # (admit() asks too)
                 threads.apply()  # drained: a safe point to change BLAS threads
