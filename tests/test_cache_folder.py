@@ -84,9 +84,10 @@ def test_generate_and_info_with_a_read_only_home_run_without_caching(tmp_path):
     (home / MODEL_FILENAME).symlink_to(resolve_model())
     (home / "formats.json").write_text("[]")  # wrong shape, and it cannot be rebuilt here
     with read_only(home):
-        r = run([CLI, "generate", "What is the capital of France?", "--max-tokens", "8", "--weights", "auto"], home)
-        # the kernels were just built without a cache above (~75 s on a 2-core
-        # Zen 3); info without them checks the rest, a second build would not
+        # without the native kernels: building them (~80 s here) is the next
+        # test's, and `auto` times as-is and float32 only
+        r = run([CLI, "generate", "What is the capital of France?", "--max-tokens", "8", "--weights", "auto"], home,
+                MLX_TRACER_KERNELS="0")
         i = run([CLI, "info"], home, MLX_TRACER_KERNELS="0")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip(), "no answer"
@@ -96,6 +97,49 @@ def test_generate_and_info_with_a_read_only_home_run_without_caching(tmp_path):
     assert i.returncode == 0 and "Traceback" not in i.stderr, i.stderr
     assert sorted(p.name for p in home.iterdir()) == sorted(["formats.json", MODEL_FILENAME])
     assert json.loads((home / "formats.json").read_text()) == []
+
+
+KERNELS_WITHOUT_A_CACHE = """
+import shutil, sys
+from pathlib import Path
+import mlx_tracer
+import mlx.core as mx
+from mlx_tracer.backend import kernels
+
+def compile_(out):  # the build's output, as g++ gives it (the real compile: test_kernels.py, ./dev setup)
+    shutil.copyfile(sys.argv[1], out)
+
+kernels._compile = compile_
+K = kernels.load()
+assert K is not None, kernels.status()
+x, w = mx.ones((1, 64)), mx.ones((8, 64))
+wq, s, b = mx.quantize(w, group_size=32, bits=4)
+got = K.qmm(x, wq, s, b, 32, 4)
+print(Path(K.__file__).parent.name, Path(K.__file__).exists(), float(mx.abs(got - x @ mx.dequantize(wq, s, b, group_size=32, bits=4).T).max()))
+"""
+
+
+def test_a_read_only_home_builds_the_kernels_in_a_temporary_folder_and_keeps_nothing(tmp_path):
+    """The kernels' build lands in a temporary folder, is loaded from there
+    (the folder gone, the module stays mapped) and is not kept; the home is
+    not written. The compile itself is this suite's cached build copied in
+    (a real one takes ~80 s on 2 cores)."""
+    from mlx_tracer.backend import kernels
+
+    if kernels.load() is None:
+        pytest.skip(f"native kernels unavailable: {kernels.status()}")
+    built = Path(kernels.load().__file__)
+    home = tmp_path / "home"
+    home.mkdir()
+    with read_only(home):
+        r = run([sys.executable, "-c", KERNELS_WITHOUT_A_CACHE, str(built)], home)
+    assert r.returncode == 0, r.stderr
+    folder, there, err = r.stdout.split()
+    assert folder.startswith(".kernels-build-") or folder.startswith("tmp"), folder
+    assert there == "False"  # its temporary folder is gone
+    assert float(err) < 1e-4, err
+    assert r.stderr.count("is not writable") == 1, r.stderr
+    assert list(home.iterdir()) == []
 
 
 def _age(path: Path, days: float) -> None:

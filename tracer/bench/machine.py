@@ -98,13 +98,14 @@ class Machine:
         return min(t)
 
     @classmethod
-    def measure(cls) -> "Machine":
-        """Bandwidth per working-set size: the faster of a copy (read + write)
-        and a BLAS GEMV over a matrix of that size (a read stream, as decode
-        reads its weights); and the fp32 GEMM rate. Each the best of a few
-        timings (a ceiling)."""
+    def measure(cls, sizes_mb=(1, 4, 16, 64, 256)) -> "Machine":
+        """Bandwidth per working-set size (``sizes_mb``, MB): the faster of a
+        copy (read + write) and a BLAS GEMV over a matrix of that size (a read
+        stream, as decode reads its weights); and the fp32 GEMM rate. Each the
+        best of a few timings (a ceiling). All five sizes take ~10 s on a
+        2-core Zen 3; ``mlx-tracer info``, which prints two, measures those."""
         bw = {}
-        for mb in (1, 4, 16, 64, 256):
+        for mb in sizes_mb:
             x = mx.random.uniform(shape=(mb * 1024 * 1024 // 4,))
             n = int((mb * 1024 * 1024 // 4) ** 0.5)
             w, v = mx.random.normal((n, n)), mx.random.normal((1, n))

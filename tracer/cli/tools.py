@@ -146,7 +146,7 @@ def info(args) -> int:
     print(f"             cblas_sgemm from {st.library}")
     print(f"kernels      {kernels.status()}")
     print(f"malloc       {malloc.status()}")
-    m = bench.Machine.measure()
+    m = bench.Machine.measure(sizes_mb=(1, 256))  # the two sizes it prints
     rate = "fast" if m.gemm_gflops > 10 else "reference-class"
     print(f"             measured fp32 GEMM 8x4096x4096: {m.gemm_gflops:.1f} GFLOP/s ({rate}); "
           f"bandwidth {m.bandwidth(1 << 20):.1f} GB/s at 1 MB, {m.bandwidth(256 << 20):.1f} GB/s at 256 MB")
