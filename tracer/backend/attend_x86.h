@@ -91,6 +91,7 @@ inline void with_rows(int g, F&& f) {
 }
 }  // namespace attend
 
+#if QMM_UNIT_AVX2
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace attend_avx2 {
@@ -220,7 +221,9 @@ void values_k(const float* p, int R, int S, const void* v, int D, float* out) {
 #include "attend_common.h"
 }  // namespace attend_avx2
 #pragma GCC pop_options
+#endif  // QMM_UNIT_AVX2
 
+#if QMM_UNIT_AVX512
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,fma,f16c")
 namespace attend_avx512 {
@@ -375,3 +378,4 @@ void values_k(const float* p, int R, int S, const void* v, int D, float* out) {
 #include "attend_common.h"
 }  // namespace attend_avx512
 #pragma GCC pop_options
+#endif  // QMM_UNIT_AVX512

@@ -123,15 +123,30 @@ def _paths():
 def module_file() -> Path:
     v = _versions()
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-    key = "|".join([*(p.read_text() for p in SOURCES + HEADERS), " ".join(FLAGS), str(v), suffix, sys.version])
+    key = "|".join([*(p.read_text() for p in SOURCES + HEADERS), " ".join(FLAGS), str(QMM_UNITS), str(v), suffix,
+                    sys.version])
     return cache_dir() / f"kernels-{hashlib.sha1(key.encode()).hexdigest()[:12]}{suffix}"
 
 
+# qmm.cpp's units (its TRACER_QMM_UNIT): the AVX2 kernels, the AVX-512 ones,
+# the rest. Whole, it was 76 s of a 101 s build's CPU time (2-core Zen 3).
+QMM_UNITS = (1, 2, 0)
+
+
+def _units(nb_dir: Path) -> list:
+    """(source, extra flags) for each object, the longest first."""
+    by_name = {src.name: src for src in SOURCES}
+    qmm = [(by_name["qmm.cpp"], [f"-DTRACER_QMM_UNIT={u}"]) for u in QMM_UNITS]
+    rest = [(by_name["kernels.cpp"], []), (nb_dir / "src" / "nb_combined.cpp", []), (by_name["logprobs.cpp"], [])]
+    return qmm + rest
+
+
 def _compile(out: Path) -> None:
-    """Builds the module at ``out``: each source compiled on its own, as many at
-    once as this process has cores (qmm.cpp, about three quarters of the work,
-    first), then linked. One g++ call for all compiled them one after another:
-    ~95 s on a 2-core Zen 3; now ~65 s, about the time of qmm.cpp alone. The next
+    """Builds the module at ``out``: each unit compiled on its own, as many at
+    once as this process has cores (the longest first: qmm.cpp's units, see
+    QMM_UNITS), then linked. One g++ call for all compiled them one after
+    another: ~95 s on a 2-core Zen 3; the sources side by side ~77 s, about
+    the time of qmm.cpp alone; with qmm.cpp in three units, ~55 s. The next
     free core goes to whichever unit ends first."""
     mlx_dir, nb_dir = _paths()
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -140,17 +155,18 @@ def _compile(out: Path) -> None:
     py_include = sysconfig.get_paths()["include"]
     includes = [f"-I{nb_dir / 'include'}", f"-I{nb_dir / 'ext' / 'robin_map' / 'include'}",
                 f"-I{mlx_dir / 'include'}", f"-I{py_include}"]
-    units = sorted([*SOURCES, nb_dir / "src" / "nb_combined.cpp"], key=lambda src: src.name != "qmm.cpp")
-    objects = [out.with_name(f"{i}-{src.stem}.o") for i, src in enumerate(units)]
+    units = _units(nb_dir)
+    objects = [out.with_name(f"{i}-{src.stem}.o") for i, (src, _) in enumerate(units)]
     compile_flags = [f for f in FLAGS if f != "-shared"]
-    commands = [[cxx, *compile_flags, "-c", *includes, str(src), "-o", str(obj)] for src, obj in zip(units, objects)]
+    commands = [[cxx, *compile_flags, *defines, "-c", *includes, str(src), "-o", str(obj)]
+                for (src, defines), obj in zip(units, objects)]
     link = [cxx, *FLAGS, *map(str, objects), f"-L{mlx_dir / 'lib'}", "-lmlx", f"-Wl,-rpath,{mlx_dir / 'lib'}",
             "-o", str(out)]
     try:
         cores = max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    pending, running, failed = list(zip(units, commands)), {}, None
+    pending, running, failed = [(src, cmd) for (src, _), cmd in zip(units, commands)], {}, None
     while (pending or running) and failed is None:
         while pending and len(running) < cores:
             src, cmd = pending.pop(0)

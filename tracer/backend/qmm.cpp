@@ -109,7 +109,63 @@ namespace nb = nanobind;
 namespace mx = mlx::core;
 using mx::array;
 
+// qmm.cpp is compiled three times (kernels.py): TRACER_QMM_UNIT 0, the
+// module's part (the portable path, the ISA table, the pool, the primitive),
+// 1 the AVX2 kernels, 2 the AVX-512 ones (the x86 headers keep the ISA
+// namespaces of their unit), so the build's two cores share what was one
+// 76 s unit (a 2-core Zen 3). Units 1 and 2 hand unit 0 their Path.
+#ifndef TRACER_QMM_UNIT
+#define TRACER_QMM_UNIT 0
+#endif
+#define QMM_UNIT_AVX2 (TRACER_QMM_UNIT == 1)
+#define QMM_UNIT_AVX512 (TRACER_QMM_UNIT == 2)
+
+// What the units share across their boundary (named: one type in every unit).
+namespace tracer_qmm_unit {
+enum class Scale { f32, f16, bf16 };
+enum class Contract { exact, fast };
+
+// One qmm call as its task sees it: pointers, no array references.
+struct QmmJob {
+  const float* x;      // [M, K], rows ldx floats apart
+  size_t ldx;
+  const uint32_t* w;   // [N, K * bits / 32]
+  const void* scales;  // [N, K / group]
+  const void* biases;  // [N, K / group]
+  Scale scale;
+  int M, N, K, group, bits;
+  float* out;          // [M, N]
+  // The fast contract's x (quantize_x), else null:
+  const int8_t* xq = nullptr;  // [M, fast_blocks(K) * 32] int8, in qmm_fast.h's layout
+  const float* xd = nullptr;   // [M, fast_blocks(K) * 4] the blocks' scales, each 4 times (qmm_fast.h)
+  const float* xg = nullptr;   // [M, fast_groups(K / group) * 4] per group: sum over its blocks of scale * sum(xq), each 4 times
+};
+
+struct Path {
+  const char* name;
+  bool (*supported)();
+  void (*small)(const QmmJob&, int n0, int n1);
+  void (*dequant)(const QmmJob&, int n0, int n1, float* panel);
+  void (*fast)(const QmmJob&, int n0, int n1);
+  void (*quantize_x)(const QmmJob&, int8_t* xq, float* xd, float* xg);
+  void (*order4)(const float* from, float* to);  // x of a 4-bit block in the order its dequant gives the weights
+  // The layer kernels' vector math (vmath_x86.h); null: MLX's one-lane functors serve.
+  void (*exp_shifted)(const float* x, float shift, float* out, int n);
+  void (*swiglu)(const float* a, const float* b, float* out, int n);
+  // The decode attention's products (attend_x86.h); null: kernels.cpp's portable loops serve.
+  void (*attend_scores)(const float* q, int R, int D, const void* k, int kind, int S, const float* bias, int per,
+                        float* out);
+  void (*attend_values)(const float* p, int R, int S, const void* v, int kind, int D, float* out);
+};
+
+#if defined(__x86_64__)
+extern const Path kPathAvx2;    // unit 1
+extern const Path kPathAvx512;  // unit 2
+#endif
+}  // namespace tracer_qmm_unit
+
 namespace {
+using namespace tracer_qmm_unit;
 
 constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;
 // Up to this many x rows, the packed-weight kernels (x in tiles of a few rows
@@ -138,25 +194,6 @@ constexpr int kBlock = 32;                   // weights a kernel step: 16 bytes 
 // on a matrix the caches already held, they had made reads slower).
 constexpr int kPrefetchMinM = 1;
 constexpr int kPrefetchTiles = 2;
-
-enum class Scale { f32, f16, bf16 };
-enum class Contract { exact, fast };
-
-// One qmm call as its task sees it: pointers, no array references.
-struct QmmJob {
-  const float* x;      // [M, K], rows ldx floats apart
-  size_t ldx;
-  const uint32_t* w;   // [N, K * bits / 32]
-  const void* scales;  // [N, K / group]
-  const void* biases;  // [N, K / group]
-  Scale scale;
-  int M, N, K, group, bits;
-  float* out;          // [M, N]
-  // The fast contract's x (quantize_x), else null:
-  const int8_t* xq = nullptr;  // [M, fast_blocks(K) * 32] int8, in qmm_fast.h's layout
-  const float* xd = nullptr;   // [M, fast_blocks(K) * 4] the blocks' scales, each 4 times (qmm_fast.h)
-  const float* xg = nullptr;   // [M, fast_groups(K / group) * 4] per group: sum over its blocks of scale * sum(xq), each 4 times
-};
 
 // Blocks of 32 an x row of the fast contract takes: K's, rounded up to 4 (qmm_fast.h's steps).
 constexpr int fast_blocks(int K) {
@@ -236,7 +273,9 @@ inline void order4_even_odd(const float* from, float* to) {
 // MLX packs weight i of a row at bits 4 (i % 8) of little-endian word i / 8
 // (8 (i % 4) of i / 4 at 8 bits): byte i of a 4-bit block holds weights 2i
 // (low nibble) and 2i + 1.
+#if TRACER_QMM_UNIT == 0
 #include "qmm_ops_portable.h"
+#endif
 
 #if defined(__x86_64__)
 #include "qmm_ops_x86.h"
@@ -244,33 +283,28 @@ inline void order4_even_odd(const float* from, float* to) {
 #include "attend_x86.h"
 #endif
 
-// ------------------------------------------------------------ ISA choice
-struct Path {
-  const char* name;
-  bool (*supported)();
-  void (*small)(const QmmJob&, int n0, int n1);
-  void (*dequant)(const QmmJob&, int n0, int n1, float* panel);
-  void (*fast)(const QmmJob&, int n0, int n1);
-  void (*quantize_x)(const QmmJob&, int8_t* xq, float* xd, float* xg);
-  void (*order4)(const float* from, float* to);  // x of a 4-bit block in the order its dequant gives the weights
-  // The layer kernels' vector math (vmath_x86.h); null: MLX's one-lane functors serve.
-  void (*exp_shifted)(const float* x, float shift, float* out, int n);
-  void (*swiglu)(const float* a, const float* b, float* out, int n);
-  // The decode attention's products (attend_x86.h); null: kernels.cpp's portable loops serve.
-  void (*attend_scores)(const float* q, int R, int D, const void* k, int kind, int S, const float* bias, int per,
-                        float* out);
-  void (*attend_values)(const float* p, int R, int S, const void* v, int kind, int D, float* out);
-};
+#if TRACER_QMM_UNIT != 0
+}  // namespace
+#if defined(__x86_64__) && QMM_UNIT_AVX2
+const tracer_qmm_unit::Path tracer_qmm_unit::kPathAvx2 = {
+    "avx2", has_avx2, isa_avx2::rows_small, isa_avx2::dequant_rows, isa_avx2::fast_rows, isa_avx2::quantize_x_rows,
+    isa_avx2::order4, vmath_avx2::exp_shifted, vmath_avx2::swiglu, attend_avx2::scores, attend_avx2::values};
+#elif defined(__x86_64__) && QMM_UNIT_AVX512
+const tracer_qmm_unit::Path tracer_qmm_unit::kPathAvx512 = {
+    "avx512", has_avx512, isa_avx512::rows_small, isa_avx512::dequant_rows, fast_avx512,
+    quantize_x_avx2,  // the same bytes on every path
+    isa_avx512::order4, vmath_avx512::exp_shifted, vmath_avx512::swiglu, attend_avx512::scores, attend_avx512::values};
+#endif
+#else  // unit 0: the rest of the file
 
-const Path kPaths[] = {  // worst to best
-    {"portable", [] { return true; }, isa_portable::rows_small, isa_portable::dequant_rows, isa_portable::fast_rows,
-     isa_portable::quantize_x_rows, isa_portable::order4, nullptr, nullptr, nullptr, nullptr},
+// ------------------------------------------------------------ ISA choice
+const Path kPathPortable = {"portable", [] { return true; }, isa_portable::rows_small, isa_portable::dequant_rows,
+                            isa_portable::fast_rows, isa_portable::quantize_x_rows, isa_portable::order4, nullptr,
+                            nullptr, nullptr, nullptr};
+const Path* const kPaths[] = {  // worst to best
+    &kPathPortable,
 #if defined(__x86_64__)
-    {"avx2", has_avx2, isa_avx2::rows_small, isa_avx2::dequant_rows, isa_avx2::fast_rows, isa_avx2::quantize_x_rows,
-     isa_avx2::order4, vmath_avx2::exp_shifted, vmath_avx2::swiglu, attend_avx2::scores, attend_avx2::values},
-    {"avx512", has_avx512, isa_avx512::rows_small, isa_avx512::dequant_rows, fast_avx512,
-     isa_avx2::quantize_x_rows,  // the same bytes on every path
-     isa_avx512::order4, vmath_avx512::exp_shifted, vmath_avx512::swiglu, attend_avx512::scores, attend_avx512::values},
+    &kPathAvx2, &kPathAvx512,
 #endif
 };
 constexpr int kPathCount = int(sizeof(kPaths) / sizeof(kPaths[0]));
@@ -279,23 +313,23 @@ std::atomic<const Path*> g_path{nullptr};
 
 std::string path_names() {
   std::string s;
-  for (const Path& p : kPaths) s += (s.empty() ? "" : "|") + std::string(p.name);
+  for (const Path* p : kPaths) s += (s.empty() ? "" : "|") + std::string(p->name);
   return s;
 }
 
 // The path named (nullptr: unknown name).
 const Path* find_path(const std::string& name) {
-  for (const Path& p : kPaths) {
-    if (name == p.name) return &p;
+  for (const Path* p : kPaths) {
+    if (name == p->name) return p;
   }
   return nullptr;
 }
 
 // `want`, or the best path the CPU has where it lacks it (said on stderr).
 const Path* best_path() {
-  const Path* best = &kPaths[0];
-  for (const Path& p : kPaths) {
-    if (p.supported()) best = &p;
+  const Path* best = kPaths[0];
+  for (const Path* p : kPaths) {
+    if (p->supported()) best = p;
   }
   return best;
 }
@@ -597,3 +631,5 @@ void register_qmm(nb::module_& m) {
   m.def("qmm_threads", [] { return Pool::the().threads(); });
   m.def("qmm_set_threads", [](int n) { Pool::the().set_threads(n); }, nb::arg("n"));
 }
+
+#endif  // TRACER_QMM_UNIT == 0

@@ -2,7 +2,8 @@
 // the fast contract, AVX-512 VNNI; each a namespace compiled under its target
 // pragma (the module itself is built without -march) in which qmm_isa.h and
 // qmm_fast.h are instantiated. Included by qmm.cpp inside its anonymous
-// namespace, on x86-64 only.
+// namespace, on x86-64 only; each ISA's namespaces only in its unit of
+// qmm.cpp (QMM_UNIT_AVX2, QMM_UNIT_AVX512).
 
 // The vector type V of an x86 ISA whose intrinsics start with P, its plain
 // operations and its float16 conversion.
@@ -15,6 +16,7 @@
   inline F add(F a, F b) { return P##_add_ps(a, b); }                 \
   inline F fmadd(F a, F b, F c) { return P##_fmadd_ps(a, b, c); }
 
+#if QMM_UNIT_AVX2
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace isa_avx2 {
@@ -167,7 +169,9 @@ inline void fq_rows(const FQ& a, float* out) {
 #include "qmm_fast.h"
 }  // namespace isa_avx2
 #pragma GCC pop_options
+#endif  // QMM_UNIT_AVX2
 
+#if QMM_UNIT_AVX512
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,fma,f16c")
 namespace isa_avx512 {
@@ -296,8 +300,13 @@ inline void fq_rows(FQ a, float* out) {
 
 void fast_avx512(const QmmJob& j, int n0, int n1) {
   static const bool vnni = __builtin_cpu_supports("avx512vnni");
-  vnni ? isa_avx512_vnni::fast_rows(j, n0, n1) : isa_avx2::fast_rows(j, n0, n1);
+  vnni ? isa_avx512_vnni::fast_rows(j, n0, n1) : tracer_qmm_unit::kPathAvx2.fast(j, n0, n1);  // unit 1's
 }
+// x for the fast contract: AVX2's (unit 1), the same bytes on every path.
+void quantize_x_avx2(const QmmJob& j, int8_t* xq, float* xd, float* xg) {
+  tracer_qmm_unit::kPathAvx2.quantize_x(j, xq, xd, xg);
+}
+#endif  // QMM_UNIT_AVX512
 
 bool has_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");

@@ -27,6 +27,7 @@
   p = FMA(p, fp, SPLAT(6.931472028550421e-1f));             \
   p = FMA(p, fp, SPLAT(1.000000000000000f));
 
+#if QMM_UNIT_AVX2
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace vmath_avx2 {
@@ -78,7 +79,9 @@ void swiglu(const float* a, const float* b, float* out, int n) {
 }
 }  // namespace vmath_avx2
 #pragma GCC pop_options
+#endif  // QMM_UNIT_AVX2
 
+#if QMM_UNIT_AVX512
 #pragma GCC push_options
 #pragma GCC target("avx512f,fma")
 namespace vmath_avx512 {
@@ -117,4 +120,5 @@ void swiglu(const float* a, const float* b, float* out, int n) {
 }
 }  // namespace vmath_avx512
 #pragma GCC pop_options
+#endif  // QMM_UNIT_AVX512
 #undef VMATH_POLY
