@@ -84,7 +84,7 @@ def test_generate_and_info_with_a_read_only_home_run_without_caching(tmp_path):
     (home / MODEL_FILENAME).symlink_to(resolve_model())
     (home / "formats.json").write_text("[]")  # wrong shape, and it cannot be rebuilt here
     with read_only(home):
-        # without the native kernels: building them (~80 s here) is the next
+        # without the native kernels: building them (~50 s here) is the next
         # test's, and `auto` times as-is and float32 only
         r = run([CLI, "generate", "What is the capital of France?", "--max-tokens", "8", "--weights", "auto"], home,
                 MLX_TRACER_KERNELS="0")
@@ -123,7 +123,7 @@ def test_a_read_only_home_builds_the_kernels_in_a_temporary_folder_and_keeps_not
     """The kernels' build lands in a temporary folder, is loaded from there
     (the folder gone, the module stays mapped) and is not kept; the home is
     not written. The compile itself is this suite's cached build copied in
-    (a real one takes ~80 s on 2 cores)."""
+    (a real one takes ~50 s on 2 cores)."""
     from mlx_tracer.backend import kernels
 
     if kernels.load() is None:
