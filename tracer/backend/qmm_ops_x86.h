@@ -20,7 +20,15 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace isa_avx2 {
-constexpr int L = 8, kTile = 4;
+// kTile 5 (0.5.13; was 4): a bucket-1 verify window of 5 rows is one tile,
+// each block dequantized once, not twice (10 accumulators, the block's 4
+// vectors and x: 15 of 16 registers). SmolLM2's head at M = 5 / 10 / 20,
+// exact, the two builds taking turns twice (benchmarks/qmm.py, load ~1):
+// 4.9, 5.7 / 10.2, 9.4 / 19.8, 20.4 ms against 6.8, 6.7 / 11.0, 13.0 /
+// 21.7, 21.5; a bucket-1 verify step of 5 against a decode step
+// (kernel_profile.py --window 5): 2.55, 2.19 against 2.58, 2.44, within
+// this VM's noise. The same bits at every M (the accumulators per row).
+constexpr int L = 8, kTile = 5;
 // x of a 4-bit block in dequant's order (see dequant): to[8 j + l] is x's weight 8 l + j (l < 4), 8 (l - 4) + j + 4.
 inline void order4(const float* from, float* to) {
   for (int j = 0; j < 4; ++j) {
