@@ -96,7 +96,7 @@ def test_entries_that_do_not_validate_are_dropped_the_rest_kept(home, source, ba
 
 def test_info_and_auto_load_survive_a_broken_formats_file(home, source, monkeypatch, capsys):
     (home / "formats.json").write_text(json.dumps({"version": 2, "entries": [{"model": "m"}, None]}))
-    monkeypatch.setattr("mlx_tracer.bench.Machine.measure", classmethod(lambda cls: cls({1 << 20: 1.0, 256 << 20: 1.0}, 1.0)))
+    monkeypatch.setattr("mlx_tracer.bench.Machine.measure", classmethod(lambda cls, sizes_mb=(1, 256): cls({mb << 20: 1.0 for mb in sizes_mb}, 1.0)))
     assert main(["info"]) == 0
     assert "weights      auto not measured yet" in capsys.readouterr().out
     fake_timings(monkeypatch, {"as-is": 10.0, "float32": 20.0})
@@ -154,7 +154,7 @@ def test_a_write_drops_entries_that_can_never_apply_again(home, source, tmp_path
 
 
 def test_info_shows_the_entries_that_apply_here_and_counts_the_rest(home, source, monkeypatch, capsys):
-    monkeypatch.setattr("mlx_tracer.bench.Machine.measure", classmethod(lambda cls: cls({1 << 20: 1.0, 256 << 20: 1.0}, 1.0)))
+    monkeypatch.setattr("mlx_tracer.bench.Machine.measure", classmethod(lambda cls, sizes_mb=(1, 256): cls({mb << 20: 1.0 for mb in sizes_mb}, 1.0)))
     here = valid_entry(source)
     others = [valid_entry(source, mlx="0.0.1"), valid_entry(source, blas="libother.so"), valid_entry(source, cores=999)]
     (home / "formats.json").write_text(json.dumps({"version": 2, "entries": [here, *others]}))
