@@ -3,7 +3,7 @@ and/or fast contract) against ``mx.quantized_matmul`` and the float32
 ``x @ W.T`` that the fast BLAS serves, at SmolLM2-135M's projection shapes.
 
     python benchmarks/qmm.py [--m 1 8 40 256] [--reps 15] [--bits 4] [--group 32]
-                             [--contract exact|fast|both] [--chain 1] [--threads N]
+                             [--contract exact|fast|factored|both|all] [--chain 1] [--threads N]
 
 Weights are random, quantized with ``mx.quantize`` (scales and biases cast
 to float16, as GGUF's and mlx-lm's are); each cell is the median of
@@ -57,10 +57,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--bits", type=int, default=4, choices=(4, 8))
     ap.add_argument("--group", type=int, default=32, choices=(32, 64, 128))
-    ap.add_argument("--contract", default="exact", choices=("exact", "fast", "both"), help="qmm's contract(s)")
+    ap.add_argument("--contract", default="exact", choices=("exact", "fast", "factored", "both", "all"),
+                    help="qmm's contract(s): both = exact and fast")
     ap.add_argument("--chain", type=int, default=1, help="calls evaluated as one graph")
     ap.add_argument("--threads", type=int, default=0, help="qmm's threads (0: its default)")
     ap.add_argument("--stream-mb", type=float, default=128, help="float32 weights to rotate over (0: one copy)")
+    ap.add_argument("--no-reference", action="store_true",
+                    help="skip mx.quantized_matmul and fp32 x @ W.T (slow at many rows on the CPU)")
     ap.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES], help="which of " + ", ".join(s[0] for s in SHAPES))
     args = ap.parse_args()
     K = kernels.load()
@@ -68,7 +71,7 @@ def main() -> None:
         raise SystemExit(f"the native kernels are off: {kernels.status()}")
     if args.threads:
         K.qmm_set_threads(args.threads)
-    contracts = ("exact", "fast") if args.contract == "both" else (args.contract,)
+    contracts = {"both": ("exact", "fast"), "all": ("exact", "factored", "fast")}.get(args.contract, (args.contract,))
     print(f"qmm: {K.qmm_isa()}, {K.qmm_threads()} threads; {args.bits}-bit, group {args.group}, float16 scales; "
           f"weights streamed over {args.stream_mb:g} MB; {args.chain} call(s) a graph; "
           f"load average {os.getloadavg()[0]:.2f} before")
@@ -92,8 +95,9 @@ def main() -> None:
             mx.eval(x)
             run = dict(copies=copies, reps=args.reps, warmup=args.warmup, chain=args.chain)
             q = [timed(lambda i: K.qmm(x, *qs[i], args.group, args.bits, contract=c), **run) for c in contracts]
-            qm = timed(lambda i: mx.quantized_matmul(x, *qs[i], True, args.group, args.bits), **run)
-            f = timed(lambda i: x @ Ws[i].T, **run)
+            qm = math.nan if args.no_reference else timed(
+                lambda i: mx.quantized_matmul(x, *qs[i], True, args.group, args.bits), **run)
+            f = math.nan if args.no_reference else timed(lambda i: x @ Ws[i].T, **run)
             cells = " ".join(f"{t:10.3f}" for t in q)
             ups = " ".join(f"{f / t:5.2f}x" for t in q)
             print(f"{name:>8} {N:>6} {Kd:>5} {M:>4} | {cells} {qm:16.3f} {f:10.3f} | {'':17} {ups}")

@@ -49,7 +49,7 @@ def fake_timings(monkeypatch, ms):
         return ms[fmt] * B
 
     monkeypatch.setattr(weights, "decode_step_ms", step_ms)
-    monkeypatch.setattr(weights, "quantized_kernels", lambda: False)  # two candidates (see the quantized tests below)
+    monkeypatch.setattr(weights, "quantized_candidate", lambda: None)  # two candidates (see the quantized tests below)
     return calls
 
 
@@ -183,8 +183,14 @@ def test_a_stored_choice_that_did_not_time_the_quantized_format_is_measured_agai
     monkeypatch.setattr(weights, "current_load", lambda: 0.0)
     assert choose(source) == "float32" and len(calls) == 4
     assert choose(source) == "float32" and len(calls) == 4  # stored: not timed again
-    monkeypatch.setattr(weights, "quantized_kernels", lambda: True)  # the kernels are built now
+    monkeypatch.setattr(weights, "quantized_candidate", lambda: "quantized")  # the kernels are built now
     logs = []
     choose(source, logs.append)
-    assert len(calls) == 10 and "did not time the quantized format" in " ".join(logs)
+    assert len(calls) == 10 and "did not time quantized" in " ".join(logs)
     assert "quantized" in format_cache.list_choices()[0].timings
+    # a later version's candidate (quantized-factored where qmm runs on AVX2) is timed again too
+    monkeypatch.setattr(weights, "quantized_candidate", lambda: "quantized-factored")
+    logs = []
+    choose(source, logs.append)
+    assert len(calls) == 16 and "did not time quantized-factored" in " ".join(logs)
+    assert "quantized-factored" in format_cache.list_choices()[0].timings

@@ -5,7 +5,10 @@ computes, reads strided views, gives the same bits with 1 and 2 threads and
 inside mx.compile, and refuses bad inputs with a clear error. Its fast
 contract (x in int8 per 32-block, integer dot products) stays within
 FAST_BOUND of the exact result on every path, with the same guarantees of
-determinism."""
+determinism. Its factored contract (per group, scale * sum(q x) + bias *
+sum(x)) stays within BOUND, computes the arithmetic qmm.cpp states for it
+(checked against a plain reimplementation here) and the same bits on every
+path."""
 
 from __future__ import annotations
 
@@ -81,7 +84,7 @@ def case(i: int, bits: int, dtype_name: str):
 @pytest.mark.parametrize("isa", PATHS, indirect=True)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-@pytest.mark.parametrize("contract,bound", [("exact", BOUND), ("fast", FAST_BOUND)])
+@pytest.mark.parametrize("contract,bound", [("exact", BOUND), ("factored", BOUND), ("fast", FAST_BOUND)])
 def test_qmm_is_within_its_contract_of_the_float32_dequantized_matmul(isa, bits, dtype, contract, bound):
     for i, (M, N, Kd, group) in enumerate(CASES):
         args, exact, magnitude = case(i, bits, dtype)
@@ -119,7 +122,7 @@ def test_float16_scales_are_widened_not_computed_in_float16():
 
 
 @pytest.mark.parametrize("isa", PATHS, indirect=True)
-@pytest.mark.parametrize("contract", ["exact", "fast"])
+@pytest.mark.parametrize("contract", ["exact", "factored", "fast"])
 @pytest.mark.parametrize("group,bits", [(32, 8), (32, 4), (64, 4)])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_scales_read_in_place_or_widened_give_the_same_bits(isa, contract, group, bits, dtype):
@@ -156,7 +159,7 @@ def test_strided_views_read_as_their_dense_copies(M):
     assert np.array_equal(np.array(got), want)
 
 
-@pytest.mark.parametrize("contract", ["exact", "fast"])
+@pytest.mark.parametrize("contract", ["exact", "factored", "fast"])
 @pytest.mark.parametrize("M,N,Kd,bits", [(1, 3000, 576, 4), (8, 1000, 1536, 4), (40, 700, 576, 4), (3, 900, 800, 8)])
 def test_one_and_two_threads_give_the_same_bits(threads, contract, M, N, Kd, bits):
     w, s, b = quantized(N, Kd, 32, bits, mx.float16)
@@ -169,35 +172,106 @@ def test_one_and_two_threads_give_the_same_bits(threads, contract, M, N, Kd, bit
 
 
 @pytest.mark.parametrize("isa", PATHS, indirect=True)
-@pytest.mark.parametrize("contract", ["exact", "fast"])
-@pytest.mark.parametrize("bits", [4, 8])
-def test_a_row_has_the_same_bits_at_every_m_up_to_the_tile_threshold(isa, contract, bits):
+@pytest.mark.parametrize("contract", ["exact", "factored", "fast"])
+@pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (4, 64), (8, 128)])
+def test_a_row_has_the_same_bits_at_every_m_up_to_the_tile_threshold(isa, contract, bits, group):
     """A verify window multiplies its k + 1 positions as M rows where decode
     steps multiply one: each output must be the decode step's, bit for bit, at
     every M the tiles serve (1..64; every tile size and remainder), on every
     path (the fast contract at every M)."""
-    w, s, b = quantized(77, 320, 32, bits, mx.float16, seed=7)
-    x = mx.random.normal((64, 320), key=mx.random.key(8))
-    alone = np.concatenate([np.array(K.qmm(x[i:i + 1], w, s, b, 32, bits, contract=contract)) for i in range(64)])
+    w, s, b = quantized(77, 384, group, bits, mx.float16, seed=7)
+    x = mx.random.normal((64, 384), key=mx.random.key(8))
+    alone = np.concatenate([np.array(K.qmm(x[i:i + 1], w, s, b, group, bits, contract=contract)) for i in range(64)])
     for M in (2, 3, 4, 5, 6, 7, 8, 9, 12, 20, 40, 64):
-        got = np.array(K.qmm(x[:M], w, s, b, 32, bits, contract=contract))
+        got = np.array(K.qmm(x[:M], w, s, b, group, bits, contract=contract))
         assert np.array_equal(got, alone[:M]), (isa, contract, bits, M)
 
 
+def unpacked(w, bits):
+    """The integers q [N, K] of mx.quantize's words: weight i at bits
+    bits * (i % (32 / bits)) of word i / (32 / bits)."""
+    words = np.array(w).astype(np.uint64)
+    per = 32 // bits
+    shifts = (bits * np.arange(per)).astype(np.uint64)
+    return ((words[:, :, None] >> shifts) & np.uint64(2**bits - 1)).reshape(words.shape[0], -1).astype(np.int64)
+
+
+def factored_reference(x, w, s, b, group, bits):
+    """qmm.cpp's factored contract, operation by operation, in numpy float32
+    (fused multiply-adds exact in long double, then rounded once): per block
+    of 32, four vectors of 8 lanes (4 bits: lane l < 4 of vector j weight
+    8 l + j, lane l + 4 weight 8 l + j + 4; q times 2^e and x times 2^-e, e
+    from {0, 0, 8, 8} and {16, 16, 24, 24}; 8 bits: vector i, lane l weight
+    8 i + l), each x row and weight row with two accumulators a group, etc."""
+    f32, ld = np.float32, np.longdouble
+    fma = lambda a, b, c: (a.astype(ld) * b.astype(ld) + c.astype(ld)).astype(f32)  # noqa: E731
+    X = np.array(x, f32)                      # [M, K]
+    Q = unpacked(w, bits).astype(f32)         # [N, K]
+    S, B = np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32))  # [N, G]
+    M, Kd = X.shape
+    lanes, e = np.zeros((4, 8), np.int64), np.zeros((4, 8), np.int64)
+    for j in range(4):
+        for lane in range(8):
+            if bits == 4:
+                lanes[j, lane] = 8 * lane + j if lane < 4 else 8 * (lane - 4) + j + 4
+                e[j, lane] = (0, 0, 8, 8)[j] if lane < 4 else (16, 16, 24, 24)[j]
+            else:
+                lanes[j, lane] = 8 * j + lane
+    up, down = np.ldexp(f32(1), e).astype(f32), np.ldexp(f32(1), -e).astype(f32)
+    acc = np.zeros((M, Q.shape[0], 8), f32)
+    for g in range(Kd // group):
+        ga = [None, None]
+        for t in range(group // 32):
+            k0 = g * group + 32 * t
+            for v in range(4):
+                qv = (Q[:, k0 + lanes[v]] * up[v])[None]          # [1, N, 8]
+                xv = (X[:, k0 + lanes[v]] * down[v])[:, None]     # [M, 1, 8]
+                ga[v & 1] = (qv * xv).astype(f32) if t == 0 and v < 2 else fma(qv, xv, ga[v & 1])
+        acc = fma(S[None, :, g, None], (ga[0] + ga[1]).astype(f32), acc)
+    sums = np.zeros((M, Kd // group), f32)
+    for g in range(Kd // group):
+        t = np.zeros(M, f32)
+        for k in range(g * group, (g + 1) * group):
+            t = (t + X[:, k]).astype(f32)
+        sums[:, g] = t
+    bias = np.zeros((M, Q.shape[0]), f32)
+    for g in range(Kd // group):
+        bias = (bias + (B[None, :, g] * sums[:, g, None]).astype(f32)).astype(f32)
+    a = acc
+    total = ((a[..., 0] + a[..., 4]) + (a[..., 2] + a[..., 6])) + ((a[..., 1] + a[..., 5]) + (a[..., 3] + a[..., 7]))
+    return (total.astype(f32) + bias).astype(f32)
+
+
+@pytest.mark.parametrize("isa", PATHS, indirect=True)
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 32), (8, 128), (4, 128)])
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_the_factored_contract_computes_its_stated_arithmetic_bit_for_bit(isa, bits, group, dtype):
+    w, s, b = quantized(37, 256, group, bits, getattr(mx, dtype), seed=bits + group)
+    x = mx.random.normal((5, 256), key=mx.random.key(group))
+    for M in (1, 5):
+        got = np.array(K.qmm(x[:M], w, s, b, group, bits, contract="factored"))
+        assert np.array_equal(got, factored_reference(x[:M], w, s, b, group, bits)), (isa, M)
+
+
+@pytest.mark.parametrize("contract", ["fast", "factored"])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_fast_contract_gives_the_same_bits_on_every_isa_path(bits):
-    """Its integer sums are exact and its float32 order is one definition
-    (qmm_fast.h): each path computes the same bits, any M (tiles of x rows),
-    N (quads of weight rows) and K (a last step of fewer than 4 blocks)."""
+def test_fast_and_factored_contracts_give_the_same_bits_on_every_isa_path(contract, bits):
+    """Their float32 order is one definition (qmm_fast.h, qmm_factored.h;
+    the fast contract's integer sums are exact): each path computes the same
+    bits, any M (tiles of x rows; the factored contract up to 64 rows, the
+    exact contract's panels above), N (quads of weight rows) and K (a last
+    step of fewer than 4 blocks)."""
     before = K.qmm_isa()
     try:
         for i, (M, N, Kd, group) in enumerate(CASES + ((9, 37, 320, 64), (1, 5, 96, 32))):
+            if contract == "factored" and M > K.qmm_tile_rows():
+                continue
             w, s, b = quantized(N, Kd, group, bits, mx.float16, seed=i)
             x = mx.random.normal((M, Kd), key=mx.random.key(50 + i))
             outs = {}
             for name in PATHS:
                 if K.qmm_set_isa(name) == name:
-                    outs[name] = np.array(K.qmm(x, w, s, b, group, bits, contract="fast"))
+                    outs[name] = np.array(K.qmm(x, w, s, b, group, bits, contract=contract))
             first = next(iter(outs.values()))
             for name, got in outs.items():
                 assert np.array_equal(got, first), (name, M, N, Kd, group)
@@ -205,7 +279,7 @@ def test_fast_contract_gives_the_same_bits_on_every_isa_path(bits):
         K.qmm_set_isa(before)
 
 
-@pytest.mark.parametrize("contract", ["exact", "fast"])
+@pytest.mark.parametrize("contract", ["exact", "factored", "fast"])
 def test_compiled_equals_eager(contract):
     w, s, b = quantized(300, 256, 64, 8, mx.bfloat16)
     f = lambda x: K.qmm(x, w, s, b, 64, 8, contract=contract) * 2.0 + 1.0  # noqa: E731
@@ -215,15 +289,15 @@ def test_compiled_equals_eager(contract):
         assert np.array_equal(np.array(cf(x)), np.array(f(x))), M
 
 
-def test_the_two_contracts_are_distinct_graph_nodes():
-    """One compiled function calling both must not merge them (is_equivalent)."""
+def test_the_three_contracts_are_distinct_graph_nodes():
+    """One compiled function calling each must not merge them (is_equivalent)."""
     w, s, b = quantized(64, 256, 32, 4, mx.float16)
     x = mx.random.normal((2, 256), key=mx.random.key(5))
-    cf = mx.compile(lambda x: (K.qmm(x, w, s, b, 32, 4), K.qmm(x, w, s, b, 32, 4, contract="fast")))
-    exact, fast = cf(x)
-    assert np.array_equal(np.array(exact), np.array(K.qmm(x, w, s, b, 32, 4)))
-    assert np.array_equal(np.array(fast), np.array(K.qmm(x, w, s, b, 32, 4, contract="fast")))
-    assert not np.array_equal(np.array(exact), np.array(fast))
+    contracts = ("exact", "factored", "fast")
+    outs = mx.compile(lambda x: [K.qmm(x, w, s, b, 32, 4, contract=c) for c in contracts])(x)
+    for c, got in zip(contracts, outs):
+        assert np.array_equal(np.array(got), np.array(K.qmm(x, w, s, b, 32, 4, contract=c))), c
+    assert len({np.array(o).tobytes() for o in outs}) == 3
 
 
 def test_fast_contract_reads_strided_views_and_non_finite_x():
@@ -258,7 +332,7 @@ def test_bad_inputs_are_refused_with_what_was_wrong():
             call()
     with pytest.raises(ValueError, match="no ISA path 'sse9'"):
         K.qmm_set_isa("sse9")
-    with pytest.raises(ValueError, match="contract must be 'exact' or 'fast', got 'fastest'"):
+    with pytest.raises(ValueError, match="contract must be 'exact', 'fast' or 'factored', got 'fastest'"):
         K.qmm(x, w, s, b, 32, 4, contract="fastest")
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from mlx_tracer.backend import kernels
 from mlx_tracer.loading.quant import float32_activations
-from mlx_tracer.loading.weights import apply_format
+from mlx_tracer.loading.weights import CONTRACTS, apply_format
 from mlx_tracer.runtime.engine import Engine
 from mlx_tracer.runtime.step import CompiledModel
 
@@ -77,11 +77,15 @@ def test_the_fast_format_runs_every_quantized_matmul_in_the_fast_contract(tmp_pa
     assert exact.lean.binding.contract == "exact" and [len(t) for t in fast] == [6, 6]
 
 
+@pytest.mark.parametrize("fmt", ["quantized", "quantized-factored"])
 @pytest.mark.parametrize("family,group_size,bits", [("llama", 32, 4), ("llama", 64, 8), ("qwen3", 32, 4),
                                                     ("llama_mixed", 64, 4)])
-def test_greedy_tokens_equal_mlx_lm_eager_on_the_quantized_model(family, group_size, bits):
-    model = quantized_tiny(family, group_size, bits)
+def test_greedy_tokens_equal_mlx_lm_eager_on_the_quantized_model(family, group_size, bits, fmt):
+    """qmm's exact contract and its factored one (what ``auto`` times where
+    qmm runs on AVX2): mlx-lm's greedy tokens, in buckets."""
+    model = apply_format(quantized_tiny(family, group_size, bits), fmt)
     cm = CompiledModel(model, fuse=True)
+    assert cm.lean.binding.contract == CONTRACTS[fmt]
     spec = cm.lean.binding.layers[0]
     assert all(g.kernel is not None for g in spec.groups().values()), "the lean groups must run on qmm"
     assert cm.lean.binding.head is not None and cm.lean.binding.head.kernel is not None
@@ -193,7 +197,8 @@ def test_float16_activations_do_not_use_qmm():
 
 
 @pytest.mark.model
-def test_smollm2_in_the_quantized_format_answers_as_mlx_lm_does():
+@pytest.mark.parametrize("fmt", ["quantized", "quantized-factored"])
+def test_smollm2_in_the_quantized_format_answers_as_mlx_lm_does(fmt):
     if not model_present():
         pytest.skip("SmolLM2 GGUF not present: run `mlx-tracer fetch` (or ./dev setup)")
     from mlx_lm import stream_generate
@@ -202,7 +207,7 @@ def test_smollm2_in_the_quantized_format_answers_as_mlx_lm_does():
     from mlx_tracer import Generator
     from mlx_tracer.loading.store import resolve_model
 
-    gen = Generator.load(resolve_model(), weights="quantized")
+    gen = Generator.load(resolve_model(), weights=fmt)
     assert gen.engine.compiled.lean.binding.layers[0].qkv.kernel is not None
     prompt = gen.encode(FRANCE)
     ref = [r.token for r in stream_generate(gen.model, gen.tokenizer, prompt, max_tokens=24, sampler=make_sampler(0.0))

@@ -1,6 +1,7 @@
 """SmolLM2-135M-Instruct end to end through the compiled loop, against
 mlx-lm's own stream_generate and batch_generate (greedy, token for token),
-as loaded and in the format the CPU runs by default (`quantized`)."""
+as loaded and in the formats the CPU runs by default (`quantized`, and
+`quantized-factored` where qmm runs on AVX2)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,14 @@ def packed():
     return Generator.load(resolve_model(), weights="quantized", system=SYSTEM)
 
 
+@pytest.fixture(scope="module")
+def factored():
+    """The same blocks in qmm's factored contract (what ``auto`` picks where qmm runs on AVX2)."""
+    if not model_present():
+        pytest.skip("SmolLM2 GGUF not present: run `mlx-tracer fetch` (or ./dev setup)")
+    return Generator.load(resolve_model(), weights="quantized-factored", system=SYSTEM)
+
+
 def chat_ids(gen, text):
     return gen.encode(text)
 
@@ -53,10 +62,11 @@ def test_france_answer_matches_mlx_lm_stream_generate(smol):
     assert out.text.strip() == "The capital of France is Paris."
 
 
-def test_four_prompts_match_mlx_lm_batch_generate(smol, packed):
+def test_four_prompts_match_mlx_lm_batch_generate(smol, packed, factored):
     """mlx-lm's batch_generate on the model as loaded (MLX's own quantized
     matmuls) against the loop as the CPU runs it by default (the file's blocks
-    on the native kernels, their exact contract): the same greedy tokens. (The
+    on the native kernels, their exact and factored contracts): the same
+    greedy tokens. (The
     as-loaded format through the loop is checked against mlx-lm by the France
     test above; it costs as much as mlx-lm's run here, ~25 s.)"""
     from mlx_lm import batch_generate
@@ -65,17 +75,18 @@ def test_four_prompts_match_mlx_lm_batch_generate(smol, packed):
     prompts = [chat_ids(smol, t) for t in texts]
     assert len({len(p) for p in prompts}) == 4  # different lengths: left padding in the batch
     ref = batch_generate(smol.model, smol.tokenizer, prompts, max_tokens=16, return_token_ids=True)
-    before = dict(packed.traces)
-    outs = packed.batch_generate(prompts, max_tokens=16)
-    for o, want in zip(outs, ref.token_ids):
-        assert o.tokens == want
-    new = {k: n for k, n in packed.traces.items() if n != before.get(k, 0)}
-    assert all(n == 1 for n in packed.traces.values()), packed.traces
-    assert {k.width for k in new if k.kind == "decode"} <= {1, 2, 4}
+    for gen in (packed, factored):
+        before = dict(gen.traces)
+        outs = gen.batch_generate(prompts, max_tokens=16)
+        for o, want in zip(outs, ref.token_ids):
+            assert o.tokens == want
+        new = {k: n for k, n in gen.traces.items() if n != before.get(k, 0)}
+        assert all(n == 1 for n in gen.traces.values()), gen.traces
+        assert {k.width for k in new if k.kind == "decode"} <= {1, 2, 4}
 
 
-def test_continuous_batching_on_smollm2_equals_solo_runs(packed):
-    smol = packed
+def test_continuous_batching_on_smollm2_equals_solo_runs(factored):
+    smol = factored
     texts = ["Name three colors.", "What is 2+2?", "Say hello in French."]
     solo = [smol.batch_generate([t], max_tokens=8)[0].tokens for t in texts]
     uids = {smol.submit(texts[0], max_tokens=8): 0}
@@ -95,10 +106,11 @@ def test_continuous_batching_on_smollm2_equals_solo_runs(packed):
     assert all(n == 1 for n in smol.traces.values())
 
 
-def test_speculative_decoding_on_smollm2_keeps_the_greedy_tokens(packed):
+def test_speculative_decoding_on_smollm2_keeps_the_greedy_tokens(factored):
     """Prompt lookup, and SmolLM2 drafting for itself (the draft-model plumbing):
-    the same greedy tokens as plain decoding, with drafts accepted."""
-    smol = packed
+    the same greedy tokens as plain decoding, with drafts accepted (the
+    factored contract, the default where qmm runs on AVX2)."""
+    smol = factored
     text = "Repeat this list exactly: apples, pears, plums, cherries, apples, pears, plums, cherries."
     want = smol.batch_generate([text, FRANCE], max_tokens=12)
     for spec, k in (("prompt-lookup", 4), (smol.model, 2)):

@@ -458,14 +458,16 @@ def kernel_paths():
                                                 ("quantized", "vector", "portable"), ("quantized", "blas", "avx512"),
                                                 ("quantized-fast", "vector", "avx512"),
                                                 ("quantized-fast", "vector", "portable"),
-                                                ("quantized-fast", "blas", "avx512")])
+                                                ("quantized-fast", "blas", "avx512"),
+                                                ("quantized-factored", "vector", "avx2"),
+                                                ("quantized-factored", "vector", "portable")])
 def test_verify_windows_on_packed_weights_judge_the_plain_steps_logits_bit_for_bit(kernel_paths, fmt, attention, isa):
-    """On the layer kernels with packed weights (both qmm contracts, decode
+    """On the layer kernels with packed weights (each qmm contract, decode
     attention on vector lanes or BLAS, each ISA path): every accepted token of
     a verify window carries the log-probability plain decoding gives it, bit
     for bit (the window's attention computes each position as the decode step
     there; qmm's tiles sum a row alike at every M)."""
-    from mlx_tracer.loading.weights import apply_format
+    from mlx_tracer.loading.weights import CONTRACTS, apply_format
 
     from .test_quantized import quantized_tiny
 
@@ -473,7 +475,7 @@ def test_verify_windows_on_packed_weights_judge_the_plain_steps_logits_bit_for_b
     model = quantized_tiny("llama", 32, 4)
     apply_format(model, fmt)
     cm = CompiledModel(model)
-    assert cm.lean.binding.contract == ("fast" if fmt == "quantized-fast" else "exact")
+    assert cm.lean.binding.contract == CONTRACTS[fmt]
     plain, _ = _events(cm)
     spec, eng = _events(cm, speculative="prompt-lookup", draft_tokens=4)
     assert eng.stats.verify_steps > 0 and eng.stats.accepted > 0

@@ -27,8 +27,11 @@ the runtime) where the residual stream is float32 and the quantization is
 one it takes (affine, 4 or 8 bits, groups of 32/64/128): the file's blocks
 are read as they are, never expanded to float32. Elsewhere they run on
 ``mx.quantized_matmul``, as mlx-lm does. qmm's contract is *exact* unless
-the model carries ``CONTRACT_ATTR = "fast"`` (the ``quantized-fast`` weight
-format sets it: activations in int8 per 32-block, integer dot products).
+the model carries ``CONTRACT_ATTR = "factored"`` (the ``quantized-factored``
+weight format sets it: per group, scale times the sum of q * x plus bias
+times the sum of x, as MLX's Metal kernels compute) or ``"fast"`` (the
+``quantized-fast`` format: activations in int8 per 32-block, integer dot
+products).
 """
 
 from __future__ import annotations
@@ -80,8 +83,8 @@ QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding, Float32RowsEmbedding, nn
              nn.QuantizedShardedToAllLinear)
 QMM_BITS, QMM_GROUPS = (4, 8), (32, 64, 128)
 QMM_SCALES = (mx.float16, mx.bfloat16, mx.float32)
-CONTRACT_ATTR = "mlx_tracer_qmm_contract"  # a model attribute: qmm's contract ("exact" when absent, or "fast")
-QMM_CONTRACTS = ("exact", "fast")
+CONTRACT_ATTR = "mlx_tracer_qmm_contract"  # a model attribute: qmm's contract (absent: "exact")
+QMM_CONTRACTS = ("exact", "factored", "fast")
 
 
 class LinearGroup:
@@ -93,7 +96,7 @@ class LinearGroup:
     ``x @ weight.T``, with no transpose node), quantized ones as they are.
     ``qmm``: the native quantized matmul, used where it takes the group's
     quantization (:attr:`kernel`), else ``mx.quantized_matmul``; under
-    ``contract`` ("exact" or "fast"). ``reduce``: the group a sharded-to-all
+    ``contract`` (one of :data:`QMM_CONTRACTS`). ``reduce``: the group a sharded-to-all
     linear all-sums its matmul over (None: no all-sum).
     """
 

@@ -171,7 +171,7 @@ struct WeightView {
   bool trans = false;
   int ld = 0;
   tracer_qmm::Packed packed{};
-  bool fast = false;  // qmm's fast contract
+  tracer_qmm::Contract contract = tracer_qmm::kExact;  // qmm's, for packed blocks
 };
 
 // --------------------------------------------------------------- row math
@@ -179,7 +179,7 @@ struct WeightView {
 // (bias rows first, beta 1); packed blocks as qmm, then out + bias.
 void matmul(const float* x, int M, int K, const WeightView& w, int N, const float* bias, float* out) {
   if (w.packed.w != nullptr) {
-    tracer_qmm::matmul(x, size_t(K), M, w.packed, out, w.fast);
+    tracer_qmm::matmul(x, size_t(K), M, w.packed, out, w.contract);
     if (bias != nullptr) {
       for (size_t m = 0; m < size_t(M); ++m) {
         float* o = out + m * N;
@@ -1363,7 +1363,8 @@ class Kernel : public mx::Primitive {
   // weight.T: transpose; else a row-major copy), or packed blocks with
   // their scales and biases. What it points into are the node's inputs or
   // temporaries of its tasks: alive until the tasks ran.
-  WeightView weight(const Inputs& at, const std::vector<array>& in, int w, int scales, int biases, int K, bool fast) {
+  WeightView weight(const Inputs& at, const std::vector<array>& in, int w, int scales, int biases, int K,
+                    tracer_qmm::Contract contract) {
     WeightView v;
     const array& a = at(in, w);
     if (at.has(scales)) {
@@ -1373,7 +1374,7 @@ class Kernel : public mx::Primitive {
                                                   : tracer_qmm::ScaleType::f32;
       v.packed = {q.data<uint32_t>(), sc.data<void>(), bi.data<void>(), t, q.shape(0), K, K / sc.shape(1),
                   q.shape(1) * 32 / K};
-      v.fast = fast;
+      v.contract = contract;
       return v;
     }
     const int64_t stx = a.strides()[0], sty = a.strides()[1];
@@ -1399,8 +1400,8 @@ const float* ptr(const std::optional<array>& a) {
 // inputs: TRACER_LAYER_IN; outputs: [h_new], q [B, nk, R, D], k, v [B, nk, 1, D]
 class LayerIn : public Kernel {
  public:
-  LayerIn(mx::Stream s, Inputs at, float eps, int nq, int nk, int D, int L, float qk_eps, bool fast)
-      : Kernel(s), at_(std::move(at)), eps_(eps), qk_eps_(qk_eps), nq_(nq), nk_(nk), D_(D), L_(L), fast_(fast) {}
+  LayerIn(mx::Stream s, Inputs at, float eps, int nq, int nk, int D, int L, float qk_eps, tracer_qmm::Contract contract)
+      : Kernel(s), at_(std::move(at)), eps_(eps), qk_eps_(qk_eps), nq_(nq), nk_(nk), D_(D), L_(L), contract_(contract) {}
 
   void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
     namespace s = in_slot;
@@ -1409,9 +1410,9 @@ class LayerIn : public Kernel {
     std::optional<array> act = dense_if(at_, in, s::act), bd = dense_if(at_, in, s::b_down);
     std::optional<array> bq = dense_if(at_, in, s::b_qkv);
     std::optional<array> qn = dense_if(at_, in, s::q_norm), kn = dense_if(at_, in, s::k_norm);
-    const WeightView wd = act ? weight(at_, in, s::w_down, s::w_down_scales, s::w_down_biases, act->shape(1), fast_)
+    const WeightView wd = act ? weight(at_, in, s::w_down, s::w_down_scales, s::w_down_biases, act->shape(1), contract_)
                               : WeightView{};
-    const WeightView wq = weight(at_, in, s::w_qkv, s::w_qkv_scales, s::w_qkv_biases, h.shape(1), fast_);
+    const WeightView wq = weight(at_, in, s::w_qkv, s::w_qkv_scales, s::w_qkv_biases, h.shape(1), contract_);
     alloc(outputs);
     const bool carry = act.has_value();
     const size_t o = carry ? 1 : 0;
@@ -1454,7 +1455,7 @@ class LayerIn : public Kernel {
   Inputs at_;
   float eps_, qk_eps_;
   int nq_, nk_, D_, L_;
-  bool fast_;
+  tracer_qmm::Contract contract_;
 };
 
 // One group of `group` floats as MLX's CPU mx.quantize packs it (affine, 4 or
@@ -1663,7 +1664,8 @@ class Realign : public Kernel {
 // inputs: TRACER_LAYER_MID; outputs: h_mid [B, hidden], act [B, F]
 class LayerMid : public Kernel {
  public:
-  LayerMid(mx::Stream s, Inputs at, float eps, bool fast) : Kernel(s), at_(std::move(at)), eps_(eps), fast_(fast) {}
+  LayerMid(mx::Stream s, Inputs at, float eps, tracer_qmm::Contract contract)
+      : Kernel(s), at_(std::move(at)), eps_(eps), contract_(contract) {}
 
   void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
     namespace s = mid_slot;
@@ -1673,8 +1675,8 @@ class LayerMid : public Kernel {
     std::optional<array> bias = dense_if(at_, in, s::bias), mask = dense_if(at_, in, s::mask);
     std::optional<array> bo = dense_if(at_, in, s::b_o), bg = dense_if(at_, in, s::b_gu);
     const int nqD = q.shape(1) * q.shape(2) * q.shape(q.ndim() - 1);
-    const WeightView wo = weight(at_, in, s::w_o, s::w_o_scales, s::w_o_biases, nqD, fast_);
-    const WeightView wg = weight(at_, in, s::w_gu, s::w_gu_scales, s::w_gu_biases, h.shape(1), fast_);
+    const WeightView wo = weight(at_, in, s::w_o, s::w_o_scales, s::w_o_biases, nqD, contract_);
+    const WeightView wg = weight(at_, in, s::w_gu, s::w_gu_scales, s::w_gu_biases, h.shape(1), contract_);
     alloc(outputs);
     const float eps = eps_;
     run([q = View(q), k, v, bias = ptr(bias), mask = mask ? mask->data<bool>() : nullptr, wo,
@@ -1716,7 +1718,7 @@ class LayerMid : public Kernel {
  private:
   Inputs at_;
   float eps_;
-  bool fast_;
+  tracer_qmm::Contract contract_;
 };
 
 // -------------------------------------------------------------- bindings
@@ -1808,9 +1810,10 @@ void need_attention(const Inputs& at, const std::vector<array>& in) {
   }
 }
 
-bool fast_contract(const std::string& contract) {
-  need(contract == "exact" || contract == "fast", "contract must be 'exact' or 'fast', got '" + contract + "'");
-  return contract == "fast";
+tracer_qmm::Contract qmm_contract(const std::string& contract) {
+  need(contract == "exact" || contract == "fast" || contract == "factored",
+       "contract must be 'exact', 'fast' or 'factored', got '" + contract + "'");
+  return contract == "fast" ? tracer_qmm::kFast : contract == "factored" ? tracer_qmm::kFactored : tracer_qmm::kExact;
 }
 
 std::vector<array> layer_in(const Named& given, float eps, int nq, int nk, int D, float qk_eps,
@@ -1845,7 +1848,7 @@ std::vector<array> layer_in(const Named& given, float eps, int nq, int nk, int D
   need_vector(at, in, s::k_norm, D, "layer_in: k_norm");
   const mx::Shape qs = L == 1 ? mx::Shape{B, nk, nq / nk, D} : mx::Shape{B, nk, nq / nk, L, D};
   shapes.insert(shapes.end(), {qs, {B, nk, L, D}, {B, nk, L, D}});
-  return make<LayerIn>(std::move(shapes), std::move(in), at, eps, nq, nk, D, L, qk_eps, fast_contract(contract));
+  return make<LayerIn>(std::move(shapes), std::move(in), at, eps, nq, nk, D, L, qk_eps, qmm_contract(contract));
 }
 
 array cache_write(const array& buf, const array& upd, const array& col) {
@@ -1906,7 +1909,7 @@ std::vector<array> layer_mid(const Named& given, float eps, const std::string& c
   need(F2 % 2 == 0, "layer_mid: w_gu must have 2F outputs (gate and up side by side)");
   need_vector(at, in, s::b_o, hid, "layer_mid: b_o");
   need_vector(at, in, s::b_gu, F2, "layer_mid: b_gu");
-  return make<LayerMid>({h.shape(), {M, F2 / 2}}, std::move(in), at, eps, fast_contract(contract));
+  return make<LayerMid>({h.shape(), {M, F2 / 2}}, std::move(in), at, eps, qmm_contract(contract));
 }
 
 // A kernel's inputs as (name, required), in slot order: what its binding takes.

@@ -123,7 +123,7 @@ using mx::array;
 // What the units share across their boundary (named: one type in every unit).
 namespace tracer_qmm_unit {
 enum class Scale { f32, f16, bf16 };
-enum class Contract { exact, fast };
+enum class Contract { exact, fast, factored };
 
 // One qmm call as its task sees it: pointers, no array references.
 struct QmmJob {
@@ -139,6 +139,8 @@ struct QmmJob {
   const int8_t* xq = nullptr;  // [M, fast_blocks(K) * 32] int8, in qmm_fast.h's layout
   const float* xd = nullptr;   // [M, fast_blocks(K) * 4] the blocks' scales, each 4 times (qmm_fast.h)
   const float* xg = nullptr;   // [M, fast_groups(K / group) * 4] per group: sum over its blocks of scale * sum(xq), each 4 times
+  // The factored contract's (then x in factored_order):
+  const float* xs = nullptr;   // [M, K / group] each group's sum of x
 };
 
 struct Path {
@@ -147,6 +149,7 @@ struct Path {
   void (*small)(const QmmJob&, int n0, int n1);
   void (*dequant)(const QmmJob&, int n0, int n1, float* panel);
   void (*fast)(const QmmJob&, int n0, int n1);
+  void (*factored)(const QmmJob&, int n0, int n1);  // x rows <= kSmallMaxM
   void (*quantize_x)(const QmmJob&, int8_t* xq, float* xd, float* xg);
   void (*order4)(const float* from, float* to);  // x of a 4-bit block in the order its dequant gives the weights
   // The layer kernels' vector math (vmath_x86.h); null: MLX's one-lane functors serve.
@@ -287,11 +290,12 @@ inline void order4_even_odd(const float* from, float* to) {
 }  // namespace
 #if defined(__x86_64__) && QMM_UNIT_AVX2
 const tracer_qmm_unit::Path tracer_qmm_unit::kPathAvx2 = {
-    "avx2", has_avx2, isa_avx2::rows_small, isa_avx2::dequant_rows, isa_avx2::fast_rows, isa_avx2::quantize_x_rows,
+    "avx2", has_avx2, isa_avx2::rows_small, isa_avx2::dequant_rows, isa_avx2::fast_rows, isa_avx2::factored_rows,
+    isa_avx2::quantize_x_rows,
     isa_avx2::order4, vmath_avx2::exp_shifted, vmath_avx2::swiglu, attend_avx2::scores, attend_avx2::values};
 #elif defined(__x86_64__) && QMM_UNIT_AVX512
 const tracer_qmm_unit::Path tracer_qmm_unit::kPathAvx512 = {
-    "avx512", has_avx512, isa_avx512::rows_small, isa_avx512::dequant_rows, fast_avx512,
+    "avx512", has_avx512, isa_avx512::rows_small, isa_avx512::dequant_rows, fast_avx512, factored_avx2,
     quantize_x_avx2,  // the same bytes on every path
     isa_avx512::order4, vmath_avx512::exp_shifted, vmath_avx512::swiglu, attend_avx512::scores, attend_avx512::values};
 #endif
@@ -299,7 +303,7 @@ const tracer_qmm_unit::Path tracer_qmm_unit::kPathAvx512 = {
 
 // ------------------------------------------------------------ ISA choice
 const Path kPathPortable = {"portable", [] { return true; }, isa_portable::rows_small, isa_portable::dequant_rows,
-                            isa_portable::fast_rows, isa_portable::quantize_x_rows, isa_portable::order4, nullptr,
+                            isa_portable::fast_rows, isa_portable::factored_rows, isa_portable::quantize_x_rows, isa_portable::order4, nullptr,
                             nullptr, nullptr, nullptr};
 const Path* const kPaths[] = {  // worst to best
     &kPathPortable,
@@ -423,6 +427,23 @@ void quantize_x(QmmJob& j, const Path& p, std::vector<int8_t>& xq, std::vector<f
   j.xq = q, j.xd = d, j.xg = g;
 }
 
+// x [K] of 4-bit blocks in the factored contract's order and scale (every
+// path's ff_qvals): in each block of 32, lanes 0-3 of vector j are x's
+// weights 8 l + j (times 2^-8 for j = 2, 3), lanes 4-7 its 8 l + j + 4
+// (times 2^-16 for j = 0, 1, 2^-24 for j = 2, 3): q 2^e x 2^-e is q x
+// exactly (but where x 2^-e is below float32's normal range, |x| < 2^-102).
+void factored_order(const float* from, int K, float* to) {
+  constexpr float lo[4] = {1.0f, 1.0f, 0x1p-8f, 0x1p-8f}, hi[4] = {0x1p-16f, 0x1p-16f, 0x1p-24f, 0x1p-24f};
+  for (int k = 0; k < K; k += kBlock) {
+    for (int j = 0; j < 4; ++j) {
+      for (int l = 0; l < 4; ++l) {
+        to[k + 8 * j + l] = from[k + 8 * l + j] * lo[j];
+        to[k + 8 * j + 4 + l] = from[k + 8 * l + j + 4] * hi[j];
+      }
+    }
+  }
+}
+
 // 4-bit blocks come out of dequant in the path's block order (even weights,
 // then odd; AVX2: its own, qmm_ops_x86.h): x goes into the same order
 // (Path::order4), which changes only the order of summation. The
@@ -438,6 +459,24 @@ void run(QmmJob j, Contract contract) {
   }
   const bool small = j.M <= kSmallMaxM;
   thread_local std::vector<float> xp;  // [M, K]
+  if (contract == Contract::factored && small) {
+    thread_local std::vector<float> xs;
+    float* xa = aligned_scratch(xp, size_t(j.M) * j.K, false);
+    float* sums = aligned_scratch(xs, size_t(j.M) * (j.K / j.group), false);
+    for (int m = 0; m < j.M; ++m) {
+      const float* from = j.x + size_t(m) * j.ldx;
+      float* to = xa + size_t(m) * j.K;
+      j.bits == 4 ? factored_order(from, j.K, to) : void(std::memcpy(to, from, sizeof(float) * j.K));
+      for (int g = 0; g < j.K / j.group; ++g) {
+        float t = 0.0f;
+        for (int k = g * j.group; k < (g + 1) * j.group; ++k) t += from[k];
+        sums[size_t(m) * (j.K / j.group) + g] = t;
+      }
+    }
+    j.x = xa, j.ldx = j.K, j.xs = sums;
+    over_rows(j, 0, j.N, 4, kTileChunkBytes, [&](int n0, int n1) { p.factored(j, n0, n1); });
+    return;
+  }
   if (j.bits == 4 || small) {
     float* xa = aligned_scratch(xp, size_t(j.M) * j.K, false);
     for (int m = 0; m < j.M; ++m) {
@@ -511,7 +550,7 @@ class Qmm : public mx::Primitive {
     return group_ == o.group_ && bits_ == o.bits_ && contract_ == o.contract_;
   }
   const char* name() const override {
-    return contract_ == Contract::fast ? "TracerQmmFast" : "TracerQmm";
+    return contract_ == Contract::fast ? "TracerQmmFast" : contract_ == Contract::factored ? "TracerQmmFactored" : "TracerQmm";
   }
 
  private:
@@ -541,7 +580,8 @@ class Qmm : public mx::Primitive {
 
 array qmm(const array& x, const array& w, const array& scales, const array& biases, int group_size, int bits,
           const std::string& contract) {
-  need(contract == "exact" || contract == "fast", "contract must be 'exact' or 'fast', got '" + contract + "'");
+  need(contract == "exact" || contract == "fast" || contract == "factored",
+       "contract must be 'exact', 'fast' or 'factored', got '" + contract + "'");
   need(bits == 4 || bits == 8, "bits must be 4 or 8, got " + std::to_string(bits));
   need(group_size == 32 || group_size == 64 || group_size == 128,
        "group_size must be 32, 64 or 128, got " + std::to_string(group_size));
@@ -561,7 +601,9 @@ array qmm(const array& x, const array& w, const array& scales, const array& bias
                                                                  std::to_string(N) + ", " + std::to_string(K / group_size) +
                                                                  "], got " + describe(scales) + " and " + describe(biases));
   auto prim = std::make_shared<Qmm>(mx::default_stream(mx::Device::cpu), group_size, bits,
-                                    contract == "fast" ? Contract::fast : Contract::exact);
+                                    contract == "fast"       ? Contract::fast
+                                    : contract == "factored" ? Contract::factored
+                                                             : Contract::exact);
   return array({M, N}, mx::float32, std::move(prim), {x, w, scales, biases});
 }
 
@@ -574,10 +616,12 @@ std::string set_isa(const std::string& name) {
 
 }  // namespace
 
-void tracer_qmm::matmul(const float* x, size_t ldx, int M, const Packed& w, float* out, bool fast) {
+void tracer_qmm::matmul(const float* x, size_t ldx, int M, const Packed& w, float* out, tracer_qmm::Contract contract) {
   const Scale scale = w.scale == ScaleType::f16 ? Scale::f16 : w.scale == ScaleType::bf16 ? Scale::bf16 : Scale::f32;
   run(QmmJob{x, ldx, w.w, w.scales, w.biases, scale, M, w.N, w.K, w.group, w.bits, out},
-      fast ? Contract::fast : Contract::exact);
+      contract == kFast ? tracer_qmm_unit::Contract::fast
+      : contract == kFactored ? tracer_qmm_unit::Contract::factored
+                              : tracer_qmm_unit::Contract::exact);
 }
 
 bool tracer_qmm::exp_shifted(const float* x, float shift, float* out, int n) {

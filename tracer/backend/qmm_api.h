@@ -21,10 +21,12 @@ struct Packed {
   int N, K, group, bits;
 };
 
+// qmm's contracts (qmm.cpp states each): the codes kernels.cpp passes on.
+enum Contract : int { kExact = 0, kFast = 1, kFactored = 2 };
+
 // out [M, N] = x [M, K] (rows ldx floats apart) @ dequantize(w).T, in qmm's
-// exact contract (fast = false) or its fast one. Bits equal to the qmm
-// primitive's for the same operands.
-void matmul(const float* x, size_t ldx, int M, const Packed& w, float* out, bool fast);
+// contract `contract`. Bits equal to the qmm primitive's for the same operands.
+void matmul(const float* x, size_t ldx, int M, const Packed& w, float* out, Contract contract);
 
 // MLX's exp(x[j] - shift) and (a[j] * sigmoid(a[j])) * b[j] for j < n, its
 // bits, vectorized on the ISA path in use (vmath_x86.h); false, doing

@@ -143,4 +143,54 @@ inline void fq_rows(const FQ& a, float* out) {
 }
 #include "qmm_isa.h"
 #include "qmm_fast.h"
+// The factored contract (qmm_factored.h): AVX2's lanes and operations, one by one.
+struct FF {
+  float v[8];
+};
+inline FF ff_zero() { return FF{}; }
+inline FF ff_splat(float a) {
+  FF r;
+  std::fill(r.v, r.v + 8, a);
+  return r;
+}
+inline FF ff_load(const float* p) {
+  FF r;
+  std::memcpy(r.v, p, sizeof r.v);
+  return r;
+}
+inline FF ff_add(FF a, const FF& b) {
+  for (int i = 0; i < 8; ++i) a.v[i] += b.v[i];
+  return a;
+}
+inline FF ff_mul(FF a, const FF& b) {
+  for (int i = 0; i < 8; ++i) a.v[i] *= b.v[i];
+  return a;
+}
+inline FF ff_fma(const FF& a, const FF& b, FF c) {
+  for (int i = 0; i < 8; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
+  return c;
+}
+inline float ff_hsum(const FF& a) {
+  const float* l = a.v;
+  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+template <int BITS>
+inline void ff_qvals(const uint8_t* p, FF* w) {
+  if constexpr (BITS == 4) {
+    for (int l = 0; l < 4; ++l) {
+      uint32_t word;
+      std::memcpy(&word, p + 4 * l, 4);  // little-endian, as MLX packs it
+      const uint32_t odd = word >> 4;
+      w[0].v[l] = float(word & 0xf), w[0].v[l + 4] = float(word & 0xf0000);
+      w[1].v[l] = float(odd & 0xf), w[1].v[l + 4] = float(odd & 0xf0000);
+      w[2].v[l] = float(word & 0xf00), w[2].v[l + 4] = float(word & 0xf000000);
+      w[3].v[l] = float(odd & 0xf00), w[3].v[l + 4] = float(odd & 0xf000000);
+    }
+  } else {
+    for (int i = 0; i < 4; ++i) {
+      for (int l = 0; l < 8; ++l) w[i].v[l] = float(p[8 * i + l]);
+    }
+  }
+}
+#include "qmm_factored.h"
 }  // namespace isa_portable

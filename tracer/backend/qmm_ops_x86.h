@@ -175,6 +175,37 @@ inline void fq_rows(const FQ& a, float* out) {
 }
 #include "qmm_isa.h"
 #include "qmm_fast.h"
+// The factored contract (qmm_factored.h), AVX-512 CPUs' too.
+using FF = __m256;
+inline FF ff_zero() { return _mm256_setzero_ps(); }
+inline FF ff_splat(float a) { return _mm256_set1_ps(a); }
+inline FF ff_load(const float* p) { return _mm256_loadu_ps(p); }
+inline FF ff_add(FF a, FF b) { return _mm256_add_ps(a, b); }
+inline FF ff_mul(FF a, FF b) { return _mm256_mul_ps(a, b); }
+inline FF ff_fma(FF a, FF b, FF c) { return _mm256_fmadd_ps(a, b, c); }
+inline float ff_hsum(FF a) { return hsum(a); }
+// 4 bits: each 32-bit lane of the block's 16 bytes (both halves of a vector)
+// masked, not shifted, to the nibble's place: lanes 0-3 of vector j hold
+// word l's nibble j (j = 2, 3: times 2^8), lanes 4-7 its nibble j + 4 (times
+// 2^16, or 2^24) — one shift of the whole block for the odd nibbles, an and
+// and a conversion a vector (with shifts, 15.6 against 18.0 G weights/s in a
+// scratch benchmark of one thread, a 4-bit matvec in cache).
+template <int BITS>
+inline void ff_qvals(const uint8_t* p, FF* w) {
+  if constexpr (BITS == 4) {
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i v4 = _mm256_srli_epi32(v, 4);
+    const __m256i m0 = _mm256_setr_epi32(0xf, 0xf, 0xf, 0xf, 0xf0000, 0xf0000, 0xf0000, 0xf0000);
+    const __m256i m8 = _mm256_slli_epi32(m0, 8);
+    w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(v, m0));
+    w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(v4, m0));
+    w[2] = _mm256_cvtepi32_ps(_mm256_and_si256(v, m8));
+    w[3] = _mm256_cvtepi32_ps(_mm256_and_si256(v4, m8));
+  } else {
+    for (int i = 0; i < 4; ++i) w[i] = widen8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i)));
+  }
+}
+#include "qmm_factored.h"
 }  // namespace isa_avx2
 #pragma GCC pop_options
 #endif  // QMM_UNIT_AVX2
@@ -310,6 +341,8 @@ void fast_avx512(const QmmJob& j, int n0, int n1) {
   static const bool vnni = __builtin_cpu_supports("avx512vnni");
   vnni ? isa_avx512_vnni::fast_rows(j, n0, n1) : tracer_qmm_unit::kPathAvx2.fast(j, n0, n1);  // unit 1's
 }
+// The factored contract: AVX2's kernels (unit 1), the same bits on every path.
+void factored_avx2(const QmmJob& j, int n0, int n1) { tracer_qmm_unit::kPathAvx2.factored(j, n0, n1); }
 // x for the fast contract: AVX2's (unit 1), the same bytes on every path.
 void quantize_x_avx2(const QmmJob& j, int8_t* xq, float* xd, float* xg) {
   tracer_qmm_unit::kPathAvx2.quantize_x(j, xq, xd, xg);

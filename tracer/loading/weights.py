@@ -3,8 +3,12 @@
 Formats: ``as-is`` (as loaded: a GGUF's 4/8-bit blocks stay quantized),
 ``quantized`` (the quantized linears' blocks as loaded, everything else
 float32, so the activations are float32: with the native kernels the lean
-forward's matmuls read the blocks themselves, :mod:`mlx_tracer.backend.kernels`),
-``quantized-fast`` (the same, with the kernels' *fast* arithmetic:
+forward's matmuls read the blocks themselves, :mod:`mlx_tracer.backend.kernels`,
+in their *exact* contract: each weight ``scale * q + bias`` in float32),
+``quantized-factored`` (the same, in the kernels' *factored* contract: per
+group, ``scale * sum(q * x) + bias * sum(x)`` in float32, the arithmetic of
+MLX's Metal kernels; about half the float work per weight at one or two
+rows of x), ``quantized-fast`` (the same, with the kernels' *fast* arithmetic:
 activations quantized to int8 per block of 32 and integer dot products, as
 llama.cpp computes; faster where the matmuls are compute-bound, not equal
 to mlx-lm's values: the KL of its next-token distributions is measured by
@@ -14,8 +18,10 @@ quantized layer dequantized, scales and biases cast to fp32 first),
 embedding/head kept). ``auto``:
 
 * on a GPU backend: ``as-is``;
-* on the CPU: ``as-is``, ``quantized`` (where the native quantized matmul
-  is built) and ``float32`` (or ``float32-blocks`` when fp32 weights would
+* on the CPU: ``as-is``, the quantized format (where the native quantized
+  matmul is built: ``quantized-factored`` where its kernels run on AVX2, the
+  path where the factored sums are faster, ``quantized`` on AVX-512 and the
+  portable path; :func:`quantized_candidate`) and ``float32`` (or ``float32-blocks`` when fp32 weights would
   take more than half of the available RAM) are each timed on compiled decode
   steps at batch 1 and 4 (the step the loop runs); the faster of the two that
   keep the file's blocks wins (``as-is`` on a tie), and a float32 format wins
@@ -54,8 +60,10 @@ from .format_cache import FormatChoice, Setup, Timings
 from ..adapters.lean.weights import CONTRACT_ATTR
 from .quant import dequantize_model, float32_activations, float32_bytes, is_quantized
 
-FORMATS = ("auto", "as-is", "quantized", "quantized-fast", "float32", "float32-blocks")
-BLOCKS = ("as-is", "quantized", "quantized-fast")  # the formats that keep the file's quantized blocks (its memory)
+FORMATS = ("auto", "as-is", "quantized", "quantized-factored", "quantized-fast", "float32", "float32-blocks")
+# the formats that keep the file's quantized blocks (its memory)
+BLOCKS = ("as-is", "quantized", "quantized-factored", "quantized-fast")
+CONTRACTS = {"quantized": "exact", "quantized-factored": "factored", "quantized-fast": "fast"}  # qmm's, per format
 MARGIN = 1.1  # a larger format must be this much faster than as-is (ms per token)
 BATCHES = (1, 4)  # batch widths timed per format
 
@@ -69,9 +77,9 @@ def check_format(fmt: str) -> str:
 def apply_format(model, fmt: str):
     """Convert ``model`` in place to ``fmt`` (not ``auto``); returns it."""
     check_format(fmt)
-    if fmt in ("quantized", "quantized-fast"):
+    if fmt in CONTRACTS:
         float32_activations(model)
-        setattr(model, CONTRACT_ATTR, "fast" if fmt == "quantized-fast" else "exact")
+        setattr(model, CONTRACT_ATTR, CONTRACTS[fmt])
     elif fmt == "float32":
         dequantize_model(model, mx.float32)
     elif fmt == "float32-blocks":
@@ -117,6 +125,20 @@ def quantized_kernels() -> bool:
     return kernels.load() is not None and hasattr(kernels.load(), "qmm")
 
 
+def quantized_candidate() -> Optional[str]:
+    """The quantized format ``auto`` times: ``quantized-factored`` where the
+    native quantized matmul runs on AVX2 (its factored sums about half the
+    float work per weight of the exact contract's dequantization there: a
+    bucket-1 step's matmuls ~1.3x faster, 0.5.14's notes in the README),
+    ``quantized`` on its other paths (AVX-512 looks each weight up in a
+    table, as cheap as a factored sum), None without the kernels."""
+    if not quantized_kernels():
+        return None
+    from ..backend import kernels
+
+    return "quantized-factored" if kernels.load().qmm_isa() == "avx2" else "quantized"
+
+
 def ms_per_token(timings_of_one_format: dict) -> float:
     """Geometric mean over the timed batch widths of ms per token."""
     return statistics.geometric_mean([ms / b for b, ms in timings_of_one_format.items()])
@@ -160,13 +182,14 @@ def choose_format(model, source: Optional[Path], reload, log=lambda s: None) -> 
     avail = available_memory()
     fits = avail is None or float32_bytes(model) < avail // 2
     # fp32 everywhere when it fits; else blocks only (the head stays quantized)
-    candidates = ["as-is"] + (["quantized"] if quantized_kernels() else []) + ["float32" if fits else "float32-blocks"]
-    missing = known is not None and "quantized" in candidates and "quantized" not in known.timings
+    quantized = quantized_candidate()
+    candidates = ["as-is"] + ([quantized] if quantized else []) + ["float32" if fits else "float32-blocks"]
+    missing = known is not None and quantized is not None and quantized not in known.timings
     if known is not None and not missing and not should_remeasure(known, load_before):
         fmt = known.format
         return (apply_format(model, fmt) if fmt != "as-is" else model), fmt, known.timings
     if missing:
-        log("measuring weight formats again: the stored choice did not time the quantized format")
+        log(f"measuring weight formats again: the stored choice did not time {quantized}")
     elif known is not None:
         log(f"measuring weight formats again: the stored choice was timed at load average {known.load_avg} "
             f"on {known.setup.cores} cores, now {load_before:.2f}")

@@ -187,11 +187,11 @@ class CompiledModel:
     def verify_rows(self) -> Optional[int]:
         """The most rows (bucket x window) a verify step may multiply while
         each keeps the bits of the decode step at its position, or None
-        (no limit): qmm's exact contract sums a row alike up to
-        ``qmm_tile_rows()`` rows (64) and in sgemm panels above; its fast
+        (no limit): qmm's exact and factored contracts sum a row alike up
+        to ``qmm_tile_rows()`` rows (64) and in sgemm panels above; its fast
         contract, the BLAS and MLX's ops at any count."""
         b = self.lean.binding if self.lean is not None and self.lean.active else None
-        if b is None or b.contract != "exact" or not b.uses_qmm:
+        if b is None or b.contract == "fast" or not b.uses_qmm:
             return None
         return kernels.load().qmm_tile_rows()
 
