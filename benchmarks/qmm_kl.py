@@ -1,12 +1,15 @@
-"""How far qmm's *fast* contract moves SmolLM2-135M's next-token
-distributions from the *exact* contract's: the KL divergence KL(exact || fast)
-at each position of a text of --tokens tokens.
+"""How far qmm's *fast* (or *factored*) contract moves SmolLM2-135M's
+next-token distributions from the *exact* contract's: the KL divergence
+KL(exact || other) at each position of a text of --tokens tokens.
 
-    python benchmarks/qmm_kl.py [--tokens 2048] [--seed 0]
+    python benchmarks/qmm_kl.py [--tokens 2048] [--seed 0] [--formats quantized quantized-fast]
 
-Two Generators load the default model (SmolLM2-135M-Instruct Q4_1), one in
-the ``quantized`` weight format (the layer kernels and the head on qmm's
-exact contract), one in ``quantized-fast`` (the same on its fast contract).
+Two Generators load the default model (SmolLM2-135M-Instruct Q4_1) in the
+two weight formats of --formats: by default ``quantized`` (the layer kernels
+and the head on qmm's exact contract) and ``quantized-fast`` (the same on its
+fast contract); ``quantized-factored`` (the factored contract) or ``as-is``
+(MLX's own quantized matmuls, mlx-lm's arithmetic; ~0.15 s a step here) also
+serve, on either side.
 Both run the same tokens in lockstep
 through their compiled steps at bucket 1: a window step over a fixed prompt,
 then one decode step per token (``return_logits=True``), teacher-forced. The
@@ -43,18 +46,22 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", type=int, default=2048, help="positions scored (after the prompt)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--formats", nargs=2, default=["quantized", "quantized-fast"], metavar=("REFERENCE", "OTHER"),
+                    help="the two weight formats compared (KL(reference || other))")
     args = ap.parse_args()
     K = kernels.load()
     if K is None:
         raise SystemExit(f"the native kernels are off: {kernels.status()}")
-    exact, fast = Generator.load(weights="quantized"), Generator.load(weights="quantized-fast")
-    lean = fast.engine.compiled.lean
-    if lean.binding is None or lean.binding.contract != "fast" or lean.native_off is not None:
-        raise SystemExit(f"the fast contract does not run here (kernels: {lean.native_off})")
+    names = args.formats
+    exact, fast = (Generator.load(weights=f) for f in names)
+    for name, gen in zip(names, (exact, fast)):
+        lean = gen.engine.compiled.lean
+        if name != "as-is" and (lean.binding is None or lean.native_off is not None):
+            raise SystemExit(f"{name} does not run on the kernels here (kernels: {lean.native_off})")
     prompt = exact.tokenizer.encode(PROMPT)
     cap = len(prompt) + args.tokens + 1
     steps = [(g.engine.compiled, g.engine.compiled.new_caches(1, rows=1, capacity=cap)) for g in (exact, fast)]
-    print(f"qmm {K.qmm_isa()}, {K.qmm_threads()} threads; layer kernels and head on the fast contract; "
+    print(f"qmm {K.qmm_isa()}, {K.qmm_threads()} threads; {names[0]} against {names[1]}; "
           f"prompt {len(prompt)} tokens, {args.tokens} scored; load average {os.getloadavg()[0]:.2f}")
     logits = [cm.step(c, mx.array([prompt]), return_logits=True).logits for cm, c in steps]
     rng = np.random.default_rng(args.seed)
@@ -66,7 +73,7 @@ def main() -> None:
         tok = int(rng.choice(p.size, p=np.exp(p) / np.exp(p).sum()))
         logits = [cm.step(c, mx.array([[tok]]), return_logits=True).logits for cm, c in steps]
     kl = np.array(kl)
-    print(f"KL(exact || fast) over {kl.size} positions: mean {kl.mean():.3e}, median {np.median(kl):.3e}, "
+    print(f"KL({names[0]} || {names[1]}) over {kl.size} positions: mean {kl.mean():.3e}, median {np.median(kl):.3e}, "
           f"p99 {np.quantile(kl, 0.99):.3e}, max {kl.max():.3e} (nats); argmax differs at {differ} "
           f"({100 * differ / kl.size:.2f}%); {time.perf_counter() - t0:.0f} s")
 

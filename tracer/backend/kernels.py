@@ -42,7 +42,9 @@ packed, float32 out. Its contract is *exact*, not bit for bit: each weight is
 MLX's float32 dequantization (``scale * q + bias``, float16/bfloat16 scales
 widened to float32 first; ``mx.dequantize`` itself computes in the scales'
 type), products summed in float32, equal to the float32 matmul up to the
-order of summation (``tests/test_qmm.py``). The lean forward calls it for
+order of summation (``tests/test_qmm.py``); its *factored* contract sums
+``scale * sum(q x) + bias * sum(x)`` per group instead, its *fast* one
+multiplies int8 activations as integers (``qmm.cpp`` states both). The lean forward calls it for
 quantized projections: inside the layer kernels on decode steps, as a node
 of its own in windows and for the output head.
 

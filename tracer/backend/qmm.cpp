@@ -26,7 +26,21 @@
 // measured in tests/test_qmm.py (FAST_BOUND) and as KL of SmolLM2's
 // next-token distributions (benchmarks/qmm_kl.py).
 //
-// Two ways through, by the number M of x rows (exact; fast always the first):
+// The *factored* contract (contract="factored", the arithmetic of MLX's
+// Metal qmv kernels): per group of a weight row, scale * sum(q * x) + bias *
+// sum(x), in float32: the integers q, as floats, are multiplied into x
+// (qmm_factored.h says the order exactly: per block 4 vectors of 8 lanes,
+// two accumulators a group, the group's sum times the scale added to the
+// (row, x row)'s accumulator, its lanes summed at the end, then the biases
+// times the groups' sums of x); 4-bit nibbles are masked in place, not
+// shifted, so some lanes hold q * 2^8, 2^16 or 2^24 and x is scaled by the
+// inverse power of two (factored_order): the same products. About half the
+// float operations a weight of the exact contract (no scale * q + bias a
+// weight), the gain at 1-2 x rows on AVX2 (the README's 0.5.14 figures).
+// The same bits on every path (AVX-512 CPUs run AVX2's kernels) and at
+// every M up to kSmallMaxM; above, the exact contract's panels.
+//
+// Two ways through, by the number M of x rows (exact and factored; fast always the first):
 //  * M <= kSmallMaxM: tiles of a few weight rows by up to kTile x rows, each
 //    weight block dequantized once in vector registers and multiplied into
 //    every x row of the tile (qmm_isa.h); columns are split into chunks (a
@@ -653,8 +667,8 @@ void register_qmm(nb::module_& m) {
   m.def("qmm", &qmm, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"),
         nb::arg("bits"), nb::arg("contract") = "exact",
         "x [M, K] float32 @ mx.dequantize(w, scales, biases, group_size, bits).T -> [M, N] float32; contract "
-        "'exact' (each weight dequantized in float32, float32 sums) or 'fast' (x in int8 per 32-block, integer dot "
-        "products)");
+        "'exact' (each weight dequantized in float32, float32 sums), 'factored' (per group, scale * sum(q x) + "
+        "bias * sum(x) in float32) or 'fast' (x in int8 per 32-block, integer dot products)");
   m.def("vector_math", [](const std::string& name, std::vector<float> a, std::vector<float> b, float shift) {
         need(name == "exp" || name == "swiglu", "vector_math: name must be 'exp' or 'swiglu'");
         need(name == "exp" || b.size() == a.size(), "vector_math: swiglu takes a and b of one length");
@@ -670,7 +684,7 @@ void register_qmm(nb::module_& m) {
   m.def("qmm_isa", [] { return std::string(path().name); }, "qmm's kernels in use: avx512, avx2 or portable");
   m.def("qmm_set_isa", &set_isa, nb::arg("name"), "Use that ISA path from now on (the best one the CPU has if it lacks it); returns the one in use");
   m.def("qmm_tile_rows", [] { return kSmallMaxM; },
-        "the most x rows the exact contract multiplies in tiles (a row's bits the same at every M up to it; "
+        "the most x rows the exact and factored contracts multiply in tiles (a row's bits the same at every M up to it; "
         "dequantized panels and sgemm above)");
   m.def("qmm_threads", [] { return Pool::the().threads(); });
   m.def("qmm_set_threads", [](int n) { Pool::the().set_threads(n); }, nb::arg("n"));
