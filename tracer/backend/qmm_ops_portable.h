@@ -105,9 +105,22 @@ inline QS reduce_quad(const P& p0, const P& p1, const P& p2, const P& p3) {
   for (int l = 0; l < 16; ++l) r.v[l] = p[l % 4]->v[l / 4];
   return r;
 }
-struct FQ {
-  float v[16];
+// N float lanes and their lane-by-lane products (the fast contract's FQ, the factored one's FF).
+template <int N>
+struct Lanes {
+  float v[N];
 };
+template <int N>
+inline Lanes<N> lanes_mul(Lanes<N> a, const Lanes<N>& b) {
+  for (int l = 0; l < N; ++l) a.v[l] *= b.v[l];
+  return a;
+}
+template <int N>
+inline Lanes<N> lanes_fma(const Lanes<N>& a, const Lanes<N>& b, Lanes<N> c) {
+  for (int l = 0; l < N; ++l) c.v[l] = std::fma(a.v[l], b.v[l], c.v[l]);
+  return c;
+}
+using FQ = Lanes<16>;
 inline FQ fq_zero() { return FQ{}; }
 inline FQ fq_load(const float* p) {
   FQ r;
@@ -126,14 +139,8 @@ inline FQ fq_gather4_n(const float* r0, const float* r1, const float* r2, const 
   for (int l = 0; l < 4 * n; ++l) o.v[l] = r[l % 4][l / 4];
   return o;
 }
-inline FQ fq_mul(FQ a, const FQ& b) {
-  for (int l = 0; l < 16; ++l) a.v[l] *= b.v[l];
-  return a;
-}
-inline FQ fq_fma(const FQ& a, const FQ& b, FQ c) {
-  for (int l = 0; l < 16; ++l) c.v[l] = std::fma(a.v[l], b.v[l], c.v[l]);
-  return c;
-}
+inline FQ fq_mul(FQ a, const FQ& b) { return lanes_mul(a, b); }
+inline FQ fq_fma(const FQ& a, const FQ& b, FQ c) { return lanes_fma(a, b, c); }
 inline FQ fq_fma_sums(const QS& s, const FQ& d, FQ a) {
   for (int l = 0; l < 16; ++l) a.v[l] = std::fma(float(s.v[l]), d.v[l], a.v[l]);
   return a;
@@ -144,9 +151,7 @@ inline void fq_rows(const FQ& a, float* out) {
 #include "qmm_isa.h"
 #include "qmm_fast.h"
 // The factored contract (qmm_factored.h): AVX2's lanes and operations, one by one.
-struct FF {
-  float v[8];
-};
+using FF = Lanes<8>;
 inline FF ff_zero() { return FF{}; }
 inline FF ff_splat(float a) {
   FF r;
@@ -162,14 +167,8 @@ inline FF ff_add(FF a, const FF& b) {
   for (int i = 0; i < 8; ++i) a.v[i] += b.v[i];
   return a;
 }
-inline FF ff_mul(FF a, const FF& b) {
-  for (int i = 0; i < 8; ++i) a.v[i] *= b.v[i];
-  return a;
-}
-inline FF ff_fma(const FF& a, const FF& b, FF c) {
-  for (int i = 0; i < 8; ++i) c.v[i] = std::fma(a.v[i], b.v[i], c.v[i]);
-  return c;
-}
+inline FF ff_mul(FF a, const FF& b) { return lanes_mul(a, b); }
+inline FF ff_fma(const FF& a, const FF& b, FF c) { return lanes_fma(a, b, c); }
 inline float ff_hsum(const FF& a) {
   const float* l = a.v;
   return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
