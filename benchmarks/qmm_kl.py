@@ -53,14 +53,14 @@ def main() -> None:
     if K is None:
         raise SystemExit(f"the native kernels are off: {kernels.status()}")
     names = args.formats
-    exact, fast = (Generator.load(weights=f) for f in names)
-    for name, gen in zip(names, (exact, fast)):
+    ref, other = (Generator.load(weights=f) for f in names)
+    for name, gen in zip(names, (ref, other)):
         lean = gen.engine.compiled.lean
         if name != "as-is" and (lean.binding is None or lean.native_off is not None):
             raise SystemExit(f"{name} does not run on the kernels here (kernels: {lean.native_off})")
-    prompt = exact.tokenizer.encode(PROMPT)
+    prompt = ref.tokenizer.encode(PROMPT)
     cap = len(prompt) + args.tokens + 1
-    steps = [(g.engine.compiled, g.engine.compiled.new_caches(1, rows=1, capacity=cap)) for g in (exact, fast)]
+    steps = [(g.engine.compiled, g.engine.compiled.new_caches(1, rows=1, capacity=cap)) for g in (ref, other)]
     print(f"qmm {K.qmm_isa()}, {K.qmm_threads()} threads; {names[0]} against {names[1]}; "
           f"prompt {len(prompt)} tokens, {args.tokens} scored; load average {os.getloadavg()[0]:.2f}")
     logits = [cm.step(c, mx.array([prompt]), return_logits=True).logits for cm, c in steps]

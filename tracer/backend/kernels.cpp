@@ -171,7 +171,7 @@ struct WeightView {
   bool trans = false;
   int ld = 0;
   tracer_qmm::Packed packed{};
-  tracer_qmm::Contract contract = tracer_qmm::kExact;  // qmm's, for packed blocks
+  tracer_qmm::Contract contract = tracer_qmm::Contract::exact;  // qmm's, for packed blocks
 };
 
 // --------------------------------------------------------------- row math
@@ -1810,12 +1810,6 @@ void need_attention(const Inputs& at, const std::vector<array>& in) {
   }
 }
 
-tracer_qmm::Contract qmm_contract(const std::string& contract) {
-  need(contract == "exact" || contract == "fast" || contract == "factored",
-       "contract must be 'exact', 'fast' or 'factored', got '" + contract + "'");
-  return contract == "fast" ? tracer_qmm::kFast : contract == "factored" ? tracer_qmm::kFactored : tracer_qmm::kExact;
-}
-
 std::vector<array> layer_in(const Named& given, float eps, int nq, int nk, int D, float qk_eps,
                             const std::string& contract, int L) {
   namespace s = in_slot;
@@ -1848,7 +1842,7 @@ std::vector<array> layer_in(const Named& given, float eps, int nq, int nk, int D
   need_vector(at, in, s::k_norm, D, "layer_in: k_norm");
   const mx::Shape qs = L == 1 ? mx::Shape{B, nk, nq / nk, D} : mx::Shape{B, nk, nq / nk, L, D};
   shapes.insert(shapes.end(), {qs, {B, nk, L, D}, {B, nk, L, D}});
-  return make<LayerIn>(std::move(shapes), std::move(in), at, eps, nq, nk, D, L, qk_eps, qmm_contract(contract));
+  return make<LayerIn>(std::move(shapes), std::move(in), at, eps, nq, nk, D, L, qk_eps, tracer_qmm::contract_named(contract));
 }
 
 array cache_write(const array& buf, const array& upd, const array& col) {
@@ -1909,7 +1903,7 @@ std::vector<array> layer_mid(const Named& given, float eps, const std::string& c
   need(F2 % 2 == 0, "layer_mid: w_gu must have 2F outputs (gate and up side by side)");
   need_vector(at, in, s::b_o, hid, "layer_mid: b_o");
   need_vector(at, in, s::b_gu, F2, "layer_mid: b_gu");
-  return make<LayerMid>({h.shape(), {M, F2 / 2}}, std::move(in), at, eps, qmm_contract(contract));
+  return make<LayerMid>({h.shape(), {M, F2 / 2}}, std::move(in), at, eps, tracer_qmm::contract_named(contract));
 }
 
 // A kernel's inputs as (name, required), in slot order: what its binding takes.

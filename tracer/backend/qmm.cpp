@@ -137,7 +137,7 @@ using mx::array;
 // What the units share across their boundary (named: one type in every unit).
 namespace tracer_qmm_unit {
 enum class Scale { f32, f16, bf16 };
-enum class Contract { exact, fast, factored };
+using Contract = tracer_qmm::Contract;  // qmm_api.h
 
 // One qmm call as its task sees it: pointers, no array references.
 struct QmmJob {
@@ -317,8 +317,8 @@ const tracer_qmm_unit::Path tracer_qmm_unit::kPathAvx512 = {
 
 // ------------------------------------------------------------ ISA choice
 const Path kPathPortable = {"portable", [] { return true; }, isa_portable::rows_small, isa_portable::dequant_rows,
-                            isa_portable::fast_rows, isa_portable::factored_rows, isa_portable::quantize_x_rows, isa_portable::order4, nullptr,
-                            nullptr, nullptr, nullptr};
+                            isa_portable::fast_rows, isa_portable::factored_rows, isa_portable::quantize_x_rows,
+                            isa_portable::order4, nullptr, nullptr, nullptr, nullptr};
 const Path* const kPaths[] = {  // worst to best
     &kPathPortable,
 #if defined(__x86_64__)
@@ -564,7 +564,9 @@ class Qmm : public mx::Primitive {
     return group_ == o.group_ && bits_ == o.bits_ && contract_ == o.contract_;
   }
   const char* name() const override {
-    return contract_ == Contract::fast ? "TracerQmmFast" : contract_ == Contract::factored ? "TracerQmmFactored" : "TracerQmm";
+    return contract_ == Contract::fast       ? "TracerQmmFast"
+           : contract_ == Contract::factored ? "TracerQmmFactored"
+                                             : "TracerQmm";
   }
 
  private:
@@ -594,8 +596,7 @@ class Qmm : public mx::Primitive {
 
 array qmm(const array& x, const array& w, const array& scales, const array& biases, int group_size, int bits,
           const std::string& contract) {
-  need(contract == "exact" || contract == "fast" || contract == "factored",
-       "contract must be 'exact', 'fast' or 'factored', got '" + contract + "'");
+  const Contract c = tracer_qmm::contract_named(contract);
   need(bits == 4 || bits == 8, "bits must be 4 or 8, got " + std::to_string(bits));
   need(group_size == 32 || group_size == 64 || group_size == 128,
        "group_size must be 32, 64 or 128, got " + std::to_string(group_size));
@@ -614,10 +615,7 @@ array qmm(const array& x, const array& w, const array& scales, const array& bias
   need(scales.shape() == groups && biases.shape() == groups, "scales and biases must be [N, K / group_size] = [" +
                                                                  std::to_string(N) + ", " + std::to_string(K / group_size) +
                                                                  "], got " + describe(scales) + " and " + describe(biases));
-  auto prim = std::make_shared<Qmm>(mx::default_stream(mx::Device::cpu), group_size, bits,
-                                    contract == "fast"       ? Contract::fast
-                                    : contract == "factored" ? Contract::factored
-                                                             : Contract::exact);
+  auto prim = std::make_shared<Qmm>(mx::default_stream(mx::Device::cpu), group_size, bits, c);
   return array({M, N}, mx::float32, std::move(prim), {x, w, scales, biases});
 }
 
@@ -630,12 +628,15 @@ std::string set_isa(const std::string& name) {
 
 }  // namespace
 
-void tracer_qmm::matmul(const float* x, size_t ldx, int M, const Packed& w, float* out, tracer_qmm::Contract contract) {
+tracer_qmm::Contract tracer_qmm::contract_named(const std::string& name) {
+  need(name == "exact" || name == "fast" || name == "factored",
+       "contract must be 'exact', 'fast' or 'factored', got '" + name + "'");
+  return name == "fast" ? Contract::fast : name == "factored" ? Contract::factored : Contract::exact;
+}
+
+void tracer_qmm::matmul(const float* x, size_t ldx, int M, const Packed& w, float* out, Contract contract) {
   const Scale scale = w.scale == ScaleType::f16 ? Scale::f16 : w.scale == ScaleType::bf16 ? Scale::bf16 : Scale::f32;
-  run(QmmJob{x, ldx, w.w, w.scales, w.biases, scale, M, w.N, w.K, w.group, w.bits, out},
-      contract == kFast ? tracer_qmm_unit::Contract::fast
-      : contract == kFactored ? tracer_qmm_unit::Contract::factored
-                              : tracer_qmm_unit::Contract::exact);
+  run(QmmJob{x, ldx, w.w, w.scales, w.biases, scale, M, w.N, w.K, w.group, w.bits, out}, contract);
 }
 
 bool tracer_qmm::exp_shifted(const float* x, float shift, float* out, int n) {

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <string>
 
 namespace tracer_qmm {
 
@@ -21,8 +22,10 @@ struct Packed {
   int N, K, group, bits;
 };
 
-// qmm's contracts (qmm.cpp states each): the codes kernels.cpp passes on.
-enum Contract : int { kExact = 0, kFast = 1, kFactored = 2 };
+// qmm's contracts (qmm.cpp states each), and the one named "exact", "fast"
+// or "factored" (std::invalid_argument, saying which names there are, else).
+enum class Contract { exact, fast, factored };
+Contract contract_named(const std::string& name);
 
 // out [M, N] = x [M, K] (rows ldx floats apart) @ dequantize(w).T, in qmm's
 // contract `contract`. Bits equal to the qmm primitive's for the same operands.
