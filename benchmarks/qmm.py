@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--bits", type=int, default=4, choices=(4, 8))
     ap.add_argument("--group", type=int, default=32, choices=(32, 64, 128))
-    ap.add_argument("--contract", default="exact", choices=("exact", "fast", "factored", "both", "all"),
+    ap.add_argument("--contract", default="exact", choices=("exact", "fast", "factored", "split", "both", "all"),
                     help="qmm's contract(s): both = exact and fast")
     ap.add_argument("--chain", type=int, default=1, help="calls evaluated as one graph")
     ap.add_argument("--threads", type=int, default=0, help="qmm's threads (0: its default)")
@@ -71,7 +71,7 @@ def main() -> None:
         raise SystemExit(f"the native kernels are off: {kernels.status()}")
     if args.threads:
         K.qmm_set_threads(args.threads)
-    contracts = {"both": ("exact", "fast"), "all": ("exact", "factored", "fast")}.get(args.contract, (args.contract,))
+    contracts = {"both": ("exact", "fast"), "all": ("exact", "factored", "fast", "split")}.get(args.contract, (args.contract,))
     print(f"qmm: {K.qmm_isa()}, {K.qmm_threads()} threads; {args.bits}-bit, group {args.group}, float16 scales; "
           f"weights streamed over {args.stream_mb:g} MB; {args.chain} call(s) a graph; "
           f"load average {os.getloadavg()[0]:.2f} before")

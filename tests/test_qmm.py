@@ -8,7 +8,10 @@ FAST_BOUND of the exact result on every path, with the same guarantees of
 determinism. Its factored contract (per group, scale * sum(q x) + bias *
 sum(x)) stays within BOUND, computes the arithmetic qmm.cpp states for it
 (checked against a plain reimplementation here) and the same bits on every
-path."""
+path. Its split contract (x in 15 bits a 32-block, as an int8 part and an
+int8 remainder, the fast contract's integer products) stays within
+SPLIT_BOUND, with x's bytes checked against the stated quantization, and
+the fast contract's guarantees of determinism."""
 
 from __future__ import annotations
 
@@ -39,6 +42,10 @@ BOUND = 1e-5
 # CASES: at most 3.9e-3, for 4 and 8 bits alike, before and after the 4-lane
 # float order of qmm_fast.h).
 FAST_BOUND = 1e-2
+# The split contract: x in 15 bits a block (int8 and an int8 remainder at
+# 1/128 of its scale), an error up to max|x| / 32512 an element: 1/128 of
+# the fast contract's, so FAST_BOUND / 128 (measured over CASES: ~1e-5).
+SPLIT_BOUND = FAST_BOUND / 128
 
 pytestmark = pytest.mark.skipif(K is None, reason=f"native kernels unavailable: {kernels.status()}")
 
@@ -84,7 +91,8 @@ def case(i: int, bits: int, dtype_name: str):
 @pytest.mark.parametrize("isa", PATHS, indirect=True)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
-@pytest.mark.parametrize("contract,bound", [("exact", BOUND), ("factored", BOUND), ("fast", FAST_BOUND)])
+@pytest.mark.parametrize("contract,bound", [("exact", BOUND), ("factored", BOUND), ("fast", FAST_BOUND),
+                                            ("split", SPLIT_BOUND)])
 def test_qmm_is_within_its_contract_of_the_float32_dequantized_matmul(isa, bits, dtype, contract, bound):
     for i, (M, N, Kd, group) in enumerate(CASES):
         args, exact, magnitude = case(i, bits, dtype)
@@ -122,7 +130,7 @@ def test_float16_scales_are_widened_not_computed_in_float16():
 
 
 @pytest.mark.parametrize("isa", PATHS, indirect=True)
-@pytest.mark.parametrize("contract", ["exact", "factored", "fast"])
+@pytest.mark.parametrize("contract", ["exact", "factored", "fast", "split"])
 @pytest.mark.parametrize("group,bits", [(32, 8), (32, 4), (64, 4)])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_scales_read_in_place_or_widened_give_the_same_bits(isa, contract, group, bits, dtype):
@@ -159,7 +167,7 @@ def test_strided_views_read_as_their_dense_copies(M):
     assert np.array_equal(np.array(got), want)
 
 
-@pytest.mark.parametrize("contract", ["exact", "factored", "fast"])
+@pytest.mark.parametrize("contract", ["exact", "factored", "fast", "split"])
 @pytest.mark.parametrize("M,N,Kd,bits", [(1, 3000, 576, 4), (8, 1000, 1536, 4), (40, 700, 576, 4), (3, 900, 800, 8)])
 def test_one_and_two_threads_give_the_same_bits(threads, contract, M, N, Kd, bits):
     w, s, b = quantized(N, Kd, 32, bits, mx.float16)
@@ -172,7 +180,7 @@ def test_one_and_two_threads_give_the_same_bits(threads, contract, M, N, Kd, bit
 
 
 @pytest.mark.parametrize("isa", PATHS, indirect=True)
-@pytest.mark.parametrize("contract", ["exact", "factored", "fast"])
+@pytest.mark.parametrize("contract", ["exact", "factored", "fast", "split"])
 @pytest.mark.parametrize("bits,group", [(4, 32), (8, 32), (4, 64), (8, 128)])
 def test_a_row_has_the_same_bits_at_every_m_up_to_the_tile_threshold(isa, contract, bits, group):
     """A verify window multiplies its k + 1 positions as M rows where decode
@@ -253,11 +261,69 @@ def test_the_factored_contract_computes_its_stated_arithmetic_bit_for_bit(isa, b
         assert np.array_equal(got, factored_reference(x[:M], w, s, b, group, bits)), (isa, M)
 
 
-@pytest.mark.parametrize("contract", ["fast", "factored"])
+def int8_reference(x, w, s, b, group, bits, split):
+    """qmm.cpp's fast (split=False) or split contract, operation by operation
+    in numpy (float32 roundings; fused multiply-adds exact in float64 or long
+    double, then rounded once): x quantized per 32-block (d = max|x| / 127,
+    xq = round(x * (127 / max|x|)), ties to even; split: the remainder r =
+    fma(-d, xq, x), xr = round(r * (128 * 127 / max|x|)), T = 128 xq + xr
+    at scale d / 128), each block's exact integer sum with the weights'
+    integers times (s * d) into lane block % 4, then the groups' biases
+    times their sums of d * float(sum of T) into lane group % 4, the lanes
+    added as (0 + 1) + (2 + 3)."""
+    f32, f64, ld = np.float32, np.float64, np.longdouble
+    X = np.array(x, f32)                                  # [M, K]
+    Q = unpacked(w, bits)                                 # [N, K] int64
+    S, B = np.array(s.astype(mx.float32)), np.array(b.astype(mx.float32))  # [N, G]
+    M, Kd = X.shape
+    nb, per = Kd // 32, group // 32
+    blocks = X.reshape(M, nb, 32)
+    amax = np.abs(blocks).max(-1, keepdims=True).astype(f32)
+    inv = np.where(amax > 0, f32(127) / np.where(amax > 0, amax, f32(1)), f32(0)).astype(f32)
+    d = (amax / f32(127)).astype(f32)
+    xq = np.rint((blocks * inv).astype(f32)).astype(np.int64)
+    if split:
+        r = (blocks.astype(f64) - d.astype(f64) * xq.astype(f64)).astype(f32)  # fma(-d, xq, x): exact in float64
+        xr = np.rint((r * (inv * f32(128)).astype(f32)).astype(f32)).astype(np.int64)
+        xq, d = 128 * xq + xr, (d * f32(2.0**-7)).astype(f32)
+    T = np.einsum("nbk,mbk->mnb", Q.reshape(-1, nb, 32), xq)          # [M, N, blocks] exact
+    sd = (S[None, :, np.arange(nb) // per] * d[:, None, :, 0]).astype(f32)                       # [M, N, blocks]
+    lanes = np.zeros((M, Q.shape[0], 4), f32)
+    for blk in range(nb):
+        a = lanes[..., blk % 4]
+        lanes[..., blk % 4] = (T[..., blk].astype(f32).astype(ld) * sd[..., blk].astype(ld) + a.astype(ld)).astype(f32)
+    xsum = (d[..., 0] * xq.sum(-1).astype(f32)).astype(f32)          # [M, blocks]: d * float(sum)
+    G = nb // per
+    xg = np.zeros((M, G), f32)
+    for g in range(G):
+        v = xsum[:, g * per]
+        for t in range(1, per):
+            v = (v + xsum[:, g * per + t]).astype(f32)
+        xg[:, g] = v
+    for g in range(G):
+        a = lanes[..., g % 4]
+        lanes[..., g % 4] = (B[None, :, g].astype(ld) * xg[:, None, g].astype(ld) + a.astype(ld)).astype(f32)
+    return ((lanes[..., 0] + lanes[..., 1]).astype(f32) + (lanes[..., 2] + lanes[..., 3]).astype(f32)).astype(f32)
+
+
+@pytest.mark.parametrize("isa", PATHS, indirect=True)
+@pytest.mark.parametrize("contract", ["fast", "split"])
+@pytest.mark.parametrize("bits,group", [(4, 32), (4, 64), (8, 32), (8, 128), (4, 128)])
+def test_the_fast_and_split_contracts_compute_their_stated_arithmetic_bit_for_bit(isa, contract, bits, group):
+    w, s, b = quantized(37, 384, group, bits, mx.float16, seed=bits + group)
+    x = mx.random.normal((5, 384), key=mx.random.key(group)) * mx.array([1.0, 1e-3, 40.0, 1.0, 0.5])[:, None]
+    for M in (1, 5):
+        got = np.array(K.qmm(x[:M], w, s, b, group, bits, contract=contract))
+        want = int8_reference(x[:M], w, s, b, group, bits, split=contract == "split")
+        assert np.array_equal(got, want), (isa, contract, M, np.abs(got - want).max())
+
+
+@pytest.mark.parametrize("contract", ["fast", "factored", "split"])
 @pytest.mark.parametrize("bits", [4, 8])
-def test_fast_and_factored_contracts_give_the_same_bits_on_every_isa_path(contract, bits):
+def test_fast_factored_and_split_contracts_give_the_same_bits_on_every_isa_path(contract, bits):
     """Their float32 order is one definition (qmm_fast.h, qmm_factored.h;
-    the fast contract's integer sums are exact): each path computes the same
+    the fast and split contracts' integer sums are exact, their x the same
+    bytes on every path): each path computes the same
     bits, any M (tiles of x rows; the factored contract up to 64 rows, the
     exact contract's panels above), N (quads of weight rows) and K (a last
     step of fewer than 4 blocks)."""
@@ -279,7 +345,7 @@ def test_fast_and_factored_contracts_give_the_same_bits_on_every_isa_path(contra
         K.qmm_set_isa(before)
 
 
-@pytest.mark.parametrize("contract", ["exact", "factored", "fast"])
+@pytest.mark.parametrize("contract", ["exact", "factored", "fast", "split"])
 def test_compiled_equals_eager(contract):
     w, s, b = quantized(300, 256, 64, 8, mx.bfloat16)
     f = lambda x: K.qmm(x, w, s, b, 64, 8, contract=contract) * 2.0 + 1.0  # noqa: E731
@@ -289,26 +355,27 @@ def test_compiled_equals_eager(contract):
         assert np.array_equal(np.array(cf(x)), np.array(f(x))), M
 
 
-def test_the_three_contracts_are_distinct_graph_nodes():
+def test_the_four_contracts_are_distinct_graph_nodes():
     """One compiled function calling each must not merge them (is_equivalent)."""
     w, s, b = quantized(64, 256, 32, 4, mx.float16)
     x = mx.random.normal((2, 256), key=mx.random.key(5))
-    contracts = ("exact", "factored", "fast")
+    contracts = ("exact", "factored", "fast", "split")
     outs = mx.compile(lambda x: [K.qmm(x, w, s, b, 32, 4, contract=c) for c in contracts])(x)
     for c, got in zip(contracts, outs):
         assert np.array_equal(np.array(got), np.array(K.qmm(x, w, s, b, 32, 4, contract=c))), c
-    assert len({np.array(o).tobytes() for o in outs}) == 3
+    assert len({np.array(o).tobytes() for o in outs}) == 4
 
 
-def test_fast_contract_reads_strided_views_and_non_finite_x():
+@pytest.mark.parametrize("contract", ["fast", "split"])
+def test_fast_and_split_contracts_read_strided_views_and_non_finite_x(contract):
     Kd, group, bits = 320, 64, 4  # 10 blocks: a partial last superblock of 8
     w, s, b = quantized(37, Kd, group, bits, mx.float16)
     big = mx.random.normal((5, 2 * Kd), key=mx.random.key(11))
     view = big[1:4, 3:3 + Kd]
-    want = np.array(K.qmm(mx.contiguous(view), w, s, b, group, bits, contract="fast"))
-    assert np.array_equal(np.array(K.qmm(view, w, s, b, group, bits, contract="fast")), want)
+    want = np.array(K.qmm(mx.contiguous(view), w, s, b, group, bits, contract=contract))
+    assert np.array_equal(np.array(K.qmm(view, w, s, b, group, bits, contract=contract)), want)
     x = mx.contiguous(view) * mx.array([1.0, float("inf"), 1.0])[:, None]
-    got = np.array(K.qmm(x, w, s, b, group, bits, contract="fast"))
+    got = np.array(K.qmm(x, w, s, b, group, bits, contract=contract))
     assert np.array_equal(got[[0, 2]], want[[0, 2]]) and np.isnan(got[1]).all()
 
 
@@ -332,7 +399,7 @@ def test_bad_inputs_are_refused_with_what_was_wrong():
             call()
     with pytest.raises(ValueError, match="no ISA path 'sse9'"):
         K.qmm_set_isa("sse9")
-    with pytest.raises(ValueError, match="contract must be 'exact', 'fast' or 'factored', got 'fastest'"):
+    with pytest.raises(ValueError, match="contract must be 'exact', 'fast', 'factored' or 'split', got 'fastest'"):
         K.qmm(x, w, s, b, 32, 4, contract="fastest")
 
 

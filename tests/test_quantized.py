@@ -77,12 +77,13 @@ def test_the_fast_format_runs_every_quantized_matmul_in_the_fast_contract(tmp_pa
     assert exact.lean.binding.contract == "exact" and [len(t) for t in fast] == [6, 6]
 
 
-@pytest.mark.parametrize("fmt", ["quantized", "quantized-factored"])
+@pytest.mark.parametrize("fmt", ["quantized", "quantized-factored", "quantized-split"])
 @pytest.mark.parametrize("family,group_size,bits", [("llama", 32, 4), ("llama", 64, 8), ("qwen3", 32, 4),
                                                     ("llama_mixed", 64, 4)])
 def test_greedy_tokens_equal_mlx_lm_eager_on_the_quantized_model(family, group_size, bits, fmt):
-    """qmm's exact contract and its factored one (what ``auto`` times where
-    qmm runs on AVX2): mlx-lm's greedy tokens, in buckets."""
+    """qmm's exact contract, its factored one and its split one (the
+    formats ``auto`` times where qmm runs on AVX2): mlx-lm's greedy tokens,
+    in buckets."""
     model = apply_format(quantized_tiny(family, group_size, bits), fmt)
     cm = CompiledModel(model, fuse=True)
     assert cm.lean.binding.contract == CONTRACTS[fmt]
@@ -197,7 +198,7 @@ def test_float16_activations_do_not_use_qmm():
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("fmt", ["quantized", "quantized-factored"])
+@pytest.mark.parametrize("fmt", ["quantized", "quantized-factored", "quantized-split"])
 def test_smollm2_in_the_quantized_format_answers_as_mlx_lm_does(fmt):
     if not model_present():
         pytest.skip("SmolLM2 GGUF not present: run `mlx-tracer fetch` (or ./dev setup)")

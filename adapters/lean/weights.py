@@ -84,7 +84,7 @@ QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding, Float32RowsEmbedding, nn
 QMM_BITS, QMM_GROUPS = (4, 8), (32, 64, 128)
 QMM_SCALES = (mx.float16, mx.bfloat16, mx.float32)
 CONTRACT_ATTR = "mlx_tracer_qmm_contract"  # a model attribute: qmm's contract (absent: "exact")
-QMM_CONTRACTS = ("exact", "factored", "fast")
+QMM_CONTRACTS = ("exact", "factored", "fast", "split")
 
 
 class LinearGroup:

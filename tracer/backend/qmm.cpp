@@ -155,6 +155,10 @@ struct QmmJob {
   const float* xg = nullptr;   // [M, fast_groups(K / group) * 4] per group: sum over its blocks of scale * sum(xq), each 4 times
   // The factored contract's (then x in factored_order):
   const float* xs = nullptr;   // [M, K / group] each group's sum of x
+  // The split contract (the fast tiles' arithmetic on x in 15 bits): xq holds
+  // two int8 rows an x row (its int8 part, then its remainder's), the
+  // integer sums joined as 128 * first + second, xd and xg the x row's.
+  bool split = false;
 };
 
 struct Path {
@@ -432,9 +436,10 @@ T* aligned_scratch(std::vector<T>& v, size_t n, bool zero) {
   return v.data() + off / sizeof(T);
 }
 
+// The split contract (j.split): two int8 rows an x row in xq.
 void quantize_x(QmmJob& j, const Path& p, std::vector<int8_t>& xq, std::vector<float>& xd, std::vector<float>& xg) {
   const int Bp = fast_blocks(j.K);
-  int8_t* q = aligned_scratch(xq, size_t(j.M) * Bp * kBlock, true);
+  int8_t* q = aligned_scratch(xq, size_t(j.M) * (j.split ? 2 : 1) * Bp * kBlock, true);
   float* d = aligned_scratch(xd, size_t(j.M) * Bp * 4, true);
   float* g = aligned_scratch(xg, size_t(j.M) * fast_groups(j.K / j.group) * 4, true);
   p.quantize_x(j, q, d, g);
@@ -464,7 +469,8 @@ void factored_order(const float* from, int K, float* to) {
 // few-row kernels read x from an aligned copy.
 void run(QmmJob j, Contract contract) {
   const Path& p = path();
-  if (contract == Contract::fast) {
+  if (contract == Contract::fast || contract == Contract::split) {
+    j.split = contract == Contract::split;
     thread_local std::vector<int8_t> xq;
     thread_local std::vector<float> xd, xg;
     quantize_x(j, p, xq, xd, xg);
@@ -566,6 +572,7 @@ class Qmm : public mx::Primitive {
   const char* name() const override {
     return contract_ == Contract::fast       ? "TracerQmmFast"
            : contract_ == Contract::factored ? "TracerQmmFactored"
+           : contract_ == Contract::split    ? "TracerQmmSplit"
                                              : "TracerQmm";
   }
 
@@ -629,9 +636,11 @@ std::string set_isa(const std::string& name) {
 }  // namespace
 
 tracer_qmm::Contract tracer_qmm::contract_named(const std::string& name) {
-  need(name == "exact" || name == "fast" || name == "factored",
-       "contract must be 'exact', 'fast' or 'factored', got '" + name + "'");
-  return name == "fast" ? Contract::fast : name == "factored" ? Contract::factored : Contract::exact;
+  need(name == "exact" || name == "fast" || name == "factored" || name == "split",
+       "contract must be 'exact', 'fast', 'factored' or 'split', got '" + name + "'");
+  return name == "fast" ? Contract::fast : name == "factored" ? Contract::factored
+                                         : name == "split"    ? Contract::split
+                                                              : Contract::exact;
 }
 
 void tracer_qmm::matmul(const float* x, size_t ldx, int M, const Packed& w, float* out, Contract contract) {
@@ -669,7 +678,8 @@ void register_qmm(nb::module_& m) {
         nb::arg("bits"), nb::arg("contract") = "exact",
         "x [M, K] float32 @ mx.dequantize(w, scales, biases, group_size, bits).T -> [M, N] float32; contract "
         "'exact' (each weight dequantized in float32, float32 sums), 'factored' (per group, scale * sum(q x) + "
-        "bias * sum(x) in float32) or 'fast' (x in int8 per 32-block, integer dot products)");
+        "bias * sum(x) in float32), 'fast' (x in int8 per 32-block, integer dot products) or 'split' (x as int8 "
+        "plus an int8 remainder per 32-block, the fast contract's products of both added)");
   m.def("vector_math", [](const std::string& name, std::vector<float> a, std::vector<float> b, float shift) {
         need(name == "exp" || name == "swiglu", "vector_math: name must be 'exp' or 'swiglu'");
         need(name == "exp" || b.size() == a.size(), "vector_math: swiglu takes a and b of one length");

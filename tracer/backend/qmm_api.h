@@ -22,9 +22,9 @@ struct Packed {
   int N, K, group, bits;
 };
 
-// qmm's contracts (qmm.cpp states each), and the one named "exact", "fast"
-// or "factored" (std::invalid_argument, saying which names there are, else).
-enum class Contract { exact, fast, factored };
+// qmm's contracts (qmm.cpp states each), and the one named "exact", "fast",
+// "factored" or "split" (std::invalid_argument, saying which names there are, else).
+enum class Contract { exact, fast, factored, split };
 Contract contract_named(const std::string& name);
 
 // out [M, N] = x [M, K] (rows ldx floats apart) @ dequantize(w).T, in qmm's

@@ -8,7 +8,7 @@
 //   WR, unpack4<BITS>(p)  one row's 4 blocks (packed at p) as unsigned bytes, halves A and B;
 //       unpack4_n<BITS>(p, n) its first n < 4 blocks, zeros for the rest (reads only those);
 //   P, dot4<BITS>(w, x)   partial integer dot products of those blocks with a step of x
-//       (vpdpbusd; maddubs + madd; scalar loops);
+//       (vpdpbusd; maddubs + madd; scalar loops); p_join(hi, lo) = 128 * hi + lo;
 //   QS, reduce_quad(p0 .. p3)  the 16 blocks' exact int32 sums of the rows p0 .. p3, lane
 //       4 j + i: row i's block j (the same integers on every ISA);
 //   FQ (16 float lanes in that order): fq_zero, fq_load (16 floats), fq_gather4(r0 .. r3)
@@ -31,6 +31,18 @@
 
 constexpr int kStep = 4;  // blocks a step (and weight rows a quad)
 
+// A row's 4 blocks (unpacked) times a step of an x row: its int8 sums, or
+// under the split contract (x's int8 part at x, its remainder's `lo` bytes
+// on) 128 * the first's + the second's.
+template <int BITS, bool SPLIT>
+inline P dotx(const WR& w, const int8_t* x, size_t lo) {
+  if constexpr (SPLIT) {
+    return p_join(dot4<BITS>(w, x), dot4<BITS>(w, x + lo));
+  } else {
+    return dot4<BITS>(w, x);
+  }
+}
+
 // A range of weight rows' parameters as the fast tiles read them: per row,
 // its blocks' scales [K / 32] and its groups' biases [G], in float32.
 struct FastParams {
@@ -44,9 +56,10 @@ struct FastParams {
 // One step (blocks 4 k .. 4 k + 4, the row's last nb < 4 blocks where kTail) of
 // quads [Q] of weight rows (packed at w[q][i], their block scales at s[q][i])
 // into the accumulators of MT x rows.
-template <int Q, int MT, int BITS, bool kTail>
+template <int Q, int MT, int BITS, bool kTail, bool SPLIT>
 inline void fast_step(const uint8_t* const (&w)[Q][kStep], const float* const (&s)[Q][kStep], int k, int nb,
-                      const int8_t* xq, size_t ldq, const float* xd, size_t ldd, FQ (&acc)[Q][MT], size_t pf_ahead) {
+                      const int8_t* xq, size_t ldq, size_t lo, const float* xd, size_t ldd, FQ (&acc)[Q][MT],
+                      size_t pf_ahead) {
   constexpr int bb = kBlock * BITS / 8;  // bytes a block
   const size_t at = size_t(k) * kStep * bb;
   const int kt = kStep * k;
@@ -68,8 +81,8 @@ inline void fast_step(const uint8_t* const (&w)[Q][kStep], const float* const (&
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) {
       const int8_t* x = xq + m * ldq + kt * kBlock;
-      const QS sums = reduce_quad(dot4<BITS>(wr[0], x), dot4<BITS>(wr[1], x), dot4<BITS>(wr[2], x),
-                                  dot4<BITS>(wr[3], x));
+      const QS sums = reduce_quad(dotx<BITS, SPLIT>(wr[0], x, lo), dotx<BITS, SPLIT>(wr[1], x, lo),
+                                  dotx<BITS, SPLIT>(wr[2], x, lo), dotx<BITS, SPLIT>(wr[3], x, lo));
       acc[q][m] = fq_fma_sums(sums, fq_mul(sq, fq_load(xd + m * ldd + kt * kStep)), acc[q][m]);
     }
   }
@@ -77,10 +90,10 @@ inline void fast_step(const uint8_t* const (&w)[Q][kStep], const float* const (&
 
 // out[m0 .. m0 + MT, n .. min(n + 4 Q, n1)) under the fast contract; rows past
 // n1 compute row n1 - 1 again, unstored.
-template <int Q, int MT, int BITS>
+template <int Q, int MT, int BITS, bool SPLIT>
 inline void fast_tile(const QmmJob& j, int n, int n1, int m0, const FastParams& p) {
   const int B = j.K / kBlock, G = j.K / j.group, Bp = fast_blocks(j.K), Gp = fast_groups(G), full = B / kStep;
-  const size_t ldq = size_t(Bp) * kBlock, ldd = size_t(Bp) * kStep, ldg = size_t(Gp) * kStep;
+  const size_t lo = size_t(Bp) * kBlock, ldq = lo * (SPLIT ? 2 : 1), ldd = size_t(Bp) * kStep, ldg = size_t(Gp) * kStep;
   const int8_t* xq = j.xq + m0 * ldq;
   const float* xd = j.xd + m0 * ldd;
   const float* xg = j.xg + m0 * ldg;
@@ -112,9 +125,12 @@ inline void fast_tile(const QmmJob& j, int n, int n1, int m0, const FastParams& 
 #pragma GCC unroll 4
       for (int i = 0; i < kStep; ++i) {
         for (int k = k0; k < kf; ++k) {
-          part[i][k - k0] = dot4<BITS>(unpack4<BITS>(w[0][i] + size_t(k) * kStep * bb), xq + k * kStep * kBlock);
+          part[i][k - k0] = dotx<BITS, SPLIT>(unpack4<BITS>(w[0][i] + size_t(k) * kStep * bb), xq + k * kStep * kBlock, lo);
         }
-        if (kf < k1) part[i][kf - k0] = dot4<BITS>(unpack4_n<BITS>(w[0][i] + size_t(kf) * kStep * bb, nb), xq + kf * kStep * kBlock);
+        if (kf < k1) {
+          part[i][kf - k0] = dotx<BITS, SPLIT>(unpack4_n<BITS>(w[0][i] + size_t(kf) * kStep * bb, nb),
+                                               xq + kf * kStep * kBlock, lo);
+        }
       }
       for (int k = k0; k < k1; ++k) {
         const int kt = kStep * k;
@@ -127,8 +143,10 @@ inline void fast_tile(const QmmJob& j, int n, int n1, int m0, const FastParams& 
     }
   } else {
     const size_t ahead = size_t(kPrefetchTiles) * kStep * Q * j.K * BITS / 8;  // bytes
-    for (int k = 0; k < full; ++k) fast_step<Q, MT, BITS, false>(w, s, k, kStep, xq, ldq, xd, ldd, acc, ahead);
-    if (full * kStep < B) fast_step<Q, MT, BITS, true>(w, s, full, B - full * kStep, xq, ldq, xd, ldd, acc, ahead);
+    for (int k = 0; k < full; ++k) fast_step<Q, MT, BITS, false, SPLIT>(w, s, k, kStep, xq, ldq, lo, xd, ldd, acc, ahead);
+    if (full * kStep < B) {
+      fast_step<Q, MT, BITS, true, SPLIT>(w, s, full, B - full * kStep, xq, ldq, lo, xd, ldd, acc, ahead);
+    }
   }
   for (int g = 0; g < G; g += kStep) {
     const int ng = std::min(kStep, G - g);
@@ -159,13 +177,32 @@ inline void fast_tile(const QmmJob& j, int n, int n1, int m0, const FastParams& 
 
 // The fast contract's x (qmm.cpp's quantize_x): plain loops the compiler
 // vectorizes for this ISA, of exact operations only (max, a multiply, rounding
-// by adding and subtracting 1.5 * 2^23), so every ISA gives the same bytes.
+// by adding and subtracting 1.5 * 2^23; the split contract's remainder one
+// fused multiply-add), so every ISA gives the same bytes.
 // xq [M, Bp * 32]: per step of 4 blocks, half A of each block, then half B;
 // xd [M, Bp * 4]: block b's d at 16 (b / 4) + 4 (b % 4) + 0..3 (the lanes of
-// FQ's block b % 4); xg [M, Gp * 4] likewise per group.
+// FQ's block b % 4); xg [M, Gp * 4] likewise per group: the sum over its
+// blocks, in order, of d * float(the block's sum of xq).
+// Split (j.split): xq [2 M, Bp * 32], x row m's int8 part xq (as above, with
+// d = max |x| / 127) at row 2 m and at row 2 m + 1 its remainder r = fma(-d,
+// xq, x) (|r| <= d / 2) quantized with d / 128: xr = round(r * 128 / d), in
+// [-64, 64]. So x ~= d / 128 * (128 xq + xr), a 15-bit integer a weight; the
+// block's scale in xd is d / 128 and its sum in xg's that of 128 xq + xr.
 void quantize_x_rows(const QmmJob& j, int8_t* xq, float* xd, float* xg) {
   const int B = j.K / kBlock, Bp = fast_blocks(j.K), Gp = fast_groups(j.K / j.group), per = j.group / kBlock;
+  const size_t ldq = size_t(Bp) * kBlock;
   constexpr float kRound = 12582912.0f;
+  // The integers qi of x row m's block blk into xq row `row`.
+  const auto put = [&](size_t row, int blk, const int32_t* qi) {
+    int8_t* q = xq + row * ldq + blk / kStep * (kStep * kBlock) + blk % kStep * 16;
+    for (int i = 0; i < kBlock / 2; ++i) {
+      if (j.bits == 4) {
+        q[i] = int8_t(qi[2 * i]), q[64 + i] = int8_t(qi[2 * i + 1]);
+      } else {
+        q[i] = int8_t(qi[i]), q[64 + i] = int8_t(qi[16 + i]);
+      }
+    }
+  };
   for (int m = 0; m < j.M; ++m) {
     float* xgm = xg + size_t(m) * Gp * kStep;
     for (int blk = 0; blk < B; ++blk) {
@@ -174,20 +211,25 @@ void quantize_x_rows(const QmmJob& j, int8_t* xq, float* xd, float* xg) {
       for (int i = 0; i < kBlock; ++i) abits = std::max(abits, std::bit_cast<uint32_t>(x[i]) & 0x7fffffffu);
       const float amax = std::bit_cast<float>(abits), inv = amax > 0.0f ? 127.0f / amax : 0.0f;
       const bool finite = abits < 0x7f800000u;  // else the block's q are 0 and its d NaN: NaN out, as exact gives
-      const float d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+      float d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
       int32_t qi[kBlock];
       int sum = 0;
       for (int i = 0; i < kBlock; ++i) {
         qi[i] = finite ? int32_t((x[i] * inv + kRound) - kRound) : 0;  // |x * inv| <= 127 (and a rounding)
         sum += qi[i];
       }
-      int8_t* q = xq + size_t(m) * Bp * kBlock + blk / kStep * (kStep * kBlock) + blk % kStep * 16;
-      for (int i = 0; i < kBlock / 2; ++i) {
-        if (j.bits == 4) {
-          q[i] = int8_t(qi[2 * i]), q[64 + i] = int8_t(qi[2 * i + 1]);
-        } else {
-          q[i] = int8_t(qi[i]), q[64 + i] = int8_t(qi[16 + i]);
+      put(j.split ? 2 * size_t(m) : size_t(m), blk, qi);
+      if (j.split) {
+        const float inv2 = inv * 128.0f;  // exact: a power of two
+        int32_t ri[kBlock];
+        int sum2 = 0;
+        for (int i = 0; i < kBlock; ++i) {
+          const float r = std::fma(-d, float(qi[i]), x[i]);
+          ri[i] = finite ? int32_t((r * inv2 + kRound) - kRound) : 0;  // |r * inv2| <= 64 (and roundings)
+          sum2 += ri[i];
         }
+        put(2 * size_t(m) + 1, blk, ri);
+        d *= 0x1p-7f, sum = 128 * sum + sum2;
       }
       float* dm = xd + size_t(m) * Bp * kStep + blk / kStep * 16 + blk % kStep * kStep;
       for (int i = 0; i < kStep; ++i) dm[i] = d;
@@ -204,7 +246,7 @@ void quantize_x_rows(const QmmJob& j, int8_t* xq, float* xd, float* xg) {
 // the thread's buffer, kParamRows rows at a time just before their quads, as
 // the exact contract's tiles widen theirs (float32 scales of group 32 read
 // in place).
-template <int BITS>
+template <int BITS, bool SPLIT>
 struct FastTile {
   const QmmJob& j;
   // Rows [n0, n1)'s parameters as fast_tile reads them.
@@ -230,7 +272,7 @@ struct FastTile {
   }
   template <int Q, int MT>
   void run(int n, int n1, int m0, const FastParams& p) const {
-    fast_tile<Q, MT, BITS>(j, n, n1, m0, p);
+    fast_tile<Q, MT, BITS, SPLIT>(j, n, n1, m0, p);
   }
 };
 
@@ -251,21 +293,25 @@ inline void fast_quads_upto(int mt, int n0, int n1, int m0, const Tile& t, const
 }
 
 // Rows [n0, n1) in blocks of kParamRows (whole quads), every x tile over each.
-template <int BITS>
+template <int BITS, bool SPLIT>
 void fast_rows_bits(const QmmJob& j, int n0, int n1) {
   static_assert(kParamRows % kStep == 0);
   thread_local std::vector<float> buffer;
-  const FastTile<BITS> t{j};
+  const FastTile<BITS, SPLIT> t{j};
   for (int a = n0; a < n1; a += kParamRows) {
     const int b = std::min(n1, a + kParamRows);
     const FastParams p = t.params(a, b, buffer);
     for (int m0 = 0; m0 < j.M; m0 += kFastTile) {
-      fast_quads_upto<FastTile<BITS>, kFastTile>(std::min(kFastTile, j.M - m0), a, b, m0, t, p);
+      fast_quads_upto<FastTile<BITS, SPLIT>, kFastTile>(std::min(kFastTile, j.M - m0), a, b, m0, t, p);
     }
   }
 }
 
-// out[:, n0 .. n1) under the fast contract (x quantized in j.xq, j.xd, j.xg), any M.
+// out[:, n0 .. n1) under the fast or split contract (x quantized in j.xq, j.xd, j.xg), any M.
 void fast_rows(const QmmJob& j, int n0, int n1) {
-  j.bits == 4 ? fast_rows_bits<4>(j, n0, n1) : fast_rows_bits<8>(j, n0, n1);
+  if (j.split) {
+    j.bits == 4 ? fast_rows_bits<4, true>(j, n0, n1) : fast_rows_bits<8, true>(j, n0, n1);
+  } else {
+    j.bits == 4 ? fast_rows_bits<4, false>(j, n0, n1) : fast_rows_bits<8, false>(j, n0, n1);
+  }
 }

@@ -96,6 +96,11 @@ inline P dot4(const WR& w, const int8_t* x) {
   }
   return r;
 }
+inline P p_join(const P& hi, const P& lo) {  // the split contract's sums: 128 * hi + lo
+  P r;
+  for (int blk = 0; blk < 4; ++blk) r.v[blk] = hi.v[blk] * 128 + lo.v[blk];
+  return r;
+}
 struct QS {
   int32_t v[16];
 };

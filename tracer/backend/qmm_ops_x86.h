@@ -132,6 +132,11 @@ inline P dot4(const WR& w, const int8_t* x) {
   }
   return r;
 }
+// The split contract's sums: 128 * hi + lo, lane by lane (exact in int32).
+inline P p_join(const P& hi, const P& lo) {
+  return {_mm256_add_epi32(_mm256_slli_epi32(hi.v[0], 7), lo.v[0]),
+          _mm256_add_epi32(_mm256_slli_epi32(hi.v[1], 7), lo.v[1])};
+}
 // In each 128-bit lane, 4 vectors' 4 partial sums a block -> lane i: vector i's sum.
 inline __m256i transpose_sum(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
   const __m256i t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
@@ -301,6 +306,7 @@ inline P dot4(const WR& w, const int8_t* x) {
   return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w.a, _mm512_loadu_si512(x)), w.b,
                              _mm512_loadu_si512(x + 64));
 }
+inline P p_join(P hi, P lo) { return _mm512_add_epi32(_mm512_slli_epi32(hi, 7), lo); }  // 128 * hi + lo
 using QS = __m512i;
 inline QS reduce_quad(P p0, P p1, P p2, P p3) {
   const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(p0, p1), _mm512_unpackhi_epi32(p0, p1));

@@ -22,7 +22,7 @@ from . import commands, serve, tools
 from . import options as opt
 
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-WEIGHTS = ("auto", "as-is", "quantized", "quantized-factored", "quantized-fast", "float32", "float32-blocks")
+WEIGHTS = ("auto", "as-is", "quantized", "quantized-factored", "quantized-fast", "quantized-split", "float32", "float32-blocks")
 
 
 class Parser(argparse.ArgumentParser):

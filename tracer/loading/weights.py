@@ -60,10 +60,12 @@ from .format_cache import FormatChoice, Setup, Timings
 from ..adapters.lean.weights import CONTRACT_ATTR
 from .quant import dequantize_model, float32_activations, float32_bytes, is_quantized
 
-FORMATS = ("auto", "as-is", "quantized", "quantized-factored", "quantized-fast", "float32", "float32-blocks")
+FORMATS = ("auto", "as-is", "quantized", "quantized-factored", "quantized-fast", "quantized-split", "float32",
+           "float32-blocks")
 # the formats that keep the file's quantized blocks (its memory)
-BLOCKS = ("as-is", "quantized", "quantized-factored", "quantized-fast")
-CONTRACTS = {"quantized": "exact", "quantized-factored": "factored", "quantized-fast": "fast"}  # qmm's, per format
+BLOCKS = ("as-is", "quantized", "quantized-factored", "quantized-fast", "quantized-split")
+CONTRACTS = {"quantized": "exact", "quantized-factored": "factored", "quantized-fast": "fast",
+             "quantized-split": "split"}  # qmm's, per format
 MARGIN = 1.1  # a larger format must be this much faster than as-is (ms per token)
 BATCHES = (1, 4)  # batch widths timed per format
 

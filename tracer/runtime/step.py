@@ -189,9 +189,9 @@ class CompiledModel:
         each keeps the bits of the decode step at its position, or None
         (no limit): qmm's exact and factored contracts sum a row alike up
         to ``qmm_tile_rows()`` rows (64) and in sgemm panels above; its fast
-        contract, the BLAS and MLX's ops at any count."""
+        and split contracts, the BLAS and MLX's ops at any count."""
         b = self.lean.binding if self.lean is not None and self.lean.active else None
-        if b is None or b.contract == "fast" or not b.uses_qmm:
+        if b is None or b.contract in ("fast", "split") or not b.uses_qmm:
             return None
         return kernels.load().qmm_tile_rows()
 
