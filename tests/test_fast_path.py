@@ -108,11 +108,11 @@ b = [o.tokens for o in auto.batch_generate(texts[:1], max_tokens=24)] + [o.token
 from mlx_tracer.loading import format_cache, store
 from mlx_tracer.loading.weights import pick_format
 choice = format_cache.find(format_cache.Setup.of(store.resolve_model()))
-from mlx_tracer.loading.weights import quantized_candidate
+from mlx_tracer.loading.weights import quantized_candidates
 print(json.dumps({{"format": auto.weights, "same": a == b, "maxdiff": mx.abs(l_ref - l_auto).max().item(),
                   "france": auto.tokenizer.decode(b[0]), "recorded": choice.format,
                   "timed": sorted(choice.timings), "rule": pick_format(choice.timings),
-                  "candidate": quantized_candidate(), "isa": kernels.load().qmm_isa()}}))
+                  "candidates": list(quantized_candidates()), "isa": kernels.load().qmm_isa()}}))
 """
 
 
@@ -127,9 +127,9 @@ def test_auto_weights_with_the_fast_blas_keep_the_greedy_tokens():
     # which format wins depends on the machine; that it follows the recorded
     # timings by the documented rule (tracer/loading/weights.py) does not
     assert out["format"] == out["recorded"] == out["rule"], out
-    # sorted; the quantized format: the kernels are built (its factored contract where they run on AVX2)
-    want = "quantized-factored" if out["isa"] == "avx2" else "quantized"
-    assert out["candidate"] == want and out["timed"] == sorted(["as-is", "float32", want]), out
+    # sorted; the quantized formats: the kernels are built (the factored contract where they run on AVX2, and split)
+    want = ["quantized-factored" if out["isa"] == "avx2" else "quantized", "quantized-split"]
+    assert out["candidates"] == want and out["timed"] == sorted(["as-is", "float32", *want]), out
     assert out["same"], out
     assert "Paris" in out["france"]
     assert out["maxdiff"] < 1e-2, out

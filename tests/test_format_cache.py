@@ -49,7 +49,7 @@ def fake_timings(monkeypatch, ms):
         return ms[fmt] * B
 
     monkeypatch.setattr(weights, "decode_step_ms", step_ms)
-    monkeypatch.setattr(weights, "quantized_candidate", lambda: None)  # two candidates (see the quantized tests below)
+    monkeypatch.setattr(weights, "quantized_candidates", lambda: ())  # two candidates (see the quantized tests below)
     return calls
 
 
@@ -176,6 +176,8 @@ def test_the_rule_prefers_the_faster_of_the_block_formats_and_float32_only_by_a_
     assert weights.pick_format({"as-is": t(10), "quantized": t(8), "float32": t(5)}) == "float32"
     assert weights.pick_format({"as-is": t(5), "quantized": t(5), "float32": t(9)}) == "as-is"  # a tie keeps as-is
     assert weights.pick_format({"as-is": t(10), "float32": t(5)}) == "float32"
+    three = {"as-is": t(10), "quantized-factored": t(6), "quantized-split": t(4), "float32": t(4.2)}
+    assert weights.pick_format(three) == "quantized-split"  # the fastest block format; float32 not 10 % faster
 
 
 def test_a_stored_choice_that_did_not_time_the_quantized_format_is_measured_again(home, source, monkeypatch):
@@ -183,14 +185,21 @@ def test_a_stored_choice_that_did_not_time_the_quantized_format_is_measured_agai
     monkeypatch.setattr(weights, "current_load", lambda: 0.0)
     assert choose(source) == "float32" and len(calls) == 4
     assert choose(source) == "float32" and len(calls) == 4  # stored: not timed again
-    monkeypatch.setattr(weights, "quantized_candidate", lambda: "quantized")  # the kernels are built now
+    monkeypatch.setattr(weights, "quantized_candidates", lambda: ("quantized",))  # the kernels are built now
     logs = []
     choose(source, logs.append)
     assert len(calls) == 10 and "did not time quantized" in " ".join(logs)
     assert "quantized" in format_cache.list_choices()[0].timings
     # a later version's candidate (quantized-factored where qmm runs on AVX2) is timed again too
-    monkeypatch.setattr(weights, "quantized_candidate", lambda: "quantized-factored")
+    monkeypatch.setattr(weights, "quantized_candidates", lambda: ("quantized-factored",))
     logs = []
     choose(source, logs.append)
     assert len(calls) == 16 and "did not time quantized-factored" in " ".join(logs)
     assert "quantized-factored" in format_cache.list_choices()[0].timings
+    # and 0.5.15's second one (quantized-split): every candidate timed, the one missing named
+    monkeypatch.setattr(weights, "quantized_candidates", lambda: ("quantized-factored", "quantized-split"))
+    logs = []
+    choose(source, logs.append)
+    assert len(calls) == 24 and "did not time quantized-split" in " ".join(logs)
+    assert {"quantized-factored", "quantized-split"} <= set(format_cache.list_choices()[0].timings)
+    assert choose(source) and len(calls) == 24  # stored with both: not timed again

@@ -1,7 +1,8 @@
 """SmolLM2-135M-Instruct end to end through the compiled loop, against
 mlx-lm's own stream_generate and batch_generate (greedy, token for token),
 as loaded and in the formats the CPU runs by default (`quantized`, and
-`quantized-factored` where qmm runs on AVX2)."""
+`quantized-factored` where qmm runs on AVX2, `quantized-split`: what `auto`
+times)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,14 @@ def factored():
     return Generator.load(resolve_model(), weights="quantized-factored", system=SYSTEM)
 
 
+@pytest.fixture(scope="module")
+def split():
+    """The same blocks in qmm's split contract (x in 15 bits, integer products; ``auto`` times it too)."""
+    if not model_present():
+        pytest.skip("SmolLM2 GGUF not present: run `mlx-tracer fetch` (or ./dev setup)")
+    return Generator.load(resolve_model(), weights="quantized-split", system=SYSTEM)
+
+
 def chat_ids(gen, text):
     return gen.encode(text)
 
@@ -62,10 +71,10 @@ def test_france_answer_matches_mlx_lm_stream_generate(smol):
     assert out.text.strip() == "The capital of France is Paris."
 
 
-def test_four_prompts_match_mlx_lm_batch_generate(smol, packed, factored):
+def test_four_prompts_match_mlx_lm_batch_generate(smol, packed, factored, split):
     """mlx-lm's batch_generate on the model as loaded (MLX's own quantized
     matmuls) against the loop as the CPU runs it by default (the file's blocks
-    on the native kernels, their exact and factored contracts): the same
+    on the native kernels, their exact, factored and split contracts): the same
     greedy tokens. (The
     as-loaded format through the loop is checked against mlx-lm by the France
     test above; it costs as much as mlx-lm's run here, ~25 s.)"""
@@ -75,7 +84,7 @@ def test_four_prompts_match_mlx_lm_batch_generate(smol, packed, factored):
     prompts = [chat_ids(smol, t) for t in texts]
     assert len({len(p) for p in prompts}) == 4  # different lengths: left padding in the batch
     ref = batch_generate(smol.model, smol.tokenizer, prompts, max_tokens=16, return_token_ids=True)
-    for gen in (packed, factored):
+    for gen in (packed, factored, split):
         before = dict(gen.traces)
         outs = gen.batch_generate(prompts, max_tokens=16)
         for o, want in zip(outs, ref.token_ids):

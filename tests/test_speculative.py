@@ -460,7 +460,9 @@ def kernel_paths():
                                                 ("quantized-fast", "vector", "portable"),
                                                 ("quantized-fast", "blas", "avx512"),
                                                 ("quantized-factored", "vector", "avx2"),
-                                                ("quantized-factored", "vector", "portable")])
+                                                ("quantized-factored", "vector", "portable"),
+                                                ("quantized-split", "vector", "avx2"),
+                                                ("quantized-split", "blas", "portable")])
 def test_verify_windows_on_packed_weights_judge_the_plain_steps_logits_bit_for_bit(kernel_paths, fmt, attention, isa):
     """On the layer kernels with packed weights (each qmm contract, decode
     attention on vector lanes or BLAS, each ISA path): every accepted token of
@@ -476,6 +478,8 @@ def test_verify_windows_on_packed_weights_judge_the_plain_steps_logits_bit_for_b
     apply_format(model, fmt)
     cm = CompiledModel(model)
     assert cm.lean.binding.contract == CONTRACTS[fmt]
+    # the fast and split contracts' tiles sum a row alike at any M: no cap on a window's rows
+    assert (cm.verify_rows is None) == (fmt in ("quantized-fast", "quantized-split"))
     plain, _ = _events(cm)
     spec, eng = _events(cm, speculative="prompt-lookup", draft_tokens=4)
     assert eng.stats.verify_steps > 0 and eng.stats.accepted > 0

@@ -36,7 +36,7 @@ from ..home import cache_dir, say_not_caching, writable_cache_dir
 
 FILENAME = "formats.json"
 VERSION = 2
-CHOSEN = ("as-is", "quantized", "quantized-factored", "float32", "float32-blocks")  # what ``auto`` can resolve to
+CHOSEN = ("as-is", "quantized", "quantized-factored", "quantized-split", "float32", "float32-blocks")  # what ``auto`` can resolve to
 
 Timings = Dict[str, Dict[int, float]]  # format -> {batch width: ms per decode step}
 

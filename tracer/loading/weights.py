@@ -12,18 +12,23 @@ rows of x), ``quantized-fast`` (the same, with the kernels' *fast* arithmetic:
 activations quantized to int8 per block of 32 and integer dot products, as
 llama.cpp computes; faster where the matmuls are compute-bound, not equal
 to mlx-lm's values: the KL of its next-token distributions is measured by
-``benchmarks/qmm_kl.py``; ``auto`` never picks it), ``float32`` (every
+``benchmarks/qmm_kl.py``; ``auto`` never picks it), ``quantized-split``
+(the fast arithmetic on activations in 15 bits: each block of 32 as an
+int8 part and an int8 remainder at 1/128 of its scale, the integer products
+of both joined exactly; within a mean KL of 2.1e-7 nats of the exact
+contract on SmolLM2), ``float32`` (every
 quantized layer dequantized, scales and biases cast to fp32 first),
 ``float32-blocks`` (transformer blocks dequantized, the quantized
 embedding/head kept). ``auto``:
 
 * on a GPU backend: ``as-is``;
-* on the CPU: ``as-is``, the quantized format (where the native quantized
+* on the CPU: ``as-is``, the quantized formats (where the native quantized
   matmul is built: ``quantized-factored`` where its kernels run on AVX2, the
   path where the factored sums are faster, ``quantized`` on AVX-512 and the
-  portable path; :func:`quantized_candidate`) and ``float32`` (or ``float32-blocks`` when fp32 weights would
+  portable path; and ``quantized-split``; :func:`quantized_candidates`) and
+  ``float32`` (or ``float32-blocks`` when fp32 weights would
   take more than half of the available RAM) are each timed on compiled decode
-  steps at batch 1 and 4 (the step the loop runs); the faster of the two that
+  steps at batch 1 and 4 (the step the loop runs); the fastest of those that
   keep the file's blocks wins (``as-is`` on a tie), and a float32 format wins
   only if it beats that by more than 10% (it costs up to 4-6x the memory):
   :func:`pick_format` is that rule. The decision is cached per
@@ -127,18 +132,25 @@ def quantized_kernels() -> bool:
     return kernels.load() is not None and hasattr(kernels.load(), "qmm")
 
 
-def quantized_candidate() -> Optional[str]:
-    """The quantized format ``auto`` times: ``quantized-factored`` where the
-    native quantized matmul runs on AVX2 (its factored sums about half the
-    float work per weight of the exact contract's dequantization there: a
+def quantized_candidates() -> tuple:
+    """The quantized formats ``auto`` times, () without the kernels: the
+    float contract of the path, ``quantized-factored`` where the native
+    quantized matmul runs on AVX2 (its factored sums about half the float
+    work per weight of the exact contract's dequantization there: a
     bucket-1 step's matmuls ~1.3x faster, 0.5.14's notes in the README),
     ``quantized`` on its other paths (AVX-512 looks each weight up in a
-    table, as cheap as a factored sum), None without the kernels."""
+    table, as cheap as a factored sum); and ``quantized-split`` (integer
+    products on x in 15 bits: as fast as the factored sums on SmolLM2,
+    1.1x at bucket 1 and 1.6x at bucket 4 on Llama-3.2-1B's shape, 0.5.15's
+    notes; its next-token distributions within a mean KL of 2.1e-7 nats of
+    the exact contract's, closer than that is to mlx-lm's own CPU
+    arithmetic, 6.2e-7)."""
     if not quantized_kernels():
-        return None
+        return ()
     from ..backend import kernels
 
-    return "quantized-factored" if kernels.load().qmm_isa() == "avx2" else "quantized"
+    return ("quantized-factored" if kernels.load().qmm_isa() == "avx2" else "quantized", "quantized-split")
+
 
 
 def ms_per_token(timings_of_one_format: dict) -> float:
@@ -184,14 +196,14 @@ def choose_format(model, source: Optional[Path], reload, log=lambda s: None) -> 
     avail = available_memory()
     fits = avail is None or float32_bytes(model) < avail // 2
     # fp32 everywhere when it fits; else blocks only (the head stays quantized)
-    quantized = quantized_candidate()
-    candidates = ["as-is"] + ([quantized] if quantized else []) + ["float32" if fits else "float32-blocks"]
-    missing = known is not None and quantized is not None and quantized not in known.timings
+    quantized = list(quantized_candidates())
+    candidates = ["as-is"] + quantized + ["float32" if fits else "float32-blocks"]
+    missing = [f for f in quantized if known is not None and f not in known.timings]
     if known is not None and not missing and not should_remeasure(known, load_before):
         fmt = known.format
         return (apply_format(model, fmt) if fmt != "as-is" else model), fmt, known.timings
     if missing:
-        log(f"measuring weight formats again: the stored choice did not time {quantized}")
+        log(f"measuring weight formats again: the stored choice did not time {', '.join(missing)}")
     elif known is not None:
         log(f"measuring weight formats again: the stored choice was timed at load average {known.load_avg} "
             f"on {known.setup.cores} cores, now {load_before:.2f}")
