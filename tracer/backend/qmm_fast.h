@@ -8,7 +8,8 @@
 //   WR, unpack4<BITS>(p)  one row's 4 blocks (packed at p) as unsigned bytes, halves A and B;
 //       unpack4_n<BITS>(p, n) its first n < 4 blocks, zeros for the rest (reads only those);
 //   P, dot4<BITS>(w, x)   partial integer dot products of those blocks with a step of x
-//       (vpdpbusd; maddubs + madd; scalar loops); p_join(hi, lo) = 128 * hi + lo;
+//       (vpdpbusd; maddubs + madd; scalar loops); dot4_split<BITS>(w, x, lo) = 128 * dot4(w, x)
+//       + dot4(w, x + lo) (the split contract: x's int8 part, its remainder lo bytes on);
 //   QS, reduce_quad(p0 .. p3)  the 16 blocks' exact int32 sums of the rows p0 .. p3, lane
 //       4 j + i: row i's block j (the same integers on every ISA);
 //   FQ (16 float lanes in that order): fq_zero, fq_load (16 floats), fq_gather4(r0 .. r3)
@@ -37,7 +38,7 @@ constexpr int kStep = 4;  // blocks a step (and weight rows a quad)
 template <int BITS, bool SPLIT>
 inline P dotx(const WR& w, const int8_t* x, size_t lo) {
   if constexpr (SPLIT) {
-    return p_join(dot4<BITS>(w, x), dot4<BITS>(w, x + lo));
+    return dot4_split<BITS>(w, x, lo);
   } else {
     return dot4<BITS>(w, x);
   }

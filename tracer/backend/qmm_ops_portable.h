@@ -96,9 +96,12 @@ inline P dot4(const WR& w, const int8_t* x) {
   }
   return r;
 }
-inline P p_join(const P& hi, const P& lo) {  // the split contract's sums: 128 * hi + lo
+// The split contract's sums: 128 * (x's int8 part's) + (its remainder's, lo bytes on).
+template <int BITS>
+inline P dot4_split(const WR& w, const int8_t* x, size_t lo) {
+  const P hi = dot4<BITS>(w, x), rest = dot4<BITS>(w, x + lo);
   P r;
-  for (int blk = 0; blk < 4; ++blk) r.v[blk] = hi.v[blk] * 128 + lo.v[blk];
+  for (int blk = 0; blk < 4; ++blk) r.v[blk] = hi.v[blk] * 128 + rest.v[blk];
   return r;
 }
 struct QS {

@@ -132,10 +132,13 @@ inline P dot4(const WR& w, const int8_t* x) {
   }
   return r;
 }
-// The split contract's sums: 128 * hi + lo, lane by lane (exact in int32).
-inline P p_join(const P& hi, const P& lo) {
-  return {_mm256_add_epi32(_mm256_slli_epi32(hi.v[0], 7), lo.v[0]),
-          _mm256_add_epi32(_mm256_slli_epi32(hi.v[1], 7), lo.v[1])};
+// The split contract's sums: 128 * (x's int8 part's) + (its remainder's, lo
+// bytes on), lane by lane (exact in int32).
+template <int BITS>
+inline P dot4_split(const WR& w, const int8_t* x, size_t lo) {
+  const P hi = dot4<BITS>(w, x), rest = dot4<BITS>(w, x + lo);
+  return {_mm256_add_epi32(_mm256_slli_epi32(hi.v[0], 7), rest.v[0]),
+          _mm256_add_epi32(_mm256_slli_epi32(hi.v[1], 7), rest.v[1])};
 }
 // In each 128-bit lane, 4 vectors' 4 partial sums a block -> lane i: vector i's sum.
 inline __m256i transpose_sum(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
@@ -273,7 +276,6 @@ struct WR {
 template <int BITS>
 inline WR unpack4(const uint8_t* p) {
   if constexpr (BITS == 4) {
-// two 32-byte loads: one 64-byte load a row per step streams from memory slower (measured)
     // two 32-byte loads (one 64-byte load a row and step streamed slower, measured)
     const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), 1);
@@ -306,7 +308,13 @@ inline P dot4(const WR& w, const int8_t* x) {
   return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w.a, _mm512_loadu_si512(x)), w.b,
                              _mm512_loadu_si512(x + 64));
 }
-inline P p_join(P hi, P lo) { return _mm512_add_epi32(_mm512_slli_epi32(hi, 7), lo); }  // 128 * hi + lo
+// The split contract's sums: the remainder's products accumulated onto 128 *
+// the int8 part's (the same integers as a separate sum and an add).
+template <int BITS>
+inline P dot4_split(const WR& w, const int8_t* x, size_t lo) {
+  const P hi = _mm512_slli_epi32(dot4<BITS>(w, x), 7);
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(hi, w.a, _mm512_loadu_si512(x + lo)), w.b, _mm512_loadu_si512(x + lo + 64));
+}
 using QS = __m512i;
 inline QS reduce_quad(P p0, P p1, P p2, P p3) {
   const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(p0, p1), _mm512_unpackhi_epi32(p0, p1));
