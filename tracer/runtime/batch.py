@@ -77,11 +77,20 @@ class RunningBatch:
     def join(self, reqs: List[Request], prefilled: List[List[StaticKVCache]], width: Optional[int] = None):
         """Add ``reqs`` (with their prefilled caches, in order) to the batch.
         Only between steps: the pipeline must be empty. ``width``: a bucket
-        to make the batch at least (more rows are about to join)."""
+        to make the batch at least (more rows are about to join). Each
+        layer's join is evaluated before the next is built; into a new
+        batch, the prefilled caches are taken over: each entry of the lists
+        in ``prefilled`` is released (None) once its layer is joined, so
+        that the admission holds one layer's copy twice, not every layer's."""
         assert not self.pipeline, "join while a step is in flight"
         width = max(bucket_for(len(self.rows) + len(reqs), self.buckets), width or 0)
         if self.caches is None:
-            caches = [type(layer[0]).join(layer, width=width) for layer in zip(*prefilled)]
+            caches = []
+            for i, layer in enumerate(zip(*prefilled)):
+                caches.append(joined(type(layer[0]).join(layer, width=width)))
+                del layer
+                for p in prefilled:
+                    p[i] = None
         else:
             # Newcomers whose tokens fit the running timeline are written into
             # free rows (StaticKVCache.place): the running rows' K/V are not
@@ -91,7 +100,7 @@ class RunningBatch:
             layers = list(zip(self.caches, zip(*prefilled)))
             hits = sum(c.spare_hits for c in self.caches)
             placed = [c.placement(new, width=width) if self.in_place else None for c, new in layers]
-            caches = [c if p is not None else type(c).join([c, *new], width=width)
+            caches = [c if p is not None else joined(type(c).join([c, *new], width=width))
                       for (c, new), p in zip(layers, placed)]
             for c, p in zip(self.caches, placed):  # nothing changed before this (lazy arrays only)
                 if p is not None:
@@ -246,6 +255,14 @@ class RunningBatch:
         """Whether some row still needs a token after the steps in flight."""
         ahead = len(self.pipeline)
         return any(len(r.tokens) + ahead < r.max_tokens for r in self.rows)
+
+
+def joined(cache: StaticKVCache) -> StaticKVCache:
+    """``cache`` (one layer's join) evaluated now, so that the copies and
+    format conversions of a join live one layer at a time instead of every
+    layer's at once (RunningBatch.join)."""
+    mx.eval(cache.state)
+    return cache
 
 
 def _fill_holes(keep: List[int]) -> List[int]:
