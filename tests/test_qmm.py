@@ -433,3 +433,27 @@ def test_the_environment_forces_a_path_and_the_thread_count():
     unknown = run_with({"MLX_TRACER_QMM_ISA": "sse9"})
     assert unknown.stdout.split()[0] == best_isa
     assert "MLX_TRACER_QMM_ISA=sse9 is not one of portable" in unknown.stderr and f"using {best_isa}" in unknown.stderr
+
+
+def test_the_integer_kernels_in_use_are_named():
+    """``qmm_int8_isa`` (what ``mlx-tracer info`` prints beside the path)
+    names the fast and split contracts' integer kernels: VNNI's on the
+    AVX-512 path where the CPU has it (its flags in /proc/cpuinfo), else
+    AVX2's there, the path's own on the others."""
+    flags = set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    want = {"avx512": "avx512-vnni" if "avx512_vnni" in flags else "avx2", "avx2": "avx2", "portable": "portable"}
+    before, seen = K.qmm_isa(), 0
+    try:
+        for name in PATHS:
+            if K.qmm_set_isa(name) == name:
+                assert K.qmm_int8_isa() == want[name], name
+                seen += 1
+    finally:
+        K.qmm_set_isa(before)
+    assert seen >= 1
+    assert f"(integer products: {K.qmm_int8_isa()})" in kernels.status()

@@ -276,6 +276,7 @@ def status() -> str:
     module = load()
     if module is not None:
         return (f"active: the lean layers on the CPU, decode and windows (4 graph nodes a decode layer; float32 or "
-                f"packed 4-/8-bit projections); quantized matmul {module.qmm_isa()}, {module.qmm_threads()} threads; "
+                f"packed 4-/8-bit projections); quantized matmul {module.qmm_isa()} (integer products: "
+                f"{module.qmm_int8_isa()}), {module.qmm_threads()} threads; "
                 f"decode attention {_ATTENTION[module.attention_mode()]} ({Path(module.__file__).name})")
     return f"not used: {_state['why']}"

@@ -693,6 +693,11 @@ void register_qmm(nb::module_& m) {
   m.def("qmm_profile", [] { return std::make_pair(g_qmm_ns.exchange(0), g_qmm_calls.exchange(0)); },
         "(nanoseconds, calls) in the qmm primitive's tasks since the last call (MLX_TRACER_KERNEL_PROFILE=1)");
   m.def("qmm_isa", [] { return std::string(path().name); }, "qmm's kernels in use: avx512, avx2 or portable");
+  m.def("qmm_int8_isa", [] {
+    const std::string name = path().name;
+    if (name != "avx512") return name;
+    return std::string(__builtin_cpu_supports("avx512vnni") ? "avx512-vnni" : "avx2");  // as fast_avx512 picks
+  }, "the kernels of the fast and split contracts' integer products: avx512-vnni, avx2 or portable");
   m.def("qmm_set_isa", &set_isa, nb::arg("name"), "Use that ISA path from now on (the best one the CPU has if it lacks it); returns the one in use");
   m.def("qmm_tile_rows", [] { return kSmallMaxM; },
         "the most x rows the exact and factored contracts multiply in tiles (a row's bits the same at every M up to it; "
