@@ -695,8 +695,10 @@ void register_qmm(nb::module_& m) {
   m.def("qmm_isa", [] { return std::string(path().name); }, "qmm's kernels in use: avx512, avx2 or portable");
   m.def("qmm_int8_isa", [] {
     const std::string name = path().name;
-    if (name != "avx512") return name;
-    return std::string(__builtin_cpu_supports("avx512vnni") ? "avx512-vnni" : "avx2");  // as fast_avx512 picks
+#if defined(__x86_64__)
+    if (name == "avx512") return std::string(has_vnni() ? "avx512-vnni" : "avx2");  // as fast_avx512 picks
+#endif
+    return name;
   }, "the kernels of the fast and split contracts' integer products: avx512-vnni, avx2 or portable");
   m.def("qmm_set_isa", &set_isa, nb::arg("name"), "Use that ISA path from now on (the best one the CPU has if it lacks it); returns the one in use");
   m.def("qmm_tile_rows", [] { return kSmallMaxM; },

@@ -16,6 +16,17 @@
   inline F add(F a, F b) { return P##_add_ps(a, b); }                 \
   inline F fmadd(F a, F b, F c) { return P##_fmadd_ps(a, b, c); }
 
+// What this CPU runs (every unit: the paths' checks, and qmm_int8_isa's).
+bool has_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+bool has_avx512() {
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
+}
+// The AVX-512 path's fast and split contracts run VNNI's kernels where it has it, else AVX2's.
+bool has_vnni() { return has_avx512() && __builtin_cpu_supports("avx512vnni"); }
+
 #if QMM_UNIT_AVX2
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
@@ -352,7 +363,7 @@ inline void fq_rows(FQ a, float* out) {
 #pragma GCC pop_options
 
 void fast_avx512(const QmmJob& j, int n0, int n1) {
-  static const bool vnni = __builtin_cpu_supports("avx512vnni");
+  static const bool vnni = has_vnni();
   vnni ? isa_avx512_vnni::fast_rows(j, n0, n1) : tracer_qmm_unit::kPathAvx2.fast(j, n0, n1);  // unit 1's
 }
 // The factored contract: AVX2's kernels (unit 1), the same bits on every path.
@@ -363,10 +374,3 @@ void quantize_x_avx2(const QmmJob& j, int8_t* xq, float* xd, float* xg) {
 }
 #endif  // QMM_UNIT_AVX512
 
-bool has_avx2() {
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
-bool has_avx512() {
-  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl");
-}

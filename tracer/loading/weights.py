@@ -152,7 +152,6 @@ def quantized_candidates() -> tuple:
     return ("quantized-factored" if kernels.load().qmm_isa() == "avx2" else "quantized", "quantized-split")
 
 
-
 def ms_per_token(timings_of_one_format: dict) -> float:
     """Geometric mean over the timed batch widths of ms per token."""
     return statistics.geometric_mean([ms / b for b, ms in timings_of_one_format.items()])

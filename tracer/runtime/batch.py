@@ -88,7 +88,7 @@ class RunningBatch:
             caches = []
             for i, layer in enumerate(zip(*prefilled)):
                 caches.append(joined(type(layer[0]).join(layer, width=width)))
-                del layer
+                del layer  # (the tuple holds the layer's prefilled caches too)
                 for p in prefilled:
                     p[i] = None
         else:
