@@ -46,8 +46,8 @@ def main() -> int:
         raise SystemExit(f"native kernels unavailable: {kernels.status()}")
     model, label = load_bench_model("smollm2", weights=args.weights)
     compiled = CompiledModel(model, kv=check_kv(kv_bits=args.kv_bits, kv_dtype=args.kv_dtype))
-    build, evaluate, verify = _tracer_steps(compiled, [synthetic_context(model, compiled.layout, args.context)]
-                                            * args.bucket, windows=True)
+    build, evaluate, verify, _ = _tracer_steps(compiled, [synthetic_context(model, compiled.layout, args.context)]
+                                               * args.bucket, windows=True)
     kinds = {"decode": lambda: (build(), evaluate())}
     if args.window:
         kinds["verify"] = lambda: verify(args.window)

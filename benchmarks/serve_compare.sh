@@ -22,7 +22,8 @@
 # Environment overrides: GGUF (the model file), MLX_LM_DIR (mlx-lm folder built from it,
 # made by benchmarks/make_mlx_lm_model.py when missing), LLAMA_SERVER (binary), PY (python
 # with httpx, mlx-lm, mlx-tracer), SERVE_LOAD (client script), PORT_BASE (8090), TRACER_WEIGHTS
-# (mlx-tracer's --weights, default quantized: mlx-lm's arithmetic; quantized-fast: llama.cpp's).
+# (mlx-tracer's --weights, default auto: what `mlx-tracer serve` picks, measured on this machine;
+# quantized: the exact contract, mlx-lm's arithmetic; quantized-fast: llama.cpp's).
 set -u -o pipefail
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -128,7 +129,7 @@ start_server() {  # $1 name, $2 port, $3 log
   local cmd
   case "$1" in
     tracer)
-      cmd=("$TRACER" serve --model "$GGUF" --weights "${TRACER_WEIGHTS:-quantized}" --buckets "$(echo 1 2 4 8 16 32 64 | tr ' ' '\n' | awk -v m="$SLOTS" '{print} $1>=m {exit}' | paste -sd,)" \
+      cmd=("$TRACER" serve --model "$GGUF" --weights "${TRACER_WEIGHTS:-auto}" --buckets "$(echo 1 2 4 8 16 32 64 | tr ' ' '\n' | awk -v m="$SLOTS" '{print} $1>=m {exit}' | paste -sd,)" \
            --host 127.0.0.1 --port "$2" --log-level warning)
       local env=()
       [ "$THREADS" -lt "$NCPU" ] && env=(env MLX_TRACER_BLAS_THREADS="$THREADS")

@@ -556,3 +556,32 @@ def test_the_auto_policy_prices_long_windows_by_how_far_runs_go():
     assert goes_on.drafts([row], 1) is not None and goes_on.window == 17
     fails = trained(0)  # the first draft never holds: plain steps
     assert fails.drafts([row], 1) is None
+
+
+class _ScriptedDrafter:
+    """Proposes, at position i of the output, the drafts scripted for i."""
+
+    def __init__(self, context_len, script):
+        self.n0, self.script = context_len, script
+
+    def propose(self, context, k):
+        return list(self.script.get(len(context) - self.n0, []))[:k]
+
+
+def test_the_speculation_ceiling_replays_always_and_prices_an_oracle_policy():
+    from mlx_tracer.bench.speculative import cost_of, oracle_units, replay_always
+
+    costs = {2: 1.5, 5: 2.0, 9: 3.0}
+    assert cost_of(costs, 5) == 2.0 and cost_of(costs, 1) == 1.0
+    assert cost_of(costs, 3) == pytest.approx(1.5 + 0.5 / 3)  # between L2 and L5
+    assert cost_of(costs, 17) == pytest.approx(3.0 + 8 * 0.25)  # past L9: the last slope
+    out = list(range(10))
+    # position 0: 4 right drafts; position 5: a wrong one; position 6: 2 right, then wrong
+    drafter = _ScriptedDrafter(3, {0: [0, 1, 2, 3, 99], 5: [42], 6: [6, 7, 55]})
+    # always with k=4: verify at 0 (4 accepted: 5 tokens), at 5 (refused: 1 token), at 6 (2 accepted), plain at 9
+    assert replay_always([7, 8, 9], out, drafter, 4) == [4, 0, 2]
+    # oracle: verify L5 at 0 (2.0, to position 5), plain at 5 (1), verify L3 at 6 (2 accepted:
+    # cost_of(3) -> position 9), plain at 9 (1): 2.0 + 1 + 1.5 + 0.5 / 3 + 1
+    assert oracle_units([7, 8, 9], out, drafter, costs, [2, 3, 5, 9]) == pytest.approx(2.0 + 1 + 1.5 + 0.5 / 3 + 1)
+    # free text: no draft ever holds, so the oracle never verifies: one unit a token
+    assert oracle_units([7, 8, 9], out, _ScriptedDrafter(3, {i: [99] for i in range(10)}), costs, [2, 5]) == 10.0

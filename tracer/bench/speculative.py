@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from typing import Callable, Dict, List, Sequence
 
 PASSAGE = (
@@ -100,3 +101,60 @@ def spec_rows(plain, buckets: Sequence[int] = (1, 4), k: int = 4, tokens: int = 
             on_row(row)
             rows.append(row)
     return rows
+
+
+# What speculation could buy at best on one greedy output (benchmarks/spec_ceiling.py).
+def cost_of(costs: dict, L: int) -> float:
+    """c(L): a verify step of window L in decode steps, from ``costs`` ({L: c}),
+    interpolated linearly between its windows (c(1) = 1), extended past the last."""
+    if L in costs:
+        return costs[L]
+    pts = sorted({1: 1.0, **costs}.items())
+    for (l0, c0), (l1, c1) in zip(pts, pts[1:]):
+        if l0 <= L <= l1:
+            return c0 + (c1 - c0) * (L - l0) / (l1 - l0)
+    (l0, c0), (l1, c1) = pts[-2], pts[-1]
+    return c1 + (c1 - c0) * (L - l1) / (l1 - l0)
+
+
+def _confirmed(drafts, out, i) -> int:
+    """How many of ``drafts``, proposed at position ``i``, ``out`` confirms (the greedy rule)."""
+    a = 0
+    while a < len(drafts) and i + a < len(out) and drafts[a] == out[i + a]:
+        a += 1
+    return a
+
+
+def replay_always(context, out, drafter, k):
+    """The accepted drafts of each verify step of the ``always`` policy with
+    ``k`` drafts (a verify step wherever ``drafter`` proposes) replaying the
+    greedy output ``out`` after ``context``."""
+    i, runs = 0, []
+    while i < len(out):
+        d = drafter.propose(context + out[:i], k)
+        a = _confirmed(d, out, i)
+        if d:
+            runs.append(a)
+        i += a + 1
+    return runs
+
+
+def oracle_units(context, out, drafter, costs: dict, windows) -> float:
+    """The fewest decode-step units any policy could spend on emitting ``out``
+    after ``context``: at each position a plain step (1) or a verify step of
+    a window L in ``windows`` (``cost_of(costs, L)``, advancing by the drafts
+    ``drafter`` proposes there that ``out`` confirms, + 1), chosen knowing
+    every outcome (benchmarks/spec_ceiling.py)."""
+    n = len(out)
+
+    @lru_cache(maxsize=None)
+    def accepted(i, L):
+        return _confirmed(drafter.propose(context + out[:i], L - 1), out, i)
+
+    best = [0.0] * (n + 1)  # best[i]: units to emit out[i:]
+    for i in range(n - 1, -1, -1):
+        best[i] = 1.0 + best[i + 1]
+        for L in windows:
+            j = min(n, i + accepted(i, L) + 1)
+            best[i] = min(best[i], cost_of(costs, L) + best[j])
+    return best[0]

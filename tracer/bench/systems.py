@@ -102,7 +102,9 @@ def _tracer_steps(compiled, contexts: list, windows: bool = False):
     """One compiled decode step per call: ``(build, evaluate)`` (``CompiledModel.step``:
     the step's plan, the compiled call that replays its graph, the caches' bookkeeping).
     With ``windows``, a third: ``verify(L)``, one verify step of ``L`` tokens a row
-    on the same caches, no draft accepted (evaluated: the caches advance one column)."""
+    on the same caches, no draft accepted (evaluated: the caches advance one column),
+    and a fourth: ``dispatch()``, ``build()`` then its arrays handed to MLX to compute
+    while the host goes on (``mx.async_eval``: the engine's pipelined decode)."""
     serial = [copy_caches(c) for c in contexts]
     caches = [
         layout.cache_class.join([s[i] for s in serial], width=len(contexts), capacities=compiled.capacities,
@@ -121,8 +123,12 @@ def _tracer_steps(compiled, contexts: list, windows: bool = False):
                               [0] * len(contexts))
         y = out.tokens[:, :1]
 
+    def dispatch():
+        build()
+        mx.async_eval(y, [c.state for c in caches])
+
     if windows:
-        return build, lambda: mx.eval(y, [c.state for c in caches]), verify
+        return build, lambda: mx.eval(y, [c.state for c in caches]), verify, dispatch
     return build, lambda: mx.eval(y, [c.state for c in caches])
 
 
