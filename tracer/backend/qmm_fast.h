@@ -13,8 +13,8 @@
 //   QS, reduce_quad(p0 .. p3)  the 16 blocks' exact int32 sums of the rows p0 .. p3, lane
 //       4 j + i: row i's block j (the same integers on every ISA);
 //   FQ (16 float lanes in that order): fq_zero, fq_load (16 floats), fq_gather4(r0 .. r3)
-//       (lane 4 j + i = r_i[j]; fq_gather4_n: r_i[j] for j < n, else 0, reading only
-//       those), fq_mul, fq_fma (fused), fq_fma_sums(sums, sd, acc) = fma(float(sums), sd,
+//       (lane 4 j + i = r_i[j], from float rows or float16 ones widened in registers;
+//       fq_gather4_n: r_i[j] for j < n, else 0, reading only those), fq_mul, fq_fma (fused), fq_fma_sums(sums, sd, acc) = fma(float(sums), sd,
 //       acc), fq_rows(acc, out) out[i] = (acc[i] + acc[4 + i]) + (acc[8 + i] + acc[12 + i]).
 // No horizontal sum per block: a quad's 16 block sums come out of one transpose
 // (reduce_quad), are converted and scaled together, and each output's 4 lanes
@@ -45,20 +45,32 @@ inline P dotx(const WR& w, const int8_t* x, size_t lo) {
 }
 
 // A range of weight rows' parameters as the fast tiles read them: per row,
-// its blocks' scales [K / 32] and its groups' biases [G], in float32.
-struct FastParams {
-  const float* s;
-  const float* b;
+// its blocks' scales [K / 32] and its groups' biases [G], in float32 (T =
+// float) or, for float16 parameters of group 32 (GGUF's blocks), as stored
+// (T = uint16_t: widened in registers as they are gathered, exactly).
+template <class T>
+struct FastParamsT {
+  const T* s;
+  const T* b;
   int ls, lb, n0;
-  const float* scales(int n) const { return s + size_t(n - n0) * ls; }
-  const float* biases(int n) const { return b + size_t(n - n0) * lb; }
+  const T* scales(int n) const { return s + size_t(n - n0) * ls; }
+  const T* biases(int n) const { return b + size_t(n - n0) * lb; }
 };
+using FastParams = FastParamsT<float>;
+
+// fq_gather4_n from float16 rows: the first n values of each, zeros after (reads only those).
+inline FQ fq_gather4_n(const uint16_t* r0, const uint16_t* r1, const uint16_t* r2, const uint16_t* r3, int n) {
+  uint16_t t[4][kStep] = {};
+  const uint16_t* r[4] = {r0, r1, r2, r3};
+  for (int i = 0; i < 4; ++i) std::memcpy(t[i], r[i], sizeof(uint16_t) * n);
+  return fq_gather4(t[0], t[1], t[2], t[3]);
+}
 
 // One step (blocks 4 k .. 4 k + 4, the row's last nb < 4 blocks where kTail) of
 // quads [Q] of weight rows (packed at w[q][i], their block scales at s[q][i])
 // into the accumulators of MT x rows.
-template <int Q, int MT, int BITS, bool kTail, bool SPLIT>
-inline void fast_step(const uint8_t* const (&w)[Q][kStep], const float* const (&s)[Q][kStep], int k, int nb,
+template <int Q, int MT, int BITS, bool kTail, bool SPLIT, class T>
+inline void fast_step(const uint8_t* const (&w)[Q][kStep], const T* const (&s)[Q][kStep], int k, int nb,
                       const int8_t* xq, size_t ldq, size_t lo, const float* xd, size_t ldd, FQ (&acc)[Q][MT],
                       size_t pf_ahead) {
   constexpr int bb = kBlock * BITS / 8;  // bytes a block
@@ -91,16 +103,16 @@ inline void fast_step(const uint8_t* const (&w)[Q][kStep], const float* const (&
 
 // out[m0 .. m0 + MT, n .. min(n + 4 Q, n1)) under the fast contract; rows past
 // n1 compute row n1 - 1 again, unstored.
-template <int Q, int MT, int BITS, bool SPLIT>
-inline void fast_tile(const QmmJob& j, int n, int n1, int m0, const FastParams& p) {
+template <int Q, int MT, int BITS, bool SPLIT, class T>
+inline void fast_tile(const QmmJob& j, int n, int n1, int m0, const FastParamsT<T>& p) {
   const int B = j.K / kBlock, G = j.K / j.group, Bp = fast_blocks(j.K), Gp = fast_groups(G), full = B / kStep;
   const size_t lo = size_t(Bp) * kBlock, ldq = lo * (SPLIT ? 2 : 1), ldd = size_t(Bp) * kStep, ldg = size_t(Gp) * kStep;
   const int8_t* xq = j.xq + m0 * ldq;
   const float* xd = j.xd + m0 * ldd;
   const float* xg = j.xg + m0 * ldg;
   const uint8_t* w[Q][kStep];
-  const float* s[Q][kStep];
-  const float* b[Q][kStep];
+  const T* s[Q][kStep];
+  const T* b[Q][kStep];
 #pragma GCC unroll 4
   for (int q = 0; q < Q; ++q) {
 #pragma GCC unroll 4
@@ -144,9 +156,9 @@ inline void fast_tile(const QmmJob& j, int n, int n1, int m0, const FastParams& 
     }
   } else {
     const size_t ahead = size_t(kPrefetchTiles) * kStep * Q * j.K * BITS / 8;  // bytes
-    for (int k = 0; k < full; ++k) fast_step<Q, MT, BITS, false, SPLIT>(w, s, k, kStep, xq, ldq, lo, xd, ldd, acc, ahead);
+    for (int k = 0; k < full; ++k) fast_step<Q, MT, BITS, false, SPLIT, T>(w, s, k, kStep, xq, ldq, lo, xd, ldd, acc, ahead);
     if (full * kStep < B) {
-      fast_step<Q, MT, BITS, true, SPLIT>(w, s, full, B - full * kStep, xq, ldq, lo, xd, ldd, acc, ahead);
+      fast_step<Q, MT, BITS, true, SPLIT, T>(w, s, full, B - full * kStep, xq, ldq, lo, xd, ldd, acc, ahead);
     }
   }
   for (int g = 0; g < G; g += kStep) {
@@ -245,8 +257,10 @@ void quantize_x_rows(const QmmJob& j, int8_t* xq, float* xd, float* xg) {
 // The fast contract's tiles: the rows' scales and biases widened [rows, G]
 // each (past group 32, each block's scale [rows, K / 32] after them) into
 // the thread's buffer, kParamRows rows at a time just before their quads, as
-// the exact contract's tiles widen theirs (float32 scales of group 32 read
-// in place).
+// the exact contract's tiles widen theirs; float32 and float16 ones of group
+// 32 are read in place (float16: widened in registers as the tiles gather
+// them, which saved the widening pass's stores and loads: ~6 % of a decode
+// step's samples at bucket 1, SmolLM2's GGUF blocks).
 template <int BITS, bool SPLIT>
 struct FastTile {
   const QmmJob& j;
@@ -271,22 +285,28 @@ struct FastTile {
     }
     return {s, wb, B, G, n0};
   }
-  template <int Q, int MT>
-  void run(int n, int n1, int m0, const FastParams& p) const {
+  // Rows [n0, n1)'s float16 parameters of group 32, in place.
+  FastParamsT<uint16_t> halves_in_place(int n0) const {
+    const int G = j.K / j.group;
+    return {static_cast<const uint16_t*>(j.scales) + size_t(n0) * G, static_cast<const uint16_t*>(j.biases) + size_t(n0) * G,
+            G, G, n0};
+  }
+  template <int Q, int MT, class Params>
+  void run(int n, int n1, int m0, const Params& p) const {
     fast_tile<Q, MT, BITS, SPLIT>(j, n, n1, m0, p);
   }
 };
 
-template <class Tile, int MT>
-inline void fast_quads_mt(int n0, int n1, int m0, const Tile& t, const FastParams& p) {
+template <class Tile, int MT, class Params>
+inline void fast_quads_mt(int n0, int n1, int m0, const Tile& t, const Params& p) {
   constexpr int Q = kFastQuads(MT);
   int n = n0;
   for (; n + kStep * Q <= n1; n += kStep * Q) t.template run<Q, MT>(n, n1, m0, p);
   for (; n < n1; n += kStep) t.template run<1, MT>(n, n1, m0, p);
 }
 
-template <class Tile, int MT>
-inline void fast_quads_upto(int mt, int n0, int n1, int m0, const Tile& t, const FastParams& p) {
+template <class Tile, int MT, class Params>
+inline void fast_quads_upto(int mt, int n0, int n1, int m0, const Tile& t, const Params& p) {
   if constexpr (MT > 1) {
     if (mt < MT) return fast_quads_upto<Tile, MT - 1>(mt, n0, n1, m0, t, p);
   }
@@ -299,12 +319,15 @@ void fast_rows_bits(const QmmJob& j, int n0, int n1) {
   static_assert(kParamRows % kStep == 0);
   thread_local std::vector<float> buffer;
   const FastTile<BITS, SPLIT> t{j};
+  const bool halves = j.scale == Scale::f16 && j.group == kBlock;
   for (int a = n0; a < n1; a += kParamRows) {
     const int b = std::min(n1, a + kParamRows);
-    const FastParams p = t.params(a, b, buffer);
-    for (int m0 = 0; m0 < j.M; m0 += kFastTile) {
-      fast_quads_upto<FastTile<BITS, SPLIT>, kFastTile>(std::min(kFastTile, j.M - m0), a, b, m0, t, p);
-    }
+    const auto tiles = [&](const auto& p) {
+      for (int m0 = 0; m0 < j.M; m0 += kFastTile) {
+        fast_quads_upto<FastTile<BITS, SPLIT>, kFastTile>(std::min(kFastTile, j.M - m0), a, b, m0, t, p);
+      }
+    };
+    halves ? tiles(t.halves_in_place(a)) : tiles(t.params(a, b, buffer));
   }
 }
 

@@ -135,10 +135,13 @@ inline FQ fq_load(const float* p) {
   std::memcpy(r.v, p, sizeof r.v);
   return r;
 }
-inline FQ fq_gather4(const float* r0, const float* r1, const float* r2, const float* r3) {
-  const float* r[4] = {r0, r1, r2, r3};
+inline float as_float(float a) { return a; }
+inline float as_float(uint16_t h) { return half_to_float(h); }
+template <class T>  // float, or float16 bits (widened exactly)
+inline FQ fq_gather4(const T* r0, const T* r1, const T* r2, const T* r3) {
+  const T* r[4] = {r0, r1, r2, r3};
   FQ o;
-  for (int l = 0; l < 16; ++l) o.v[l] = r[l % 4][l / 4];
+  for (int l = 0; l < 16; ++l) o.v[l] = as_float(r[l % 4][l / 4]);
   return o;
 }
 inline FQ fq_gather4_n(const float* r0, const float* r1, const float* r2, const float* r3, int n) {

@@ -179,6 +179,12 @@ inline FQ fq_gather4_n(const float* r0, const float* r1, const float* r2, const 
   _MM_TRANSPOSE4_PS(c0, c1, c2, c3);
   return {_mm256_set_m128(c1, c0), _mm256_set_m128(c3, c2)};
 }
+inline __m128 halves4(const uint16_t* r) { return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r))); }
+inline FQ fq_gather4(const uint16_t* r0, const uint16_t* r1, const uint16_t* r2, const uint16_t* r3) {
+  __m128 c0 = halves4(r0), c1 = halves4(r1), c2 = halves4(r2), c3 = halves4(r3);
+  _MM_TRANSPOSE4_PS(c0, c1, c2, c3);
+  return {_mm256_set_m128(c1, c0), _mm256_set_m128(c3, c2)};
+}
 inline FQ fq_mul(FQ a, const FQ& b) { return {_mm256_mul_ps(a.v[0], b.v[0]), _mm256_mul_ps(a.v[1], b.v[1])}; }
 inline FQ fq_fma(const FQ& a, const FQ& b, const FQ& c) {
   return {_mm256_fmadd_ps(a.v[0], b.v[0], c.v[0]), _mm256_fmadd_ps(a.v[1], b.v[1], c.v[1])};
@@ -349,6 +355,11 @@ inline FQ fq_gather4_n(const float* r0, const float* r1, const float* r2, const 
   v = _mm512_insertf32x4(v, _mm_maskz_loadu_ps(m, r2), 2);
   v = _mm512_insertf32x4(v, _mm_maskz_loadu_ps(m, r3), 3);
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), v);
+}
+inline FQ fq_gather4(const uint16_t* r0, const uint16_t* r1, const uint16_t* r2, const uint16_t* r3) {
+  const __m256i h = _mm256_setr_epi64x(halves4_bits(r0), halves4_bits(r1), halves4_bits(r2), halves4_bits(r3));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
+                               _mm512_cvtph_ps(h));  // lane 4 i + j: r_i[j], then as above
 }
 inline FQ fq_mul(FQ a, FQ b) { return _mm512_mul_ps(a, b); }
 inline FQ fq_fma(FQ a, FQ b, FQ c) { return _mm512_fmadd_ps(a, b, c); }
