@@ -200,13 +200,18 @@ def test_a_dropped_loop_frees_its_model_without_the_cyclic_collector(owner):
             gc.enable()
 
 
-def test_joining_a_long_serial_context_converts_one_layer_at_a_time():
+def test_joining_a_long_serial_context_converts_one_layer_at_a_time(monkeypatch):
     """A request continuing a long fp32 serial cache into fp16 caches: the
-    join evaluates layer by layer and releases each prefilled layer once it
-    is joined, so the admission's peak stays near the batch's own K/V (it
-    was every layer's conversion and copy at once: SmolLM2 at 1024
-    positions, bucket 1, +62 MB for 26.5 MB of K/V; now +31)."""
+    join evaluates its layers a few MB at a time (here: each, the tiny
+    model's layers being smaller than that) and releases each prefilled
+    layer once it is joined, so the admission's peak stays near the batch's
+    own K/V (it was every layer's conversion and copy at once: SmolLM2 at
+    1024 positions, bucket 1, +62 MB for 26.5 MB of K/V; now +31)."""
     from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_tracer.runtime import batch as batch_module
+
+    monkeypatch.setattr(batch_module, "JOIN_EVAL_BYTES", 1)
 
     model = tiny_model("llama", num_hidden_layers=12)
     cache = make_prompt_cache(model)
@@ -223,3 +228,45 @@ def test_joining_a_long_serial_context_converts_one_layer_at_a_time():
     rise = mx.get_peak_memory() - before
     # measured 1.4x (2.9x when every layer was joined in one evaluation)
     assert rise < 1.8 * batch, (rise, batch)
+
+
+def test_a_join_evaluates_its_layers_a_few_mb_at_a_time(monkeypatch):
+    """LayerJoins evaluates the layers joined so far once they hold
+    JOIN_EVAL_BYTES: a short prompt's join is one evaluation (one a layer
+    cost ~7 of the ~30 ms of a lone request's first step on SmolLM2)."""
+    from mlx_tracer.runtime import batch as batch_module
+
+    evals, joining = [], [False]
+    real_eval, real_join = batch_module.mx.eval, batch_module.RunningBatch.join
+
+    def counted_eval(*a):
+        evals.extend([1] if joining[0] else [])
+        return real_eval(*a)
+
+    def join(self, *a, **k):
+        joining[0] = True
+        try:
+            return real_join(self, *a, **k)
+        finally:
+            joining[0] = False
+
+    monkeypatch.setattr(batch_module.mx, "eval", counted_eval)
+    monkeypatch.setattr(batch_module.RunningBatch, "join", join)
+    model = tiny_model("llama", num_hidden_layers=6)
+    eng = Engine(model, buckets=(1,), kv_dtype="float16")
+    per_layer = None
+
+    def joins_for_one_request():
+        nonlocal per_layer
+        evals.clear()
+        eng.add([5, 6, 7], max_tokens=1)
+        eng.admit()
+        per_layer = eng.batch.caches[0].nbytes
+        n = len(evals)
+        while eng.has_work():
+            eng.step()
+        return n
+
+    assert joins_for_one_request() == 1  # the layers' joins, with the join's own final evaluation
+    monkeypatch.setattr(batch_module, "JOIN_EVAL_BYTES", 2 * per_layer)  # every second layer: 3 groups of 6 layers
+    assert joins_for_one_request() == 1 + 3

@@ -77,17 +77,18 @@ class RunningBatch:
     def join(self, reqs: List[Request], prefilled: List[List[StaticKVCache]], width: Optional[int] = None):
         """Add ``reqs`` (with their prefilled caches, in order) to the batch.
         Only between steps: the pipeline must be empty. ``width``: a bucket
-        to make the batch at least (more rows are about to join). Each
-        layer's join is evaluated before the next is built; into a new
+        to make the batch at least (more rows are about to join). The
+        layers' joins are evaluated a few MB at a time (LayerJoins); into a new
         batch, the prefilled caches are taken over: each entry of the lists
         in ``prefilled`` is released (None) once its layer is joined, so
         that the admission holds one layer's copy twice, not every layer's."""
         assert not self.pipeline, "join while a step is in flight"
         width = max(bucket_for(len(self.rows) + len(reqs), self.buckets), width or 0)
+        joins = LayerJoins()
         if self.caches is None:
             caches = []
             for i, layer in enumerate(zip(*prefilled)):
-                caches.append(joined(type(layer[0]).join(layer, width=width)))
+                caches.append(joins.add(type(layer[0]).join(layer, width=width)))
                 del layer  # (the tuple holds the layer's prefilled caches too)
                 for p in prefilled:
                     p[i] = None
@@ -100,7 +101,7 @@ class RunningBatch:
             layers = list(zip(self.caches, zip(*prefilled)))
             hits = sum(c.spare_hits for c in self.caches)
             placed = [c.placement(new, width=width) if self.in_place else None for c, new in layers]
-            caches = [c if p is not None else joined(type(c).join([c, *new], width=width))
+            caches = [c if p is not None else joins.add(type(c).join([c, *new], width=width))
                       for (c, new), p in zip(layers, placed)]
             for c, p in zip(self.caches, placed):  # nothing changed before this (lazy arrays only)
                 if p is not None:
@@ -257,12 +258,29 @@ class RunningBatch:
         return any(len(r.tokens) + ahead < r.max_tokens for r in self.rows)
 
 
-def joined(cache: StaticKVCache) -> StaticKVCache:
-    """``cache`` (one layer's join) evaluated now, so that the copies and
-    format conversions of a join live one layer at a time instead of every
-    layer's at once (RunningBatch.join)."""
-    mx.eval(cache.state)
-    return cache
+JOIN_EVAL_BYTES = 4 << 20  # a join's layers are evaluated in groups of about this many bytes of K/V
+
+
+class LayerJoins:
+    """Each layer's join evaluated once the layers joined since the last
+    evaluation hold ``JOIN_EVAL_BYTES`` of K/V (RunningBatch.join): the
+    copies and format conversions of a long context's join live a group of
+    layers at a time, not every layer's at once (admission's peak), and a
+    short one is evaluated with the rest of the join, not a layer at a time
+    (an evaluation costs ~0.2 ms: one a layer was 7 of the ~30 ms a lone
+    request's first step took on SmolLM2's 30 layers)."""
+
+    def __init__(self):
+        self.pending: List[StaticKVCache] = []
+        self.bytes = 0
+
+    def add(self, cache: StaticKVCache) -> StaticKVCache:
+        self.pending.append(cache)
+        self.bytes += cache.nbytes
+        if self.bytes >= JOIN_EVAL_BYTES:
+            mx.eval([c.state for c in self.pending])
+            self.pending, self.bytes = [], 0
+        return cache
 
 
 def _fill_holes(keep: List[int]) -> List[int]:
