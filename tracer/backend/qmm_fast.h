@@ -14,8 +14,9 @@
 //       4 j + i: row i's block j (the same integers on every ISA);
 //   FQ (16 float lanes in that order): fq_zero, fq_load (16 floats), fq_gather4(r0 .. r3)
 //       (lane 4 j + i = r_i[j], from float rows or float16 ones widened in registers;
-//       fq_gather4_n: r_i[j] for j < n, else 0, reading only those), fq_mul, fq_fma (fused), fq_fma_sums(sums, sd, acc) = fma(float(sums), sd,
-//       acc), fq_rows(acc, out) out[i] = (acc[i] + acc[4 + i]) + (acc[8 + i] + acc[12 + i]).
+//       fq_gather4_n: r_i[j] for j < n, else 0, reading only those), fq_mul, fq_fma
+//       (fused), fq_fma_sums(sums, sd, acc) = fma(float(sums), sd, acc), fq_rows(acc, out)
+//       out[i] = (acc[i] + acc[4 + i]) + (acc[8 + i] + acc[12 + i]).
 // No horizontal sum per block: a quad's 16 block sums come out of one transpose
 // (reduce_quad), are converted and scaled together, and each output's 4 lanes
 // are added once at the end.
@@ -258,9 +259,9 @@ void quantize_x_rows(const QmmJob& j, int8_t* xq, float* xd, float* xg) {
 // each (past group 32, each block's scale [rows, K / 32] after them) into
 // the thread's buffer, kParamRows rows at a time just before their quads, as
 // the exact contract's tiles widen theirs; float32 and float16 ones of group
-// 32 are read in place (float16: widened in registers as the tiles gather
-// them, which saved the widening pass's stores and loads: ~6 % of a decode
-// step's samples at bucket 1, SmolLM2's GGUF blocks).
+// 32 are read in place (float16, GGUF's blocks: widened in registers as the
+// tiles gather them, no pass storing them widened first; the Llama-3.2-1B
+// shape's bucket-1 step 43.0 -> 38.5 ms, README Performance 0.5.16).
 template <int BITS, bool SPLIT>
 struct FastTile {
   const QmmJob& j;
@@ -285,7 +286,7 @@ struct FastTile {
     }
     return {s, wb, B, G, n0};
   }
-  // Rows [n0, n1)'s float16 parameters of group 32, in place.
+  // The float16 parameters of group 32 from row n0 on, in place (the rows a tile reads of them).
   FastParamsT<uint16_t> halves_in_place(int n0) const {
     const int G = j.K / j.group;
     return {static_cast<const uint16_t*>(j.scales) + size_t(n0) * G, static_cast<const uint16_t*>(j.biases) + size_t(n0) * G,

@@ -81,7 +81,7 @@ class RunningBatch:
         layers' joins are evaluated a few MB at a time (LayerJoins); into a new
         batch, the prefilled caches are taken over: each entry of the lists
         in ``prefilled`` is released (None) once its layer is joined, so
-        that the admission holds one layer's copy twice, not every layer's."""
+        that the admission holds a group's copy twice, not every layer's."""
         assert not self.pipeline, "join while a step is in flight"
         width = max(bucket_for(len(self.rows) + len(reqs), self.buckets), width or 0)
         joins = LayerJoins()
