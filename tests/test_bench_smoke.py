@@ -230,6 +230,23 @@ def test_the_roofline_counts_weights_as_stored_and_cannot_exceed_one(fmt, tied):
                 assert ideal_tps <= roofline_tps(costs, layouts, machine, B, C) * (1 + 1e-9)
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
+def test_the_roofline_counts_kv_bytes_of_every_float_dtype(dtype):
+    """A bfloat16 model's caches (NumPy has no bfloat16: the count once
+    failed on it, so the bench could not run a bfloat16 model) are 2 bytes a
+    value, like float16's; float32's 4."""
+    from types import SimpleNamespace
+
+    from mlx_tracer.bench.machine import model_costs
+
+    model, a = _llama(True, "float32")
+    hd = a.hidden_size // a.num_attention_heads
+    layouts = [SimpleNamespace(window=None, kv_heads=a.num_key_value_heads, k_dim=hd, v_dim=hd, dtype=dtype)
+               for _ in range(a.num_hidden_layers)]
+    per_pos = model_costs(model, layouts)["kv_bytes_per_pos"]
+    assert per_pos == a.num_hidden_layers * a.num_key_value_heads * 2 * hd * (4 if dtype == mx.float32 else 2)
+
+
 def test_the_roofline_divides_by_the_cores_peak_not_one_gemms_rate():
     """A ceiling is physical: FLOPs over the cores' peak from their ISA and
     clock, which no kernel can beat (one GEMM's measured rate could be, and a
@@ -270,3 +287,31 @@ def test_bench_spec_table_per_bucket(tmp_path, capsys):
     for r in rows:
         assert r["plain_tps"] > 0 and r["spec_tps"] > 0 and r["speedup"] == r["spec_tps"] / r["plain_tps"]
         assert 0 <= r["acceptance"] <= 1 and all(c > 0 for c in r["verify_over_decode"].values())
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_random_model_folder_loads_in_mlx_lm_and_decodes_compiled(tmp_path, bits):
+    """benchmarks/make_random_mlx_model.py (the GPU bench's models): a folder
+    of the asked shape and format, the tokenizer's vocabulary, that mlx-lm
+    loads and the compiled loop decodes exactly as mlx-lm's eager greedy."""
+    from mlx_lm import load as mlx_lm_load
+    from mlx_lm.generate import generate_step
+
+    from mlx_tracer import Engine
+    from .helpers import save_model_dir
+
+    tok = save_model_dir(tmp_path / "tok")  # a WordLevel tokenizer of 1,000-odd ids
+    out = tmp_path / "rnd"
+    cmd = [sys.executable, "benchmarks/make_random_mlx_model.py", "--shape", "tiny", "--tokenizer", str(tok),
+           "--out", str(out)] + (["--bits", str(bits)] if bits else [])
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 0, r.stderr
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["vocab_size"] == json.loads((tok / "config.json").read_text())["vocab_size"]
+    assert ("quantization" in cfg) == bool(bits) and cfg["hidden_size"] == 64
+    model, _ = mlx_lm_load(str(out))
+    prompt = [3, 1, 4, 1, 5]
+    eager = [int(t) for t, _ in zip((t for t, _ in generate_step(mx.array(prompt), model, max_tokens=6)), range(6))]
+    eng = Engine(model, buckets=(1,))
+    eng.add(prompt, max_tokens=6)
+    assert [ev.token for ev in eng.run()] == eager

@@ -180,7 +180,7 @@ def model_costs(model, layouts) -> Dict[str, float]:
             n = emb.scales.size * emb.group_size if isinstance(emb, nn.QuantizedEmbedding) else emb.weight.size
             params += n
             quantized += n if isinstance(emb, nn.QuantizedEmbedding) else 0
-    kv_per_pos = sum(l.kv_heads * (l.k_dim + l.v_dim) * np.dtype(str(l.dtype).split(".")[-1]).itemsize for l in layouts)
+    kv_per_pos = sum(l.kv_heads * (l.k_dim + l.v_dim) * l.dtype.size for l in layouts)
     return {"weight_bytes": all_bytes - untied, "untied_embed_bytes": untied, "params": params,
             "quantized_params": quantized, "kv_bytes_per_pos": kv_per_pos}
 
