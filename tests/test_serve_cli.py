@@ -76,6 +76,38 @@ def stop_process(proc):
     proc.stderr.close()
 
 
+def test_the_servers_connections_send_without_nagles_delay():
+    """Connections accepted on the server's socket have TCP_NODELAY as asyncio
+    (uvicorn's loop) sets it: it does so only where the socket's proto is
+    IPPROTO_TCP, and the socket once had proto 0 — on a kept-alive connection
+    a stream's first chunk after its headers then waited for the client's
+    delayed ACK (first token ~48 ms instead of ~25 with
+    ../shared/peers/serve_load.py on SmolLM2)."""
+    import asyncio
+
+    from mlx_tracer.serve.server import bind
+
+    sock = bind("127.0.0.1", 0)
+    assert sock.proto == socket.IPPROTO_TCP
+    seen = []
+
+    class Record(asyncio.Protocol):
+        def connection_made(self, transport):
+            seen.append(transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            transport.close()
+
+    async def main():
+        server = await asyncio.get_running_loop().create_server(Record, sock=sock)
+        reader, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+        await reader.read()  # until the server side closes
+        writer.close()
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(main())
+    assert seen == [1]
+
+
 def test_python_m_mlx_tracer_serve_answers_and_stops_on_ctrl_c(tmp_path):
     proc, url, lines = start_serve(save_chat_model_dir(tmp_path / "tiny"), "--buckets", "1,2")
     try:
