@@ -89,7 +89,7 @@ class RunningBatch:
             # one group prefilled at this very bucket becomes the batch as it is: its
             # caches are fresh buffers of their own (a prefill's, or a serial cache's
             # copy), so a join would only copy them again (a lone request's first
-            # step on SmolLM2: ~9 of ~33 ms, with the prefix cache's hit)
+            # token on SmolLM2 with the prefix cache's hit: ~27 -> ~20 ms)
             adopt = len(prefilled) == 1 and all(c.width == width for c in prefilled[0])
             caches = []
             for i, layer in enumerate(zip(*prefilled)):
