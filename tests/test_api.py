@@ -232,17 +232,11 @@ def test_joining_a_long_serial_context_converts_one_layer_at_a_time(monkeypatch)
     assert rise < 1.3 * batch, (rise, batch)
 
 
-def test_a_group_prefilled_at_the_batch_bucket_becomes_the_batch_uncopied(monkeypatch):
-    """Into an empty batch, one group prefilled at the batch's bucket (a lone
-    request, fresh or continuing a serial cache as a prefix-cache hit does)
-    is taken as it is: no layer is joined (copied) again; its tokens are the
-    solo decode's. A request joining beside it is joined as before."""
-    from mlx_lm.models.cache import make_prompt_cache
-
+def _inside_batch_joins(monkeypatch) -> list:
+    """A flag, ``[True]`` while ``RunningBatch.join`` runs (patched for the test)."""
     from mlx_tracer.runtime import batch as batch_module
 
-    joined, inside = [], [False]
-    real_join = batch_module.RunningBatch.join
+    inside, real_join = [False], batch_module.RunningBatch.join
 
     def join(self, *a, **k):
         inside[0] = True
@@ -251,6 +245,18 @@ def test_a_group_prefilled_at_the_batch_bucket_becomes_the_batch_uncopied(monkey
         finally:
             inside[0] = False
 
+    monkeypatch.setattr(batch_module.RunningBatch, "join", join)
+    return inside
+
+
+def test_a_group_prefilled_at_the_batch_bucket_becomes_the_batch_uncopied(monkeypatch):
+    """Into an empty batch, one group prefilled at the batch's bucket (a lone
+    request, fresh or continuing a serial cache as a prefix-cache hit does)
+    is taken as it is: no layer is joined (copied) again; its tokens are the
+    solo decode's. A request joining beside it is joined as before."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    joined, inside = [], _inside_batch_joins(monkeypatch)
     model = tiny_model("llama")
     eng = Engine(model, buckets=(1, 2))
     cache_class = type(eng.compiled.layout[0].new_cache(1, 0, eng.compiled.capacities))
@@ -260,7 +266,6 @@ def test_a_group_prefilled_at_the_batch_bucket_becomes_the_batch_uncopied(monkey
         joined.extend([1] if inside[0] else [])
         return real_cache_join(cls, *a, **k)
 
-    monkeypatch.setattr(batch_module.RunningBatch, "join", join)
     monkeypatch.setattr(cache_class, "join", classmethod(cache_join))
     want = solo_tokens(model, [3, 4, 5, 6], 5)
 
@@ -296,22 +301,14 @@ def test_a_join_evaluates_its_layers_a_few_mb_at_a_time(monkeypatch):
     cost ~7 of the ~30 ms of a lone request's first step on SmolLM2)."""
     from mlx_tracer.runtime import batch as batch_module
 
-    evals, joining = [], [False]
-    real_eval, real_join = batch_module.mx.eval, batch_module.RunningBatch.join
+    evals, joining = [], _inside_batch_joins(monkeypatch)
+    real_eval = batch_module.mx.eval
 
     def counted_eval(*a):
         evals.extend([1] if joining[0] else [])
         return real_eval(*a)
 
-    def join(self, *a, **k):
-        joining[0] = True
-        try:
-            return real_join(self, *a, **k)
-        finally:
-            joining[0] = False
-
     monkeypatch.setattr(batch_module.mx, "eval", counted_eval)
-    monkeypatch.setattr(batch_module.RunningBatch, "join", join)
     model = tiny_model("llama", num_hidden_layers=6)
     eng = Engine(model, buckets=(1,), kv_dtype="float16")
     per_layer = None
