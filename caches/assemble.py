@@ -37,9 +37,36 @@ def gather_columns(s: RowSource, time: int, col_times: np.ndarray, like_k: Buffe
     array; zeros, shaped as ``like_k`` / ``like_v``, for a source without buffers)."""
     if s.keys is None:
         return zeros_rows(like_k, s.rows.n, S), zeros_rows(like_v, s.rows.n, S)
-    src_cols = s.col_of_time(col_times - (time - s.rows.time))
-    idx = mx.array(np.clip(src_cols, 0, first(s.keys).shape[2] - 1).astype(np.int32))
+    src_cols = np.asarray(s.col_of_time(col_times - (time - s.rows.time)))
+    n = first(s.keys).shape[2]
+    shift = shifted_run(src_cols, n)
+    if shift is not None:  # the source's columns moved as one block: a slice and a pad, no gather
+        lo, hi, d = shift
+        pad = [(0, 0), (0, 0), (lo, len(src_cols) - hi), (0, 0)]
+        move = lambda a: mx.pad(a[:, :, lo + d: hi + d], pad)  # noqa: E731
+        return each(move, s.keys), each(move, s.values)
+    idx = mx.array(np.clip(src_cols, 0, n - 1).astype(np.int32))
     return each(lambda a: mx.take(a, idx, axis=2), s.keys), each(lambda a: mx.take(a, idx, axis=2), s.values)
+
+
+def shifted_run(src_cols: np.ndarray, n: int):
+    """``(lo, hi, d)`` where target column ``j`` reads source column ``j + d``
+    for every ``j`` (one shift), ``lo .. hi`` being the target columns whose
+    source column exists (``0 <= j + d < n``, at least one, not all of a
+    same-sized source: that one is gathered, so the target never shares the
+    source's memory); None for any other mapping. The columns outside
+    ``lo .. hi`` hold no position of the row (before its first or after its
+    last: masked), so zeros serve there as well as the clipped gather's copies
+    of the edge columns did."""
+    if len(src_cols) == 0:
+        return None
+    d = int(src_cols[0])
+    if not np.array_equal(src_cols, np.arange(d, d + len(src_cols))):
+        return None
+    lo, hi = max(0, -d), min(len(src_cols), n - d)
+    if lo >= hi or (lo == 0 and hi == len(src_cols) and len(src_cols) == n):
+        return None
+    return lo, hi, d
 
 
 def assemble(target: "StaticKVCache", sources: List[RowSource], width: Optional[int], **layout):
