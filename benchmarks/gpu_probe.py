@@ -63,7 +63,7 @@ def main():
     model, label = load_bench_model("smollm2", a.model, weights="as-is")
     compiled = CompiledModel(model)
     ctx = synthetic_context(model, compiled.layout, a.context)
-    print(f"{label}: context {a.context}, capacities {compiled.capacities}")
+    print(f"{label}: context {a.context}")
     systems = {"stock": _stock_steps(model, [ctx]), "tracer": _tracer_steps(compiled, [ctx])}
     for build, evaluate in systems.values():  # traces, kernel builds
         for _ in range(3):

@@ -52,21 +52,19 @@ def gather_columns(s: RowSource, time: int, col_times: np.ndarray, like_k: Buffe
 def shifted_run(src_cols: np.ndarray, n: int):
     """``(lo, hi, d)`` where target column ``j`` reads source column ``j + d``
     for every ``j`` (one shift), ``lo .. hi`` being the target columns whose
-    source column exists (``0 <= j + d < n``, at least one, not all of a
-    same-sized source: that one is gathered, so the target never shares the
-    source's memory); None for any other mapping. The columns outside
-    ``lo .. hi`` hold no position of the row (before its first or after its
-    last: masked), so zeros serve there as well as the clipped gather's copies
-    of the edge columns did."""
+    source column exists (``0 <= j + d < n``, at least one); None for any
+    other mapping. The columns outside ``lo .. hi`` hold no position of the
+    row (before its first or after its last: masked), so zeros serve there as
+    well as the clipped gather's copies of the edge columns did. (``mx.pad``
+    writes a new buffer even where it pads nothing: the target never shares
+    the source's memory.)"""
     if len(src_cols) == 0:
         return None
     d = int(src_cols[0])
     if not np.array_equal(src_cols, np.arange(d, d + len(src_cols))):
         return None
     lo, hi = max(0, -d), min(len(src_cols), n - d)
-    if lo >= hi or (lo == 0 and hi == len(src_cols) and len(src_cols) == n):
-        return None
-    return lo, hi, d
+    return (lo, hi, d) if lo < hi else None
 
 
 def assemble(target: "StaticKVCache", sources: List[RowSource], width: Optional[int], **layout):

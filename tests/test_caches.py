@@ -432,13 +432,13 @@ def test_a_shifted_block_of_columns_moves_by_slice_and_pad_as_the_gather_would(b
     from mlx_tracer.caches.assemble import RowSource, gather_columns, shifted_run
     from mlx_tracer.caches.rows import RowBook
 
-    n, S = 10, 16
+    n = 10
     k = mx.random.normal((2, H, n, 64))  # (64 values a head: a quantization group fits)
     v = k + 1
     if bits:
         k, v = mx.quantize(k, group_size=32, bits=bits), mx.quantize(v, group_size=32, bits=bits)
     src_time = 10
-    for d in (-6, -1, 0, 3, 9):  # target column j reads source column j + d
+    for d, S in ((-6, 16), (-1, 16), (0, 16), (3, 16), (9, 16), (0, n)):  # target column j reads source column j + d
         cols = np.arange(S)
         src = RowSource(k, v, RowBook(offsets=[src_time] * 2, left_padding=[0, 0], time=src_time), lambda t: t)
         time = src_time - d  # col_of_time(cols - (time - src_time)) = cols + d
@@ -452,6 +452,8 @@ def test_a_shifted_block_of_columns_moves_by_slice_and_pad_as_the_gather_would(b
                 assert g.shape == want.shape and g.dtype == want.dtype
                 assert mx.array_equal(g[:, :, lo:hi], want[:, :, lo:hi])
                 assert not mx.any(g[:, :, :lo]).item() and not mx.any(g[:, :, hi:]).item()
+        if S == n and d == 0:  # the source's own layout: a copy, not the source's buffer
+            for g, b in zip(got_k if bits else [got_k], k if bits else [k]):
+                assert np.asarray(g).__array_interface__["data"][0] != np.asarray(b).__array_interface__["data"][0]
     assert shifted_run(np.array([0, 1, 3, 4]), 8) is None  # not one shift
-    assert shifted_run(np.arange(n), n) is None  # the source itself: gathered (a copy), never shared
-    assert shifted_run(np.arange(20, 20 + S), n) is None  # no source column at all
+    assert shifted_run(np.arange(20, 36), n) is None  # no source column at all
