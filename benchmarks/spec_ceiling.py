@@ -1,7 +1,7 @@
-"""How much prompt-lookup speculation could buy at bucket 1, at best.
+"""How much prompt-lookup speculation could buy at a bucket, at best.
 
     python benchmarks/spec_ceiling.py [--weights W] [--tokens 64] [--ks 4 8 16] [--steps 30]
-                                      [--costs 2:1.3,5:2.0,9:2.8,17:4.0]
+                                      [--costs 2:1.3,5:2.0,9:2.8,17:4.0] [--bucket 1]
 
 Generates the plain greedy output of each prompt of a workload of
 ``benchmarks/speculative.py`` (``mlx_tracer.bench.speculative.WORKLOADS``;
@@ -18,13 +18,21 @@ and prints, per prompt:
   speedup it bounds: tokens / units.
 
 c(L) is a verify step of L tokens over a decode step: measured here at
-bucket 1 on the workload's model (the verify step built and evaluated —
+``--bucket`` (1 by default) on the workload's model (the verify step built and evaluated —
 it cannot be pipelined — over a pipelined decode step, the next built
 while the last computes, as the engine runs them), or given with
 ``--costs``. A window not measured is priced by linear interpolation. No
 real policy reaches the oracle: it pays for refused drafts the oracle
 skips. The bucket-1 goal of the speculation issue (2.5x on text that
 quotes its prompt) is above this bound wherever the bound says so.
+
+With ``--bucket B`` (> 1) the costs are a bucket-B verify step's over a
+bucket-B decode step, and the workload's prompts run as the bench batches
+them (prompt i % count in row i); the batch's bound
+(``mlx_tracer.bench.speculative.batch_bound``) is the longest output over
+the largest of the rows' oracles: one window serves every row of a verify
+step, so no row's schedule beats its own oracle, and plain decode takes as
+many steps as the longest output (the bucket-4 goal: 1.5x).
 """
 
 from __future__ import annotations
@@ -38,13 +46,13 @@ import mlx_tracer  # noqa: F401  (the fast BLAS, before mlx)
 from mlx_tracer.runtime.speculator import WINDOWS  # the windows the auto policy chooses among
 
 
-def measured_costs(model, compiled, context: int, steps: int) -> dict:
-    """c(L) for WINDOWS at bucket 1 over ``context`` positions (see module docstring)."""
+def measured_costs(model, compiled, context: int, steps: int, bucket: int = 1) -> dict:
+    """c(L) for WINDOWS at ``bucket`` over ``context`` positions a row (see module docstring)."""
     from mlx_tracer.bench import synthetic_context
     from mlx_tracer.bench.systems import _tracer_steps
 
-    build, evaluate, verify, dispatch = _tracer_steps(compiled, [synthetic_context(model, compiled.layout, context)],
-                                                      windows=True)
+    build, evaluate, verify, dispatch = _tracer_steps(
+        compiled, [synthetic_context(model, compiled.layout, context)] * bucket, windows=True)
     for _ in range(3):  # traces and warm-up
         build(), evaluate()
         for L in WINDOWS:
@@ -74,9 +82,12 @@ def main() -> int:
     ap.add_argument("--workload", default="quotes its prompt")
     ap.add_argument("--steps", type=int, default=30, help="decode steps a measuring round (3 rounds)")
     ap.add_argument("--costs", default=None, help="c(L) as L:c,... instead of measuring (e.g. 2:1.3,5:2.0,9:2.8)")
+    ap.add_argument("--bucket", type=int, default=1, help="rows decoding together (the costs measured at this bucket)")
     args = ap.parse_args()
+    if args.bucket < 1:
+        ap.error("--bucket takes B >= 1")
     from mlx_tracer import Generator
-    from mlx_tracer.bench.speculative import WORKLOADS, oracle_units, replay_always
+    from mlx_tracer.bench.speculative import WORKLOADS, batch_bound, oracle_units, replay_always
     from mlx_tracer.runtime.drafters import PromptLookup
 
     if args.workload not in WORKLOADS:
@@ -87,13 +98,14 @@ def main() -> int:
     if args.costs:
         costs = {int(L): float(c) for L, c in (kv.split(":") for kv in args.costs.split(","))}
     else:
-        costs = measured_costs(gen.model, gen.engine.compiled, max(map(len, contexts)), args.steps)
-    print(f"weights {args.weights}, workload {args.workload!r}, {args.tokens} tokens, load average "
-          f"{os.getloadavg()[0]:.2f}")
+        costs = measured_costs(gen.model, gen.engine.compiled, max(map(len, contexts)), args.steps, args.bucket)
+    print(f"weights {args.weights}, workload {args.workload!r}, {args.tokens} tokens, bucket {args.bucket}, "
+          f"load average {os.getloadavg()[0]:.2f}")
     print("c(L), verify step / pipelined decode step: " + " ".join(f"L{L}:{c:.2f}" for L, c in sorted(costs.items())))
     drafter = PromptLookup()
     windows = sorted(set(costs) | {k + 1 for k in args.ks})
     totals = {"tokens": 0, "oracle": 0.0}
+    per_prompt = []  # (tokens, oracle units) of each prompt's output
     for prompt, context, res in zip(prompts, contexts, gen.batch_generate(prompts, max_tokens=args.tokens)):
         out = list(res.tokens)
         print(f"-- {prompt[:40]!r}...: {len(out)} tokens")
@@ -102,11 +114,16 @@ def main() -> int:
             steps = len(out) - sum(runs)
             print(f"   always, k={k:<2}: {steps} steps ({len(out) / steps:.2f} tokens a step), runs {runs}")
         units = oracle_units(context, out, drafter, costs, windows)
+        per_prompt.append((len(out), units))
         totals["tokens"] += len(out)
         totals["oracle"] += units
         print(f"   oracle: {units:.1f} decode steps' time, {len(out) / units:.2f}x plain decode at most")
     print(f"all prompts: {totals['tokens']} tokens in {totals['oracle']:.1f} decode steps' time at best: "
           f"{totals['tokens'] / totals['oracle']:.2f}x plain decode at most (windows {windows})")
+    if args.bucket > 1:
+        rows = [per_prompt[i % len(prompts)] for i in range(args.bucket)]
+        print(f"a batch of {args.bucket} (prompt i % {len(prompts)} in row i), one window a verify step: "
+              f"{batch_bound(rows):.2f}x plain decode at most")
     return 0
 
 

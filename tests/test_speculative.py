@@ -585,3 +585,13 @@ def test_the_speculation_ceiling_replays_always_and_prices_an_oracle_policy():
     assert oracle_units([7, 8, 9], out, drafter, costs, [2, 3, 5, 9]) == pytest.approx(2.0 + 1 + 1.5 + 0.5 / 3 + 1)
     # free text: no draft ever holds, so the oracle never verifies: one unit a token
     assert oracle_units([7, 8, 9], out, _ScriptedDrafter(3, {i: [99] for i in range(10)}), costs, [2, 5]) == 10.0
+
+
+def test_a_batch_speculation_ceiling_is_the_longest_output_over_the_largest_oracle():
+    from mlx_tracer.bench.speculative import batch_bound
+
+    # one row quotes (12 tokens for 4 units), one does not (10 tokens, 10 units): plain decode takes 12
+    # steps, the batch at least 10 units (the second row gains nothing from any window): 1.2x at most
+    assert batch_bound([(12, 4.0), (10, 10.0)]) == pytest.approx(1.2)
+    # rows that all quote alike bound the batch as one row does
+    assert batch_bound([(12, 4.0)] * 4) == pytest.approx(3.0)

@@ -158,3 +158,14 @@ def oracle_units(context, out, drafter, costs: dict, windows) -> float:
             j = min(n, i + accepted(i, L) + 1)
             best[i] = min(best[i], cost_of(costs, L) + best[j])
     return best[0]
+
+
+def batch_bound(rows) -> float:
+    """The most speculation could speed up a batch decoding together, from
+    each row's ``(tokens, oracle units)`` (:func:`oracle_units` with the
+    bucket's window costs): plain decode takes as many steps as the longest
+    output; a batch's verify steps are one schedule that every row follows
+    (one window for all), so each row's own oracle spends no more than the
+    batch does, and the batch needs at least the largest of them. Rows
+    leaving early (a narrower bucket after) are not modelled."""
+    return max(t for t, _ in rows) / max(u for _, u in rows)
