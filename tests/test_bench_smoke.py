@@ -315,3 +315,21 @@ def test_random_model_folder_loads_in_mlx_lm_and_decodes_compiled(tmp_path, bits
     eng = Engine(model, buckets=(1,))
     eng.add(prompt, max_tokens=6)
     assert [ev.token for ev in eng.run()] == eager
+
+
+def test_context_ratio_script_takes_turns_and_prints_a_ratio_per_bucket():
+    """benchmarks/context_ratio.py (the K/V issue's 1024/128 ratio, the contexts in turns) on
+    SmolLM2's file, a few tokens: one row per bucket, its ratio the medians' quotient."""
+    cmd = [sys.executable, "benchmarks/context_ratio.py", "--kv-dtype", "float16", "--buckets", "1", "2",
+           "--contexts", "16", "48", "--tokens", "2", "--reps", "2"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.split() and line.split()[0] in ("1", "2")]
+    assert [r[0] for r in rows] == ["1", "2"]
+    for r in rows:
+        short, long_, ratio = float(r[1]), float(r[2]), float(r[3])
+        assert short > 0 and long_ > 0 and ratio == pytest.approx(long_ / short, abs=0.006)
+        assert len(r[4:]) == 2  # one ratio a pair of runs
+    bad = subprocess.run([sys.executable, "benchmarks/context_ratio.py", "--reps", "0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "positive" in bad.stderr
