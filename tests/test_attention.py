@@ -132,21 +132,63 @@ PACKED_CASES = [(shape, bits, group) for shape in [(2, 3, 3, 37, 128), (1, 2, 5,
     [((2, 3, 3, 37, 64), bits, group) for bits, group in PACKED if group <= 64] + [((1, 1, 2, 5, 32), 4, 32)]
 
 
+def exact_values(packed, bits, group) -> mx.array:
+    """A quantized buffer's values in float64 arithmetic, scale * q + bias
+    unrounded (as the factored arithmetic multiplies them), as float32 only
+    where exact: returned as a NumPy float64 array."""
+    w, scales, biases = packed
+    ints = np.asarray(mx.dequantize(w, mx.ones_like(scales), mx.zeros_like(biases), group_size=group, bits=bits),
+                      np.float64)
+    per = ints.shape[-1] // scales.shape[-1]
+    return ints * np.repeat(np.asarray(scales, np.float64), per, -1) + np.repeat(np.asarray(biases, np.float64), per, -1)
+
+
 @pytest.mark.parametrize("shape,bits,group", PACKED_CASES, ids=lambda x: "x".join(map(str, x)) if isinstance(x, tuple) else str(x))
 def test_vector_attention_reads_packed_blocks_as_mlx_dequantizes_them(shape, bits, group):
-    """The vector lanes on packed K/V: the same bits on every ISA path, and
-    the bits the same lanes give on float32 K/V holding MLX's dequantized
-    values (so each value is exactly MLX's dequantize, then the float
-    path's arithmetic); MLX's quantized_matmul arithmetic (vector=False)
-    agrees up to summation order."""
+    """The vector lanes on packed K/V: the same bits on every ISA path.
+    Several groups a row: the bits the same lanes give on float32 K/V
+    holding MLX's dequantized values (each value exactly MLX's dequantize,
+    then the float path's arithmetic). One group a row (head size = group,
+    mlx-lm's default 64 for heads of 64): the factored arithmetic, within a
+    few roundings of its float64 value, and not reading a masked key's
+    parameters. MLX's quantized_matmul arithmetic (vector=False) agrees up to
+    summation order either way."""
     q, kq, vq, bias, (kd, vd) = packed_inputs(*shape, bits, group)
     outs = on_every_path(lambda: attend_packed(q, kq, vq, bias))
-    same_lanes = attend(q, kd, vd, bias)  # float32 blocks of MLX's dequantized values
-    assert np.array_equal(outs["portable"].view(np.int32), same_lanes.view(np.int32))
     want, mlx_bits = reference(q, kd, vd, bias), attend_packed(q, kq, vq, bias, vector=False)
     tol = 32 * np.finfo(np.float32).eps * np.abs(want).max()
     assert np.abs(outs["portable"] - want).max() <= tol
     assert np.abs(mlx_bits - want).max() <= tol
+    if group != shape[-1]:
+        same_lanes = attend(q, kd, vd, bias)  # float32 blocks of MLX's dequantized values
+        assert np.array_equal(outs["portable"].view(np.int32), same_lanes.view(np.int32))
+        return
+    # factored: against the float64 attention over the unrounded values scale * q + bias
+    exact = reference(q, mx.array(exact_values(kq, bits, group).astype(np.float32)),
+                      mx.array(exact_values(vq, bits, group).astype(np.float32)), bias)
+    exact64 = _reference64(np.asarray(q, np.float64), exact_values(kq, bits, group), exact_values(vq, bits, group),
+                           np.asarray(bias, np.float64))
+    # (measured: 3-9 float32 eps of the largest output on these cases, MLX's quantized_matmul arithmetic 4-8)
+    assert np.abs(outs["portable"] - exact64).max() <= 16 * np.finfo(np.float32).eps * np.abs(exact64).max()
+    assert np.abs(exact - exact64).max() <= tol  # (the float32 rounding of the values alone moves it this little)
+    # NaN in a masked key's scale, bias and value parameters never reaches the result
+    B, nk, R, S, D = shape
+    masked = np.asarray(bias) != 0
+    dirty = []
+    for packed in (kq, vq):
+        sc, bi = np.array(packed[1]), np.array(packed[2])
+        sel = np.broadcast_to(masked[:, None, :, None], sc.shape)
+        sc[sel], bi[sel] = np.nan, np.nan
+        dirty.append((packed[0], mx.array(sc), mx.array(bi)))
+    got = attend_packed(q, dirty[0], dirty[1], bias)
+    assert np.array_equal(got.view(np.int32), outs["portable"].view(np.int32))
+
+
+def _reference64(q, k, v, bias) -> np.ndarray:
+    """reference() on float64 arrays as given (no float32 rounding of K/V)."""
+    scores = np.einsum("bhrd,bhsd->bhrs", q, k) + bias[:, None, None, :]
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    return np.einsum("bhrs,bhsd->bhrd", p / p.sum(-1, keepdims=True), v).reshape(-1)
 
 
 def test_packed_attention_inputs_are_checked():

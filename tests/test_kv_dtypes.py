@@ -98,6 +98,7 @@ def kv_options(fmt: KVFormat) -> dict:
     ("llama", KVFormat(bits=8)),
     ("qwen3", KVFormat(bits=8)),
     ("llama", KVFormat(bits=4, group_size=32)),
+    ("llama", KVFormat(bits=4)),  # one group a head of 64: the vector attention's factored arithmetic
     ("llama", KVFormat(dtype="float16")),
     ("llama_mixed", KVFormat(dtype="float16")),  # rings and a full layer
 ], ids=lambda x: x if isinstance(x, str) else x.describe().replace(" ", ""))

@@ -87,12 +87,16 @@ void scores(const float* q, int R, int D, const void* k, int kind, int S, const 
   : kind == attend::f16 ? scores_d<attend::f16>(q, R, D, k, S, bias, per, out)
   : kind == attend::bf16 ? scores_d<attend::bf16>(q, R, D, k, S, bias, per, out)
   : kind == attend::q8  ? scores_d<attend::q8>(q, R, D, k, S, bias, per, out)
-                        : scores_d<attend::q4>(q, R, D, k, S, bias, per, out);
+  : kind == attend::q4  ? scores_d<attend::q4>(q, R, D, k, S, bias, per, out)
+  : kind == attend::q8i ? scores_d<attend::q8i>(q, R, D, k, S, bias, per, out)
+                        : scores_d<attend::q4i>(q, R, D, k, S, bias, per, out);
 }
 void values(const float* p, int R, int S, const void* v, int kind, int D, float* out) {
   kind == attend::f32   ? values_d<attend::f32>(p, R, S, v, D, out)
   : kind == attend::f16 ? values_d<attend::f16>(p, R, S, v, D, out)
   : kind == attend::bf16 ? values_d<attend::bf16>(p, R, S, v, D, out)
   : kind == attend::q8  ? values_d<attend::q8>(p, R, S, v, D, out)
-                        : values_d<attend::q4>(p, R, S, v, D, out);
+  : kind == attend::q4  ? values_d<attend::q4>(p, R, S, v, D, out)
+  : kind == attend::q8i ? values_d<attend::q8i>(p, R, S, v, D, out)
+                        : values_d<attend::q4i>(p, R, S, v, D, out);
 }

@@ -24,8 +24,12 @@
 // Included by qmm.cpp inside its anonymous namespace, on x86-64 only.
 
 namespace attend {
-enum Kind { f32 = 0, f16 = 1, bf16 = 2, q8 = 3, q4 = 4 };
-constexpr bool packed(int K) { return K == q8 || K == q4; }
+// q8i / q4i: packed blocks read as their integers (float(q), no scale or
+// bias: the factored arithmetic's keys and values, kernels.cpp's
+// attention_vector applies the groups' scales and biases around the lanes).
+enum Kind { f32 = 0, f16 = 1, bf16 = 2, q8 = 3, q4 = 4, q8i = 5, q4i = 6 };
+constexpr bool packed(int K) { return K == q8 || K == q4 || K == q8i || K == q4i; }
+constexpr bool integers(int K) { return K == q8i || K == q4i; }
 using tracer_qmm::AttendPacked;
 using tracer_qmm::masked_key;
 // Keys/values rows [s, s + n), kAheadBytes on, into the caches ahead of
@@ -38,6 +42,7 @@ inline void prefetch_rows(const void* base, int s, int n, int D) {
     const int at = s + kAheadBytes / p.row_bytes;
     const char* d = reinterpret_cast<const char*>(p.data) + size_t(at) * p.row_bytes;
     for (size_t off = 0; off < size_t(n) * p.row_bytes; off += 64) _mm_prefetch(d + off, _MM_HINT_T0);
+    if constexpr (integers(K)) return;  // no scales or biases read
     const size_t g0 = size_t(at) * p.groups, bytes = size_t(n) * p.groups * sizeof(float);
     for (size_t off = 0; off < bytes; off += 64) {
       _mm_prefetch(reinterpret_cast<const char*>(p.scales + g0) + off, _MM_HINT_T0);
@@ -58,9 +63,11 @@ template <int K>
 inline __m128i packed16(const void* block, int s, int d, float& scale, float& bias) {
   const AttendPacked& p = *static_cast<const AttendPacked*>(block);
   const uint8_t* row = p.data + size_t(s) * p.row_bytes;
-  const size_t g = size_t(s) * p.groups + (d >> p.group_shift);
-  scale = p.scales[g], bias = p.biases[g];
-  if constexpr (K == q8) {
+  if constexpr (!integers(K)) {  // (the integers alone read no scale or bias)
+    const size_t g = size_t(s) * p.groups + (d >> p.group_shift);
+    scale = p.scales[g], bias = p.biases[g];
+  }
+  if constexpr (K == q8 || K == q8i) {
     return _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d));
   } else {
     const __m128i x8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d / 2)), low4 = _mm_set1_epi8(0x0F);
@@ -98,7 +105,13 @@ namespace attend_avx2 {
 // Lanes 0..7 and 8..15 of values d .. d + 16 of stored row s (D values a row).
 template <int K>
 inline void load16(const void* block, int D, int s, int d, __m256& lo, __m256& hi) {
-  if constexpr (attend::packed(K)) {
+  if constexpr (attend::integers(K)) {
+    float unused_scale, unused_bias;
+    const __m128i q = attend::packed16<K>(block, s, d, unused_scale, unused_bias);
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q, 8)));
+    return;
+  } else if constexpr (attend::packed(K)) {
     float scale, bias;
     const __m128i q = attend::packed16<K>(block, s, d, scale, bias);
     const __m256 vs = _mm256_set1_ps(scale), vb = _mm256_set1_ps(bias);
@@ -230,7 +243,10 @@ namespace attend_avx512 {
 // Values d .. d + 16 of stored row s (D values a row).
 template <int K>
 inline __m512 load16(const void* block, int D, int s, int d) {
-  if constexpr (attend::packed(K)) {
+  if constexpr (attend::integers(K)) {
+    float unused_scale, unused_bias;
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(attend::packed16<K>(block, s, d, unused_scale, unused_bias)));
+  } else if constexpr (attend::packed(K)) {
     float scale, bias;
     const __m128i q = attend::packed16<K>(block, s, d, scale, bias);
     return _mm512_add_ps(_mm512_mul_ps(_mm512_set1_ps(scale), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q))),

@@ -930,18 +930,30 @@ const void* attend_block(const KV& kv, int b, int h, tracer_qmm::AttendPacked& p
        kv.D / kv.group, std::countr_zero(unsigned(kv.group))};
   return &p;
 }
-// Its storage as tracer_qmm::attend_* names it.
-int attend_kind(const KV& kv) {
-  return kv.kind == KV::packed ? (kv.bits == 8 ? 3 : 4) : int(kv.kind);
+// Its storage as tracer_qmm::attend_* names it; packed blocks as their
+// integers alone (no scale or bias) where `integers`.
+int attend_kind(const KV& kv, bool integers = false) {
+  return kv.kind == KV::packed ? (kv.bits == 8 ? 3 : 4) + (integers ? 2 : 0) : int(kv.kind);
+}
+// Whether a packed block's attention runs factored (attention_vector): one
+// group a row, so that a key's (or value row's) scale and bias apply to its
+// whole dot product.
+bool factored_kv(const KV& kv) {
+  return kv.kind == KV::packed && kv.group == kv.D;
 }
 
 // Row s of a block as float32: a float32 block's own memory, else widened
-// or (packed: `block` an AttendPacked) dequantized as MLX does into `buf`.
+// or (packed: `block` an AttendPacked) dequantized as MLX does into `buf`
+// (where `integers`: its integers alone, as floats).
 __attribute__((optimize("fp-contract=off"))) const float* stored_row(const KV& kv, const void* block, int s,
-                                                                     float* buf) {
+                                                                     float* buf, bool integers = false) {
   if (kv.kind == KV::packed) {
     const auto& p = *static_cast<const tracer_qmm::AttendPacked*>(block);
     const uint8_t* row = p.data + size_t(s) * p.row_bytes;
+    if (integers) {
+      for (int d = 0; d < kv.D; ++d) buf[d] = packed_at(row, d, kv.bits);
+      return buf;
+    }
     for (int d = 0; d < kv.D; ++d) {
       const size_t g = size_t(s) * p.groups + (d >> p.group_shift);
       buf[d] = Add()(Multiply()(p.scales[g], packed_at(row, d, kv.bits)), p.biases[g]);
@@ -955,13 +967,13 @@ __attribute__((optimize("fp-contract=off"))) const float* stored_row(const KV& k
 }
 
 void attend_scores_loops(const float* q, int R, int D, const KV& k, const void* block, int S, const float* bias,
-                         int per, float* out) {
+                         int per, float* out, bool integers) {
   float buf[256];
   const int nb = (R + per - 1) / per;
   for (int s = 0; s < S; ++s) {
     bool all = true;  // masked for every bias row: the key is not read
     for (int i = 0; i < nb; ++i) all = all && tracer_qmm::masked_key(bias[size_t(i) * S + s]);
-    const float* kr = all ? nullptr : stored_row(k, block, s, buf);
+    const float* kr = all ? nullptr : stored_row(k, block, s, buf, integers);
     for (int r = 0; r < R; ++r) {
       const float b = bias[size_t(r / per) * S + s];
       if (tracer_qmm::masked_key(b)) {
@@ -979,14 +991,15 @@ void attend_scores_loops(const float* q, int R, int D, const KV& k, const void* 
   }
 }
 
-void attend_values_loops(const float* p, int R, int S, const KV& v, const void* block, int D, float* out) {
+void attend_values_loops(const float* p, int R, int S, const KV& v, const void* block, int D, float* out,
+                         bool integers) {
   std::fill(out, out + size_t(R) * D, 0.0f);
   float buf[256];
   for (int s = 0; s < S; ++s) {
     bool any = false;
     for (int r = 0; r < R; ++r) any |= p[size_t(r) * S + s] != 0.0f;
     if (!any) continue;
-    const float* vr = stored_row(v, block, s, buf);
+    const float* vr = stored_row(v, block, s, buf, integers);
     for (int r = 0; r < R; ++r) {
       const float pr = p[size_t(r) * S + s];
       float* o = out + size_t(r) * D;
@@ -995,21 +1008,173 @@ void attend_values_loops(const float* p, int R, int S, const KV& v, const void* 
   }
 }
 
+// The factored arithmetic's passes beside the lanes (packed K/V of one group
+// a row, attention_vector), the same operations on every ISA path: each
+// element's products and sums in the order written, none fused; vectors of
+// 8 (GCC's vector extension: SSE2 here, AVX2 where the CPU has it, the same
+// bits), a sum over keys in 8 lanes (key i into lane i % 8 in order, then
+// ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))).
+namespace factored {
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+inline v8 load(const float* p) {
+  v8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
+inline v8 select(v8i m, v8 a, v8 b) {  // m ? a : b, lanewise
+  return reinterpret_cast<v8>((m & reinterpret_cast<v8i>(a)) | (~m & reinterpret_cast<v8i>(b)));
+}
+inline v8i masked(v8 b) {
+  return (b == -std::numeric_limits<float>::max()) | (b == -std::numeric_limits<float>::infinity());
+}
+inline float tree(v8 l) {
+  return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+#define FACTORED_PASSES                                                                                        \
+  /* bias for the lanes: 0 where visible, the bias where masked */                                           \
+  void lanes_bias(const float* bias, size_t n, float* out) {                                                   \
+    size_t i = 0;                                                                                              \
+    for (; i + 8 <= n; i += 8) {                                                                               \
+      const v8 b = load(bias + i);                                                                             \
+      store(out + i, select(masked(b), b, v8{}));                                                              \
+    }                                                                                                          \
+    for (; i < n; ++i) out[i] = tracer_qmm::masked_key(bias[i]) ? bias[i] : 0.0f;                              \
+  }                                                                                                            \
+  /* row[j] = bias + (ks * dot + kb * qsum) where visible (row holds the lanes' dots), the bias where masked */ \
+  void finish_scores(const float* bias, const float* ks, const float* kb, float qsum, int S, float* row) {     \
+    const v8 qs = v8{} + qsum;                                                                                 \
+    int j = 0;                                                                                                 \
+    for (; j + 8 <= S; j += 8) {                                                                               \
+      const v8 b = load(bias + j);                                                                             \
+      store(row + j, select(masked(b), b, b + (load(ks + j) * load(row + j) + load(kb + j) * qs)));            \
+    }                                                                                                          \
+    for (; j < S; ++j) {                                                                                       \
+      if (!tracer_qmm::masked_key(bias[j])) row[j] = bias[j] + (ks[j] * row[j] + kb[j] * qsum);               \
+    }                                                                                                          \
+  }                                                                                                            \
+  /* out = p * vs where p != 0 (else 0); returns the 8-lane sum of p * vb where p != 0 */                    \
+  float scale_probs(const float* p, const float* vs, const float* vb, int S, float* out) {                    \
+    v8 acc{};                                                                                                  \
+    int j = 0;                                                                                                 \
+    for (; j + 8 <= S; j += 8) {                                                                               \
+      const v8 pv = load(p + j);                                                                               \
+      const v8i live = pv != v8{};                                                                             \
+      store(out + j, select(live, pv * load(vs + j), v8{}));                                                   \
+      acc = acc + select(live, pv * load(vb + j), v8{});                                                       \
+    }                                                                                                          \
+    for (int l = 0; j < S; ++j, ++l) {                                                                         \
+      out[j] = p[j] != 0.0f ? p[j] * vs[j] : 0.0f;                                                             \
+      acc[l] = acc[l] + (p[j] != 0.0f ? p[j] * vb[j] : 0.0f);                                                  \
+    }                                                                                                          \
+    return tree(acc);                                                                                          \
+  }                                                                                                            \
+  /* the 8-lane sum of x[0 .. n) */                                                                            \
+  float sum8(const float* x, int n) {                                                                          \
+    v8 acc{};                                                                                                  \
+    int i = 0;                                                                                                 \
+    for (; i + 8 <= n; i += 8) acc = acc + load(x + i);                                                        \
+    for (int l = 0; i < n; ++i, ++l) acc[l] = acc[l] + x[i];                                                   \
+    return tree(acc);                                                                                          \
+  }                                                                                                            \
+  void add_to(float* x, int n, float c) {                                                                      \
+    for (int i = 0; i < n; ++i) x[i] = x[i] + c;                                                               \
+  }
+
+namespace base {
+FACTORED_PASSES
+}
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx2")
+namespace avx2 {
+FACTORED_PASSES
+}
+#pragma GCC pop_options
+#endif
+#undef FACTORED_PASSES
+
+struct Passes {
+  void (*lanes_bias)(const float*, size_t, float*);
+  void (*finish_scores)(const float*, const float*, const float*, float, int, float*);
+  float (*scale_probs)(const float*, const float*, const float*, int, float*);
+  float (*sum8)(const float*, int);
+  void (*add_to)(float*, int, float);
+};
+const Passes& passes() {
+  static const Passes p = [] {
+#if defined(__x86_64__)
+    if (__builtin_cpu_supports("avx2")) {
+      return Passes{avx2::lanes_bias, avx2::finish_scores, avx2::scale_probs, avx2::sum8, avx2::add_to};
+    }
+#endif
+    return Passes{base::lanes_bias, base::finish_scores, base::scale_probs, base::sum8, base::add_to};
+  }();
+  return p;
+}
+}  // namespace factored
+
 // One (row, key head) block of a decode attention on vector lanes: scores,
 // MLX's softmax (its bits), values. q [R, D] scaled, bias [R / per, S] (query
 // row r's: row r / per), o [R, D].
-void attention_vector(const float* q, const KV& k, const KV& v, const float* bias, int per, int b, int h, int R,
-                      int D, float* scores, float* o) {
+// Packed keys (or values) of one group a row run *factored*: the lanes
+// multiply the stored integers (q8i / q4i: float(q), exact), and each key's
+// scale and bias apply once around them, as MLX's Metal kernels for
+// quantized matmuls factor them:
+//   score(r, s) = bias(r, s) + (ks(s) * dot(q_r, kq_s) + kb(s) * qsum(r))
+//     (dot: the lanes' sum as for float keys; qsum: the 8-lane sum of q_r
+//     (factored::); each product and sum rounded, in that order; a masked
+//     key gets its bias);
+//   out(r, d) = sum over s of p'(r, s) * vq(s, d) (the lanes, as for float
+//     values) + the 8-lane sum over s of p(r, s) * vb(s), p' = p * vs(s)
+//     (both terms 0 where p is 0: a masked key's parameters never count).
+// Against MLX's dequantize-then-multiply (every other path) this skips a
+// multiply and an add a value and reads a key's scale and bias once, not
+// once per 16 values: its values equal MLX's up to rounding
+// (tests/test_attention.py), not to the bit.
+__attribute__((optimize("fp-contract=off"))) void attention_vector(const float* q, const KV& k, const KV& v,
+                                                                   const float* bias, int per, int b, int h, int R,
+                                                                   int D, float* scores, float* o) {
   const int S = k.S;
   tracer_qmm::AttendPacked kp, vp;
   const void* kb = attend_block(k, b, h, kp);
   const void* vb = attend_block(v, b, h, vp);
-  if (!tracer_qmm::attend_scores(q, R, D, kb, attend_kind(k), S, bias, per, scores)) {
-    attend_scores_loops(q, R, D, k, kb, S, bias, per, scores);
+  const bool fk = factored_kv(k), fv = factored_kv(v);
+  const factored::Passes& f = factored::passes();
+  thread_local std::vector<float> extra;
+  const int nb = (R + per - 1) / per;
+  if (fk) {  // the lanes over the integers, with a bias of 0 where the key is visible
+    extra.resize(size_t(nb) * S);
+    f.lanes_bias(bias, size_t(nb) * S, extra.data());
+  }
+  const float* lanes_bias = fk ? extra.data() : bias;
+  if (!tracer_qmm::attend_scores(q, R, D, kb, attend_kind(k, fk), S, lanes_bias, per, scores)) {
+    attend_scores_loops(q, R, D, k, kb, S, lanes_bias, per, scores, fk);
+  }
+  if (fk) {
+    for (int r = 0; r < R; ++r) {
+      f.finish_scores(bias + size_t(r / per) * S, kp.scales, kp.biases, f.sum8(q + size_t(r) * D, D), S,
+                      scores + size_t(r) * S);
+    }
   }
   softmax_rows(scores, R, S);
-  if (!tracer_qmm::attend_values(scores, R, S, vb, attend_kind(v), D, o)) {
-    attend_values_loops(scores, R, S, v, vb, D, o);
+  const float* p = scores;
+  thread_local std::vector<float> pb;
+  if (fv) {  // p' = p * the value rows' scales, and each row's sum of p * their biases
+    extra.resize(size_t(R) * S);
+    pb.resize(R);
+    for (int r = 0; r < R; ++r) {
+      pb[r] = f.scale_probs(scores + size_t(r) * S, vp.scales, vp.biases, S, extra.data() + size_t(r) * S);
+    }
+    p = extra.data();
+  }
+  if (!tracer_qmm::attend_values(p, R, S, vb, attend_kind(v, fv), D, o)) {
+    attend_values_loops(p, R, S, v, vb, D, o, fv);
+  }
+  if (fv) {
+    for (int r = 0; r < R; ++r) f.add_to(o + size_t(r) * D, D, pb[r]);
   }
 }
 
