@@ -3,7 +3,9 @@ portable loops in kernels.cpp): the same bits on every ISA path, the
 attention's values up to summation order (a float64 reference and the BLAS
 arithmetic), float32 / float16 / bfloat16 keys and values read as stored,
 8- and 4-bit packed ones dequantized as MLX does (the values MLX's
-dequantize gives, then the same lanes), masked columns never reaching the result, and ``auto`` picking it exactly
+dequantize gives, then the same lanes) or, one group a row, factored (the
+stored integers in the lanes, a key's scale and bias once around them),
+masked columns never reaching the result, and ``auto`` picking it exactly
 where the layer's projections are packed blocks."""
 
 from __future__ import annotations
@@ -270,3 +272,43 @@ def test_the_environment_picks_the_mode_at_load(value, want):
     assert mode == want and "decode attention" in status
     if value == "fastest":
         assert "auto, blas or vector" in out.stderr
+
+
+@pytest.fixture
+def packed_mode():
+    before = K.packed_attention()
+    yield K.packed_attention
+    K.packed_attention(before)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_dequantized_keeps_mlx_values_in_the_lanes_where_factored_would_run(packed_mode, bits):
+    """MLX_TRACER_PACKED_ATTENTION=dequantized (packed_attention): one group a
+    row too, the lanes take MLX's dequantized values (the bits of the float32
+    path on them, every ISA path); the default factored arithmetic differs
+    from them (so the switch is seen) within its bound."""
+    q, kq, vq, bias, (kd, vd) = packed_inputs(2, 3, 3, 37, 64, bits, 64)
+    assert packed_mode() == "factored"
+    factored = attend_packed(q, kq, vq, bias)
+    assert packed_mode("dequantized") == "dequantized" and packed_mode() == "dequantized"
+    outs = on_every_path(lambda: attend_packed(q, kq, vq, bias))
+    assert np.array_equal(outs["portable"].view(np.int32), attend(q, kd, vd, bias).view(np.int32))
+    assert not np.array_equal(factored.view(np.int32), outs["portable"].view(np.int32))
+    with pytest.raises(ValueError, match="factored or dequantized"):
+        packed_mode("exact")
+    assert packed_mode() == "dequantized"
+
+
+@pytest.mark.parametrize("value,want", [("dequantized", "dequantized"), ("", "factored"), ("mlx", "factored")])
+def test_the_environment_picks_the_packed_arithmetic_at_load(value, want):
+    import os
+    import subprocess
+    import sys
+
+    code = "import mlx_tracer\nfrom mlx_tracer.backend import kernels\nprint(kernels.load().packed_attention())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MLX_TRACER_PACKED_ATTENTION": value},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[0] == want
+    if value == "mlx":
+        assert "factored or dequantized" in out.stderr

@@ -333,3 +333,13 @@ def test_context_ratio_script_takes_turns_and_prints_a_ratio_per_bucket():
     bad = subprocess.run([sys.executable, "benchmarks/context_ratio.py", "--reps", "0"], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "positive" in bad.stderr
+
+
+def test_packed_attention_script_compares_the_two_arithmetics():
+    """benchmarks/packed_attention.py on SmolLM2's file, a few tokens: a line per bucket."""
+    cmd = [sys.executable, "benchmarks/packed_attention.py", "--buckets", "1", "--context", "40", "--tokens", "2",
+           "--reps", "1"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = next(l for l in out.stdout.splitlines() if l.startswith("B1:"))
+    assert "factored" in line and "dequantized" in line and line.count("x") >= 1

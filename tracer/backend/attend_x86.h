@@ -1,7 +1,8 @@
 // The decode attention's two products on vector lanes, for keys and values
 // read as stored (float32, float16 widened by F16C, bfloat16 by a shift,
 // 8- and 4-bit packed blocks dequantized 16 values at a time as MLX
-// dequantizes them, scale * q + bias with both operations rounded): no
+// dequantizes them, scale * q + bias with both operations rounded, or read
+// as their integers alone for kernels.cpp's factored arithmetic): no
 // widened copy of the block, one pass over its keys, one over its values. One (row, key head) block a call, R query rows against S keys of D
 // (a multiple of 16, at most 256) values each, rows D apart.
 //

@@ -22,9 +22,10 @@
 //    sum rounded in order; here scalar or AVX2 lanes, the same bits).
 // tests/test_kernels.py checks each against the MLX ops, bit for bit.
 // One exception, by choice: beside packed projections (whose qmm already
-// sums in its own order), a decode step's attention over float K/V runs on
-// vector lanes by default, MLX's sums up to their order (attend_x86.h;
-// MLX_TRACER_ATTENTION=blas keeps MLX's bits there too; tests/test_attention.py).
+// sums in its own order), a decode step's attention runs on vector lanes by
+// default, MLX's sums up to their order (attend_x86.h; over packed K/V of
+// one group a row, factored: attention_vector; MLX_TRACER_ATTENTION=blas
+// keeps MLX's bits there too; tests/test_attention.py).
 //
 // Built and loaded by mlx_tracer/backend/kernels.py (see there).
 
@@ -346,16 +347,19 @@ void softmax_rows(float* rows, int R, int S) {
 
 // A run-time choice among three named ones: the index of `name`, else
 // invalid_argument saying what takes which names.
-int choice_named(const char* const (&names)[3], const std::string& name, const char* what) {
-  for (int i = 0; i < 3; ++i) {
+template <int N>
+int choice_named(const char* const (&names)[N], const std::string& name, const char* what) {
+  std::string all;
+  for (int i = 0; i < N; ++i) {
     if (name == names[i]) return i;
+    all += std::string(i == 0 ? "" : i + 1 == N ? " or " : ", ") + names[i];
   }
-  throw std::invalid_argument(std::string("mlx_tracer kernels: ") + what + " takes " + names[0] + ", " + names[1] +
-                              " or " + names[2] + ", got '" + name + "'");
+  throw std::invalid_argument(std::string("mlx_tracer kernels: ") + what + " takes " + all + ", got '" + name + "'");
 }
 // The choice environment variable `var` names, or `fallback` where it is unset
 // or names none (then said on stderr).
-int choice_from_env(const char* const (&names)[3], const char* var, const char* what, int fallback) {
+template <int N>
+int choice_from_env(const char* const (&names)[N], const char* var, const char* what, int fallback) {
   const char* env = std::getenv(var);
   if (env == nullptr || *env == 0) return fallback;
   try {
@@ -935,11 +939,19 @@ const void* attend_block(const KV& kv, int b, int h, tracer_qmm::AttendPacked& p
 int attend_kind(const KV& kv, bool integers = false) {
   return kv.kind == KV::packed ? (kv.bits == 8 ? 3 : 4) + (integers ? 2 : 0) : int(kv.kind);
 }
-// Whether a packed block's attention runs factored (attention_vector): one
-// group a row, so that a key's (or value row's) scale and bias apply to its
-// whole dot product.
+// Whether a packed block's vector attention runs factored (attention_vector):
+// one group a row, so that a key's (or value row's) scale and bias apply to
+// its whole dot product, unless MLX_TRACER_PACKED_ATTENTION=dequantized (or
+// packed_attention("dequantized")) keeps MLX's dequantized values in the lanes.
+const char* const kPackedAttention[] = {"factored", "dequantized"};
+constexpr const char* kPackedWhat = "MLX_TRACER_PACKED_ATTENTION / packed_attention";
+std::atomic<int> g_packed_attention{choice_from_env(kPackedAttention, "MLX_TRACER_PACKED_ATTENTION", kPackedWhat, 0)};
+std::string packed_attention(std::optional<std::string> name) {
+  if (name) g_packed_attention.store(choice_named(kPackedAttention, *name, kPackedWhat));
+  return kPackedAttention[g_packed_attention.load()];
+}
 bool factored_kv(const KV& kv) {
-  return kv.kind == KV::packed && kv.group == kv.D;
+  return kv.kind == KV::packed && kv.group == kv.D && g_packed_attention.load(std::memory_order_relaxed) == 0;
 }
 
 // Row s of a block as float32: a float32 block's own memory, else widened
@@ -2186,6 +2198,11 @@ NB_MODULE(_mlx_tracer_kernels, m) {
         "the decode attention's arithmetic: 'auto' (vector lanes where the layer's projections are packed, MLX's "
         "bits otherwise), 'blas' (MLX's bits: its sgemm calls) or 'vector'; sets it where a name is given (tests; "
         "MLX_TRACER_ATTENTION at load); returns the one in use");
+  m.def("packed_attention", &packed_attention, nb::arg("name") = nb::none(),
+        "the vector attention's arithmetic on packed K/V of one group a row: 'factored' (the stored integers in "
+        "the lanes, each key's scale and bias once around them: the default) or 'dequantized' (MLX's dequantized "
+        "values in the lanes); sets it where a name is given (MLX_TRACER_PACKED_ATTENTION at load); returns the "
+        "one in use");
   m.def("profile", &profile, nb::arg("reset") = true);
   register_qmm(m);
   register_logprobs(m);
