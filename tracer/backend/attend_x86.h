@@ -244,7 +244,13 @@ namespace attend_avx512 {
 // Values d .. d + 16 of stored row s (D values a row).
 template <int K>
 inline __m512 load16(const void* block, int D, int s, int d) {
-  if constexpr (attend::integers(K)) {
+  if constexpr (K == attend::q4i) {  // 8 bytes, each twice, widened, shifted by 0 or 4 per value: its nibbles
+    const attend::AttendPacked& p = *static_cast<const attend::AttendPacked*>(block);
+    const __m128i x8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p.data + size_t(s) * p.row_bytes + d / 2));
+    const __m512i w = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(x8, x8));
+    const __m512i shift = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(w, shift), _mm512_set1_epi32(0x0F)));
+  } else if constexpr (attend::integers(K)) {
     float unused_scale, unused_bias;
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(attend::packed16<K>(block, s, d, unused_scale, unused_bias)));
   } else if constexpr (attend::packed(K)) {
