@@ -305,10 +305,12 @@ def test_the_environment_picks_the_packed_arithmetic_at_load(value, want):
     import subprocess
     import sys
 
-    code = "import mlx_tracer\nfrom mlx_tracer.backend import kernels\nprint(kernels.load().packed_attention())"
+    code = ("import mlx_tracer\nfrom mlx_tracer.backend import kernels\nprint(kernels.load().packed_attention())\n"
+            "print(kernels.status())")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MLX_TRACER_PACKED_ATTENTION": value},
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines()[0] == want
+    mode, status = out.stdout.splitlines()[:2]
+    assert mode == want and f"quantized K/V of one group a row {want}" in status
     if value == "mlx":
         assert "factored or dequantized" in out.stderr

@@ -270,6 +270,11 @@ _ATTENTION = {  # MLX_TRACER_ATTENTION
     "vector": "on vector lanes (MLX_TRACER_ATTENTION=vector)",
 }
 
+_PACKED = {  # MLX_TRACER_PACKED_ATTENTION
+    "factored": "quantized K/V of one group a row factored",
+    "dequantized": "quantized K/V of one group a row dequantized as MLX does (MLX_TRACER_PACKED_ATTENTION=dequantized)",
+}
+
 
 def status() -> str:
     """One line for ``mlx-tracer info``."""
@@ -278,5 +283,6 @@ def status() -> str:
         return (f"active: the lean layers on the CPU, decode and windows (4 graph nodes a decode layer; float32 or "
                 f"packed 4-/8-bit projections); quantized matmul {module.qmm_isa()} (integer products: "
                 f"{module.qmm_int8_isa()}), {module.qmm_threads()} threads; "
-                f"decode attention {_ATTENTION[module.attention_mode()]} ({Path(module.__file__).name})")
+                f"decode attention {_ATTENTION[module.attention_mode()]}, {_PACKED[module.packed_attention()]} "
+                f"({Path(module.__file__).name})")
     return f"not used: {_state['why']}"
