@@ -1639,7 +1639,7 @@ class LayerIn : public Kernel {
 // 8 bits: its quantize<float, uint32_t>, operation for operation): the
 // group's min and max, the scale and bias from the edge of larger magnitude,
 // each value rint((w - bias) / scale) clipped to [0, 2^bits - 1], packed low
-// bits first; scale and bias as float32.
+// bits first (words null: the scale and bias alone); scale and bias as float32.
 void quantize_group(const float* w, int group, int bits, uint32_t* words, float* scale_out, float* bias_out) {
   const float n_bins = float((1 << bits) - 1);
   const float eps = 1e-7f;
@@ -1660,7 +1660,7 @@ void quantize_group(const float* w, int group, int bits, uint32_t* words, float*
     bias = edge;
   }
   const int per_word = 32 / bits;
-  for (int j = 0; j < group / per_word; ++j) {
+  for (int j = 0; words != nullptr && j < group / per_word; ++j) {  // (the words: not where only the scale and bias are wanted)
     uint64_t word = 0;
     for (int k = 0; k < per_word; ++k) {
       float v = w[j * per_word + k];
@@ -1735,7 +1735,8 @@ class CacheWrite : public Kernel {
         for (int r = 0; r < rows; ++r) {
           for (int g = 0; g < G; ++g) {
             float scale, bias;
-            quantize_group(upd.p + size_t(r) * D + size_t(g) * group, group, bits, packed.data(), &scale, &bias);
+            quantize_group(upd.p + size_t(r) * D + size_t(g) * group, group, bits, part == 0 ? packed.data() : nullptr,
+                           &scale, &bias);
             char* at = reinterpret_cast<char*>(out.p) + ((size_t(r) * S + c) * W) * 4;  // 4-byte elements
             if (part == 0) {
               std::memcpy(at + size_t(g) * words * 4, packed.data(), size_t(words) * 4);
