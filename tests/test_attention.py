@@ -257,21 +257,28 @@ def test_auto_is_vector_beside_packed_projections_and_blas_beside_float32(mode, 
     assert all(np.array_equal(a, b) for a, b in zip(outs["auto"], want))
 
 
-@pytest.mark.parametrize("value,want", [("blas", "blas"), ("vector", "vector"), ("", "auto"), ("fastest", "auto")])
-def test_the_environment_picks_the_mode_at_load(value, want):
+def setting_at_load(var: str, value: str, getter: str):
+    """In a fresh process with ``var=value``: (the kernels' ``getter()``, the
+    kernels' status line, stderr)."""
     import os
     import subprocess
     import sys
 
-    code = ("import mlx_tracer\nfrom mlx_tracer.backend import kernels\nK = kernels.load()\n"
-            "print(K.attention_mode())\nprint(kernels.status())")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MLX_TRACER_ATTENTION": value},
-                         capture_output=True, text=True, timeout=300)
+    code = (f"import mlx_tracer\nfrom mlx_tracer.backend import kernels\nprint(kernels.load().{getter}())\n"
+            "print(kernels.status())")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, var: value}, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 0, out.stderr
     mode, status = out.stdout.splitlines()[:2]
+    return mode, status, out.stderr
+
+
+@pytest.mark.parametrize("value,want", [("blas", "blas"), ("vector", "vector"), ("", "auto"), ("fastest", "auto")])
+def test_the_environment_picks_the_mode_at_load(value, want):
+    mode, status, err = setting_at_load("MLX_TRACER_ATTENTION", value, "attention_mode")
     assert mode == want and "decode attention" in status
     if value == "fastest":
-        assert "auto, blas or vector" in out.stderr
+        assert "auto, blas or vector" in err
 
 
 @pytest.fixture
@@ -301,16 +308,7 @@ def test_dequantized_keeps_mlx_values_in_the_lanes_where_factored_would_run(pack
 
 @pytest.mark.parametrize("value,want", [("dequantized", "dequantized"), ("", "factored"), ("mlx", "factored")])
 def test_the_environment_picks_the_packed_arithmetic_at_load(value, want):
-    import os
-    import subprocess
-    import sys
-
-    code = ("import mlx_tracer\nfrom mlx_tracer.backend import kernels\nprint(kernels.load().packed_attention())\n"
-            "print(kernels.status())")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MLX_TRACER_PACKED_ATTENTION": value},
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    mode, status = out.stdout.splitlines()[:2]
+    mode, status, err = setting_at_load("MLX_TRACER_PACKED_ATTENTION", value, "packed_attention")
     assert mode == want and f"quantized K/V of one group a row {want}" in status
     if value == "mlx":
-        assert "factored or dequantized" in out.stderr
+        assert "factored or dequantized" in err
