@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -342,4 +343,7 @@ def test_packed_attention_script_compares_the_two_arithmetics():
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     line = next(l for l in out.stdout.splitlines() if l.startswith("B1:"))
-    assert "factored" in line and "dequantized" in line and line.count("x") >= 1
+    m = re.match(r"B1: factored ([\d.]+), dequantized ([\d.]+) tok/s: ([\d.]+)x \(pairs ([\d.]+)\)$", line)
+    assert m, line
+    f, d, ratio = (float(m.group(i)) for i in (1, 2, 3))
+    assert f > 0 and d > 0 and ratio == pytest.approx(f / d, abs=0.006)

@@ -935,7 +935,8 @@ const void* attend_block(const KV& kv, int b, int h, tracer_qmm::AttendPacked& p
   return &p;
 }
 // Its storage as tracer_qmm::attend_* names it; packed blocks as their
-// integers alone (no scale or bias) where `integers`.
+// integers alone (no scale or bias) where `integers` (attend::q8i / q4i, two
+// past q8 / q4).
 int attend_kind(const KV& kv, bool integers = false) {
   return kv.kind == KV::packed ? (kv.bits == 8 ? 3 : 4) + (integers ? 2 : 0) : int(kv.kind);
 }
@@ -1023,9 +1024,10 @@ void attend_values_loops(const float* p, int R, int S, const KV& v, const void* 
 // The factored arithmetic's passes beside the lanes (packed K/V of one group
 // a row, attention_vector), the same operations on every ISA path: each
 // element's products and sums in the order written, none fused; vectors of
-// 8 (GCC's vector extension: SSE2 here, AVX2 where the CPU has it, the same
-// bits), a sum over keys in 8 lanes (key i into lane i % 8 in order, then
-// ((0 + 4) + (2 + 6)) + ((1 + 5) + (3 + 7))).
+// 8 (GCC's vector extension: AVX2 beside the AVX2 and AVX-512 lanes, SSE2
+// beside the portable loops, forced or not; the same bits), a sum over keys
+// in 8 lanes (key i into lane i % 8 in order, then ((0 + 4) + (2 + 6)) +
+// ((1 + 5) + (3 + 7))).
 namespace factored {
 typedef float v8 __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -1116,15 +1118,13 @@ struct Passes {
   void (*add_to)(float*, int, float);
 };
 const Passes& passes() {
-  static const Passes p = [] {
+  static const Passes portable{base::lanes_bias, base::finish_scores, base::scale_probs, base::sum8, base::add_to};
 #if defined(__x86_64__)
-    if (__builtin_cpu_supports("avx2")) {
-      return Passes{avx2::lanes_bias, avx2::finish_scores, avx2::scale_probs, avx2::sum8, avx2::add_to};
-    }
+  // the vector lanes run on AVX2 or AVX-512 CPUs only (attend_x86.h)
+  static const Passes wide{avx2::lanes_bias, avx2::finish_scores, avx2::scale_probs, avx2::sum8, avx2::add_to};
+  if (tracer_qmm::attend_vector_path()) return wide;
 #endif
-    return Passes{base::lanes_bias, base::finish_scores, base::scale_probs, base::sum8, base::add_to};
-  }();
-  return p;
+  return portable;
 }
 }  // namespace factored
 

@@ -671,6 +671,10 @@ bool tracer_qmm::attend_scores(const float* q, int R, int D, const void* k, int 
   return f != nullptr && (f(q, R, D, k, kind, S, bias, per, out), true);
 }
 
+bool tracer_qmm::attend_vector_path() {
+  return path().attend_scores != nullptr;
+}
+
 bool tracer_qmm::attend_values(const float* p, int R, int S, const void* v, int kind, int D, float* out) {
   const auto f = path().attend_values;
   return f != nullptr && (f(p, R, S, v, kind, D, out), true);

@@ -42,7 +42,8 @@ bool swiglu(const float* a, const float* b, float* out, int n);
 // bias [R / per, S] (row r: bias row r / per) + q [R, D] . k [S, D], and
 // out [R, D] = p [R, S] @ v [S, D], keys
 // and values stored as `kind` (0 float32, 1 float16, 2 bfloat16; 3 and 4:
-// mx.quantize's 8- and 4-bit blocks, `k` / `v` then an AttendPacked), D a
+// mx.quantize's 8- and 4-bit blocks, 5 and 6 their integers alone (kernels.cpp's
+// factored arithmetic), `k` / `v` then an AttendPacked), D a
 // multiple of 16 up to 256. False, doing nothing, where the path has none
 // (the caller runs the same arithmetic in plain loops).
 // A key the decode bias masks (float32's lowest or -inf): its score is the
@@ -63,6 +64,9 @@ inline bool masked_key(float bias) {
 bool attend_scores(const float* q, int R, int D, const void* k, int kind, int S, const float* bias, int per,
                    float* out);
 bool attend_values(const float* p, int R, int S, const void* v, int kind, int D, float* out);
+// Whether the ISA path in use has vector attention (attend_scores / attend_values
+// above do something): false on the portable path, forced or not.
+bool attend_vector_path();
 
 // fn(ctx, i) for i in [0, count) on qmm's thread pool (the caller and its
 // workers pull the indices from one counter; each i runs on one thread, so
