@@ -232,6 +232,63 @@ void values_k(const float* p, int R, int S, const void* v, int D, float* out) {
     }
   }
 }
+// The split scores (qmm_api.h's QSplit, kernels.cpp's attention_vector):
+// each visible key's integers widened to 16 bits once, multiplied with every
+// row's parts (widened once a call) in pairs (vpmaddwd: exact), each
+// (row, part)'s int32 lanes summed eight (row, part)s at a time; finished
+// by split_score. Integer sums: the same bits as any other order.
+inline __m256i sums8(const __m256i (&v)[8]) {  // lane i: the sum of v[i]'s lanes
+  const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
+  const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
+  const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+template <int K>
+void split_scores_k(const tracer_qmm::QSplit& q, const attend::AttendPacked& k, int S, const float* bias, int per,
+                    float* out) {
+  const int R = q.R, D = q.D, C = D / 16, RP = R * tracer_qmm::kQParts, nb = (R + per - 1) / per;
+  thread_local std::vector<int16_t> q16;
+  thread_local std::vector<int32_t> acc;
+  q16.assign(q.parts, q.parts + size_t(RP) * D);
+  acc.resize(size_t(RP + 7) / 8 * 8);
+  for (int s = 0; s < S; ++s) {
+    bool all = true;  // masked for every bias row: the key is not read
+    for (int i = 0; i < nb; ++i) all = all && attend::masked_key(bias[size_t(i) * S + s]);
+    if (all) {
+      for (int r = 0; r < R; ++r) out[size_t(r) * S + s] = bias[size_t(r / per) * S + s];
+      continue;
+    }
+    if (s % 16 == 0) attend::prefetch_rows<K>(&k, s, 16, D);
+    __m256i kw[16];  // D <= 256
+    for (int c = 0; c < C; ++c) {
+      float unused_scale, unused_bias;
+      kw[c] = _mm256_cvtepu8_epi16(attend::packed16<K>(&k, s, 16 * c, unused_scale, unused_bias));
+    }
+    for (int rp0 = 0; rp0 < RP; rp0 += 8) {
+      __m256i v[8];
+      for (int i = 0; i < 8; ++i) {
+        __m256i a = _mm256_setzero_si256();
+        if (rp0 + i < RP) {
+          const int16_t* qp = q16.data() + size_t(rp0 + i) * D;
+          for (int c = 0; c < C; ++c)
+            a = _mm256_add_epi32(a, _mm256_madd_epi16(kw[c], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp + 16 * c))));
+        }
+        v[i] = a;
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc.data() + rp0), sums8(v));
+    }
+    const float ks = k.scales[s], kb = k.biases[s];  // one group a row
+    for (int r = 0; r < R; ++r) {
+      out[size_t(r) * S + s] = tracer_qmm::split_score(acc.data() + size_t(r) * tracer_qmm::kQParts,
+                                                       q.scale + size_t(r) * tracer_qmm::kQParts, ks, kb, q.qsum[r],
+                                                       bias[size_t(r / per) * S + s]);
+    }
+  }
+}
+void split_scores(const tracer_qmm::QSplit& q, const attend::AttendPacked& k, int bits, int S, const float* bias,
+                  int per, float* out) {
+  bits == 8 ? split_scores_k<attend::q8i>(q, k, S, bias, per, out) : split_scores_k<attend::q4i>(q, k, S, bias, per, out);
+}
 #include "attend_common.h"
 }  // namespace attend_avx2
 #pragma GCC pop_options
@@ -400,5 +457,173 @@ void values_k(const float* p, int R, int S, const void* v, int D, float* out) {
 }
 #include "attend_common.h"
 }  // namespace attend_avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")
+namespace attend_vnni {
+// The split scores (qmm_api.h's QSplit) 16 keys at a time, lane i key s0 + i:
+// the 16 keys' rows transposed as 16 x 16 dwords (column j: the j-th 4 bytes
+// of every key), 4-bit columns split into their low and high nibbles, and
+// each column multiplied with a broadcast dword of 4 int8 query values by
+// VNNI's vpdpbusd (keys unsigned, queries signed, 4 products summed into
+// each int32 lane: exact). Then split_score's operations on 16 lanes (the
+// same operations, in the same order, as the scalar function).
+inline void transpose16(__m512i (&r)[16]) {  // r[j] lane i <- r[i] lane j
+  __m512i a[16], v[16];
+  for (int m = 0; m < 8; ++m) {  // per 128-bit block L: rows 2m, 2m + 1 at columns 4L, 4L + 1 / 4L + 2, 4L + 3
+    a[2 * m] = _mm512_unpacklo_epi32(r[2 * m], r[2 * m + 1]);
+    a[2 * m + 1] = _mm512_unpackhi_epi32(r[2 * m], r[2 * m + 1]);
+  }
+  for (int m = 0; m < 4; ++m) {  // v[4 m + c] block L: rows 4m .. 4m + 3 at column 4L + c
+    v[4 * m] = _mm512_unpacklo_epi64(a[4 * m], a[4 * m + 2]);
+    v[4 * m + 1] = _mm512_unpackhi_epi64(a[4 * m], a[4 * m + 2]);
+    v[4 * m + 2] = _mm512_unpacklo_epi64(a[4 * m + 1], a[4 * m + 3]);
+    v[4 * m + 3] = _mm512_unpackhi_epi64(a[4 * m + 1], a[4 * m + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {  // column 4L + c: block L of v[c], v[4 + c], v[8 + c], v[12 + c]
+    const __m512i x0 = _mm512_shuffle_i32x4(v[c], v[4 + c], 0x44), y0 = _mm512_shuffle_i32x4(v[8 + c], v[12 + c], 0x44);
+    const __m512i x1 = _mm512_shuffle_i32x4(v[c], v[4 + c], 0xEE), y1 = _mm512_shuffle_i32x4(v[8 + c], v[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+    r[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+  }
+}
+// G rows' finished scores for the 16 keys whose columns are `cols` (C of
+// them), `qc` the rows' parts as columns (column j: the dwords of rows
+// r0 .. r0 + G, parts 0 .. kQParts each, at qc + j * stride).
+template <int C, int G>
+inline void rows_scores(const __m512i* cols, const int32_t* qc, int stride, const float* scale, const float* qsum,
+                        __m512 ks, __m512 kb, const float* bias, int S, int per, int r0, __mmask16 lanes,
+                        float* out) {
+  constexpr int P = tracer_qmm::kQParts;
+  __m512i acc[G * P];
+  for (int i = 0; i < G * P; ++i) acc[i] = _mm512_setzero_si512();
+#pragma GCC unroll 32
+  for (int j = 0; j < C; ++j) {
+    const __m512i t = _mm512_load_si512(cols + j);
+    const int32_t* qj = qc + size_t(j) * stride;
+    for (int i = 0; i < G * P; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], t, _mm512_set1_epi32(qj[i]));
+  }
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::max());
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int i = 0; i < G; ++i) {
+    const int r = r0 + i;
+    const float* d = scale + size_t(r) * P;
+    const __m512 t = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[i * P]), _mm512_set1_ps(d[0])),
+                                                 _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i * P + 1]), _mm512_set1_ps(d[1]))),
+                                   _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i * P + 2]), _mm512_set1_ps(d[2])));
+    const __m512 bv = _mm512_maskz_loadu_ps(lanes, bias + size_t(r / per) * S);
+    const __mmask16 masked = _mm512_cmp_ps_mask(bv, lowest, _CMP_EQ_OQ) | _mm512_cmp_ps_mask(bv, minus_inf, _CMP_EQ_OQ);
+    const __m512 sc = _mm512_add_ps(bv, _mm512_add_ps(_mm512_mul_ps(ks, t), _mm512_mul_ps(kb, _mm512_set1_ps(qsum[r]))));
+    _mm512_mask_storeu_ps(out + size_t(r) * S, lanes, _mm512_mask_mov_ps(sc, masked, bv));
+  }
+}
+// Key i's dwords [16 t, 16 t + w) of a row of W (w = min(16, W - 16 t)), the rest of the vector 0.
+template <int W>
+inline __m512i key_dwords(const uint8_t* row, int t) {
+  if constexpr (W == 4) {
+    return _mm512_zextsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+  } else if constexpr (W == 8) {
+    return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row)));
+  } else {
+    return _mm512_loadu_si512(row + 64 * t);
+  }
+}
+template <int BITS, int D>
+void split_scores_d(const tracer_qmm::QSplit& q, const attend::AttendPacked& k, int S, const float* bias, int per,
+                    float* out) {
+  constexpr int P = tracer_qmm::kQParts, C = D / 4, W = D * BITS / 32, T = (W + 15) / 16;
+  const int R = q.R, nb = (R + per - 1) / per, stride = R * P;
+  // the rows' parts as columns of 4 values, column-major (column j: every row's parts at j * stride):
+  // 8 bits, values 4j .. 4j + 3; 4 bits, per 8 values (columns 2 e and 2 e + 1), the even ones
+  // (the bytes' low nibbles), then the odd ones
+  thread_local std::vector<int32_t> qc;
+  qc.resize(size_t(C) * stride);
+  for (int rp = 0; rp < stride; ++rp) {
+    const int8_t* src = q.parts + size_t(rp) * D;
+    for (int j = 0; j < C; ++j) {
+      int8_t b4[4];
+      for (int b = 0; b < 4; ++b) b4[b] = BITS == 8 ? src[4 * j + b] : src[8 * (j / 2) + 2 * b + (j & 1)];
+      std::memcpy(&qc[size_t(j) * stride + rp], b4, 4);
+    }
+  }
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::max());
+  const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  alignas(64) __m512i cols[C];
+  for (int s0 = 0; s0 < S; s0 += 16) {
+    const int n = std::min(16, S - s0);
+    const __mmask16 lanes = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+    __mmask16 live = 0;  // keys some bias row shows
+    for (int i = 0; i < nb; ++i) {
+      const __m512 bv = _mm512_maskz_loadu_ps(lanes, bias + size_t(i) * S + s0);
+      live |= ~(_mm512_cmp_ps_mask(bv, lowest, _CMP_EQ_OQ) | _mm512_cmp_ps_mask(bv, minus_inf, _CMP_EQ_OQ)) & lanes;
+    }
+    if (live == 0) {  // masked for every row: not read
+      for (int r = 0; r < R; ++r)
+        _mm512_mask_storeu_ps(out + size_t(r) * S + s0, lanes, _mm512_maskz_loadu_ps(lanes, bias + size_t(r / per) * S + s0));
+      continue;
+    }
+    attend::prefetch_rows<attend::q8i>(&k, s0, 16, D);
+    const uint8_t* rows = k.data + size_t(s0) * k.row_bytes;
+    for (int t = 0; t < T; ++t) {  // 16 dwords of each key at a time
+      __m512i r[16];
+      if (n == 16) {
+        for (int i = 0; i < 16; ++i) r[i] = key_dwords<W>(rows + size_t(i) * k.row_bytes, t);
+      } else {  // the last keys: rows past S not read
+        for (int i = 0; i < 16; ++i) r[i] = i < n ? key_dwords<W>(rows + size_t(i) * k.row_bytes, t) : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      constexpr int w = W < 16 ? W : 16;
+      for (int j = 0; j < w; ++j) {
+        if constexpr (BITS == 8) {
+          cols[16 * t + j] = r[j];
+        } else {
+          cols[2 * j] = _mm512_and_si512(r[j], nibble);
+          cols[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(r[j], 4), nibble);
+        }
+      }
+    }
+    const __m512 ks = _mm512_maskz_loadu_ps(lanes, k.scales + s0), kb = _mm512_maskz_loadu_ps(lanes, k.biases + s0);
+    int r0 = 0;
+    for (; r0 + 3 <= R; r0 += 3)
+      rows_scores<C, 3>(cols, qc.data() + r0 * P, stride, q.scale, q.qsum, ks, kb, bias + s0, S, per, r0, lanes, out + s0);
+    if (R - r0 == 2)
+      rows_scores<C, 2>(cols, qc.data() + r0 * P, stride, q.scale, q.qsum, ks, kb, bias + s0, S, per, r0, lanes, out + s0);
+    else if (R - r0 == 1)
+      rows_scores<C, 1>(cols, qc.data() + r0 * P, stride, q.scale, q.qsum, ks, kb, bias + s0, S, per, r0, lanes, out + s0);
+  }
+}
+// false where the head size has no kernel here (the caller runs AVX2's)
+bool split_scores(const tracer_qmm::QSplit& q, const attend::AttendPacked& k, int bits, int S, const float* bias,
+                  int per, float* out) {
+  const int D = q.D;
+  if (bits == 8) {
+    D == 64 ? split_scores_d<8, 64>(q, k, S, bias, per, out)
+    : D == 128 ? split_scores_d<8, 128>(q, k, S, bias, per, out)
+    : D == 32 ? split_scores_d<8, 32>(q, k, S, bias, per, out) : void();
+  } else {
+    D == 64 ? split_scores_d<4, 64>(q, k, S, bias, per, out)
+    : D == 128 ? split_scores_d<4, 128>(q, k, S, bias, per, out)
+    : D == 32 ? split_scores_d<4, 32>(q, k, S, bias, per, out) : void();
+  }
+  return D == 32 || D == 64 || D == 128;
+}
+}  // namespace attend_vnni
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,fma,f16c")
+// The AVX-512 path's split scores: VNNI's where the CPU has it (head sizes 32, 64, 128: the
+// factored attention's, a group a row), else AVX2's (unit 1's; the same bits).
+void split_scores_avx512(const tracer_qmm::QSplit& q, const attend::AttendPacked& k, int bits, int S,
+                         const float* bias, int per, float* out) {
+  static const bool vnni = has_vnni();
+  if (!(vnni && attend_vnni::split_scores(q, k, bits, S, bias, per, out))) {
+    tracer_qmm_unit::kPathAvx2.attend_split(q, k, bits, S, bias, per, out);
+  }
+}
 #pragma GCC pop_options
 #endif  // QMM_UNIT_AVX512

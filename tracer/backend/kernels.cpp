@@ -318,6 +318,16 @@ float row_max(const float* row, int S) {
 // run side by side so that their additions overlap), its max taken in 16
 // lanes (the same value: a max does not depend on its order, NaN wins either
 // way; a zero's sign, which could, does not change any exp(x - max)).
+// row[j] = MLX's exp(row[j] - top) for j < S (its bits: the ISA path's vector math, else its functor).
+void exp_shifted_row(float* row, int S, float top) {
+  if (!tracer_qmm::exp_shifted(row, top, row, S)) {
+    using namespace mx::simd;
+    for (int j = 0; j < S; ++j) {
+      store(row + j, exp(load<float, 1>(row + j) - top));
+    }
+  }
+}
+
 void softmax_rows(float* rows, int R, int S) {
   constexpr int kSide = 4;  // rows summed side by side
   for (int r0 = 0; r0 < R; r0 += kSide) {
@@ -326,13 +336,7 @@ void softmax_rows(float* rows, int R, int S) {
     float norm[kSide];
     for (int i = 0; i < n; ++i) {
       row[i] = rows + size_t(r0 + i) * S;
-      const float top = row_max(row[i], S);
-      if (!tracer_qmm::exp_shifted(row[i], top, row[i], S)) {
-        using namespace mx::simd;
-        for (int j = 0; j < S; ++j) {
-          store(row[i] + j, exp(load<float, 1>(row[i] + j) - top));
-        }
-      }
+      exp_shifted_row(row[i], S, row_max(row[i], S));
     }
     n == 4 ? sums_side_by_side<4>(row, S, norm)
     : n == 3 ? sums_side_by_side<3>(row, S, norm)
@@ -1021,8 +1025,75 @@ void attend_values_loops(const float* p, int R, int S, const KV& v, const void* 
   }
 }
 
-// The factored arithmetic's passes beside the lanes (packed K/V of one group
-// a row, attention_vector), the same operations on every ISA path: each
+// A block's query rows [R, D] split for the factored scores over packed keys
+// (qmm_api.h's QSplit): per row, d0 = max |q| / 127 and, for each value,
+// a = q / d0, q0 = round(a), q1 = round((a - q0) * 254), q2 = round(((a - q0)
+// * 254 - q1) * 254) (to nearest, ties to even; |q_p| <= 127), d1 = d0 / 254,
+// d2 = d1 / 254; qsum = (float(sum q0) * d0 + float(sum q1) * d1) + float(sum
+// q2) * d2. The parts hold q to about 2^-24 of the row's largest |q| (each
+// value within ~1e-7 of it, the rounding of q / d0 included). A row of zeros:
+// parts and scales 0; a row with a NaN or an infinity: scales and qsum NaN
+// (its scores NaN where the keys are visible, as float arithmetic gives).
+__attribute__((optimize("fp-contract=off"))) void split_rows(const float* q, int R, int D, int8_t* parts,
+                                                             float* scale, float* qsum) {
+  constexpr int P = tracer_qmm::kQParts;
+  for (int r = 0; r < R; ++r) {
+    const float* x = q + size_t(r) * D;
+    int8_t* p0 = parts + size_t(r) * P * D;
+    float* d = scale + size_t(r) * P;
+    float top = 0.0f;
+    bool finite = true;
+    for (int j = 0; j < D; ++j) finite = finite && std::isfinite(x[j]), top = std::max(top, std::fabs(x[j]));
+    const float d0 = top / 127.0f;
+    if (!finite || d0 == 0.0f) {
+      std::memset(p0, 0, size_t(P) * D);
+      const float fill = finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+      d[0] = d[1] = d[2] = qsum[r] = fill;
+      continue;
+    }
+    int32_t sums[P] = {};
+    for (int j = 0; j < D; ++j) {
+      const float a = x[j] / d0, i0 = std::nearbyint(a);
+      const float e1 = (a - i0) * 254.0f, i1 = std::nearbyint(e1);
+      const float i2 = std::nearbyint((e1 - i1) * 254.0f);
+      p0[j] = int8_t(i0), p0[D + j] = int8_t(i1), p0[2 * D + j] = int8_t(i2);
+      sums[0] += int32_t(i0), sums[1] += int32_t(i1), sums[2] += int32_t(i2);
+    }
+    d[0] = d0, d[1] = d0 / 254.0f, d[2] = d[1] / 254.0f;
+    qsum[r] = (float(sums[0]) * d[0] + float(sums[1]) * d[1]) + float(sums[2]) * d[2];
+  }
+}
+
+// The split scores in plain loops (the portable path): each key's integers
+// times each part, summed in int32 (exact), finished by split_score.
+void split_scores_loops(const tracer_qmm::QSplit& q, const tracer_qmm::AttendPacked& k, int bits, int S,
+                        const float* bias, int per, float* out) {
+  constexpr int P = tracer_qmm::kQParts;
+  const int R = q.R, D = q.D, nb = (R + per - 1) / per;
+  int32_t ints[256];
+  for (int s = 0; s < S; ++s) {
+    bool all = true;  // masked for every bias row: the key is not read
+    for (int i = 0; i < nb; ++i) all = all && tracer_qmm::masked_key(bias[size_t(i) * S + s]);
+    if (all) {
+      for (int r = 0; r < R; ++r) out[size_t(r) * S + s] = bias[size_t(r / per) * S + s];
+      continue;
+    }
+    const uint8_t* row = k.data + size_t(s) * k.row_bytes;
+    for (int j = 0; j < D; ++j) ints[j] = int32_t(packed_at(row, j, bits));
+    for (int r = 0; r < R; ++r) {
+      int32_t a[P] = {};
+      for (int p = 0; p < P; ++p) {
+        const int8_t* qp = q.parts + (size_t(r) * P + p) * D;
+        for (int j = 0; j < D; ++j) a[p] += ints[j] * int32_t(qp[j]);
+      }
+      out[size_t(r) * S + s] = tracer_qmm::split_score(a, q.scale + size_t(r) * P, k.scales[s], k.biases[s], q.qsum[r],
+                                                       bias[size_t(r / per) * S + s]);
+    }
+  }
+}
+
+// attention_vector's passes beside the lanes (its softmax; the factored
+// arithmetic's value terms), the same operations on every ISA path: each
 // element's products and sums in the order written, none fused; vectors of
 // 8 (GCC's vector extension: AVX2 beside the AVX2 and AVX-512 lanes, SSE2
 // beside the portable loops, forced or not; the same bits), a sum over keys
@@ -1040,35 +1111,11 @@ inline void store(float* p, v8 v) { std::memcpy(p, &v, sizeof v); }
 inline v8 select(v8i m, v8 a, v8 b) {  // m ? a : b, lanewise
   return reinterpret_cast<v8>((m & reinterpret_cast<v8i>(a)) | (~m & reinterpret_cast<v8i>(b)));
 }
-inline v8i masked(v8 b) {
-  return (b == -std::numeric_limits<float>::max()) | (b == -std::numeric_limits<float>::infinity());
-}
 inline float tree(v8 l) {
   return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 
 #define FACTORED_PASSES                                                                                        \
-  /* bias for the lanes: 0 where visible, the bias where masked */                                           \
-  void lanes_bias(const float* bias, size_t n, float* out) {                                                   \
-    size_t i = 0;                                                                                              \
-    for (; i + 8 <= n; i += 8) {                                                                               \
-      const v8 b = load(bias + i);                                                                             \
-      store(out + i, select(masked(b), b, v8{}));                                                              \
-    }                                                                                                          \
-    for (; i < n; ++i) out[i] = tracer_qmm::masked_key(bias[i]) ? bias[i] : 0.0f;                              \
-  }                                                                                                            \
-  /* row[j] = bias + (ks * dot + kb * qsum) where visible (row holds the lanes' dots), the bias where masked */ \
-  void finish_scores(const float* bias, const float* ks, const float* kb, float qsum, int S, float* row) {     \
-    const v8 qs = v8{} + qsum;                                                                                 \
-    int j = 0;                                                                                                 \
-    for (; j + 8 <= S; j += 8) {                                                                               \
-      const v8 b = load(bias + j);                                                                             \
-      store(row + j, select(masked(b), b, b + (load(ks + j) * load(row + j) + load(kb + j) * qs)));            \
-    }                                                                                                          \
-    for (; j < S; ++j) {                                                                                       \
-      if (!tracer_qmm::masked_key(bias[j])) row[j] = bias[j] + (ks[j] * row[j] + kb[j] * qsum);               \
-    }                                                                                                          \
-  }                                                                                                            \
   /* out = p * vs where p != 0 (else 0); returns the 8-lane sum of p * vb where p != 0 */                    \
   float scale_probs(const float* p, const float* vs, const float* vb, int S, float* out) {                    \
     v8 acc{};                                                                                                  \
@@ -1085,16 +1132,33 @@ inline float tree(v8 l) {
     }                                                                                                          \
     return tree(acc);                                                                                          \
   }                                                                                                            \
-  /* the 8-lane sum of x[0 .. n) */                                                                            \
-  float sum8(const float* x, int n) {                                                                          \
-    v8 acc{};                                                                                                  \
-    int i = 0;                                                                                                 \
-    for (; i + 8 <= n; i += 8) acc = acc + load(x + i);                                                        \
-    for (int l = 0; i < n; ++i, ++l) acc[l] = acc[l] + x[i];                                                   \
-    return tree(acc);                                                                                          \
-  }                                                                                                            \
   void add_to(float* x, int n, float c) {                                                                      \
     for (int i = 0; i < n; ++i) x[i] = x[i] + c;                                                               \
+  }                                                                                                            \
+  /* the vector path's softmax of a row in place: max (NaN if any), MLX's exp(x - max), the 8-lane sum, */   \
+  /* each times 1 / sum */                                                                                     \
+  void softmax_row(float* x, int n) {                                                                          \
+    v8 top = v8{} - std::numeric_limits<float>::infinity();                                                  \
+    v8i bad{};                                                                                                 \
+    int j = 0;                                                                                                 \
+    for (; j + 8 <= n; j += 8) {                                                                               \
+      const v8 v = load(x + j);                                                                                \
+      top = select(v > top, v, top), bad = bad | (v != v);                                                     \
+    }                                                                                                          \
+    float m = -std::numeric_limits<float>::infinity();                                                       \
+    bool nan = false;                                                                                          \
+    for (int l = 0; l < 8; ++l) m = top[l] > m ? top[l] : m, nan = nan || bad[l] != 0;                         \
+    for (; j < n; ++j) m = x[j] > m ? x[j] : m, nan = nan || x[j] != x[j];                                     \
+    if (nan) m = std::numeric_limits<float>::quiet_NaN();                                                    \
+    exp_shifted_row(x, n, m);                                                                                  \
+    v8 acc{};                                                                                                  \
+    j = 0;                                                                                                     \
+    for (; j + 8 <= n; j += 8) acc = acc + load(x + j);                                                        \
+    for (int l = 0; j < n; ++j, ++l) acc[l] = acc[l] + x[j];                                                   \
+    const v8 inv = v8{} + 1 / tree(acc);                                                                       \
+    j = 0;                                                                                                     \
+    for (; j + 8 <= n; j += 8) store(x + j, load(x + j) * inv);                                                \
+    for (; j < n; ++j) x[j] = x[j] * inv[0];                                                                   \
   }
 
 namespace base {
@@ -1111,17 +1175,15 @@ FACTORED_PASSES
 #undef FACTORED_PASSES
 
 struct Passes {
-  void (*lanes_bias)(const float*, size_t, float*);
-  void (*finish_scores)(const float*, const float*, const float*, float, int, float*);
   float (*scale_probs)(const float*, const float*, const float*, int, float*);
-  float (*sum8)(const float*, int);
   void (*add_to)(float*, int, float);
+  void (*softmax_row)(float*, int);
 };
 const Passes& passes() {
-  static const Passes portable{base::lanes_bias, base::finish_scores, base::scale_probs, base::sum8, base::add_to};
+  static const Passes portable{base::scale_probs, base::add_to, base::softmax_row};
 #if defined(__x86_64__)
   // the vector lanes run on AVX2 or AVX-512 CPUs only (attend_x86.h)
-  static const Passes wide{avx2::lanes_bias, avx2::finish_scores, avx2::scale_probs, avx2::sum8, avx2::add_to};
+  static const Passes wide{avx2::scale_probs, avx2::add_to, avx2::softmax_row};
   if (tracer_qmm::attend_vector_path()) return wide;
 #endif
   return portable;
@@ -1129,23 +1191,24 @@ const Passes& passes() {
 }  // namespace factored
 
 // One (row, key head) block of a decode attention on vector lanes: scores,
-// MLX's softmax (its bits), values. q [R, D] scaled, bias [R / per, S] (query
+// softmax (factored::softmax_row: MLX's max and exponentials, their sum in 8
+// lanes, not MLX's one after the other), values. q [R, D] scaled, bias [R / per, S] (query
 // row r's: row r / per), o [R, D].
-// Packed keys (or values) of one group a row run *factored*: the lanes
-// multiply the stored integers (q8i / q4i: float(q), exact), and each key's
-// scale and bias apply once around them, as MLX's Metal kernels for
-// quantized matmuls factor them:
-//   score(r, s) = bias(r, s) + (ks(s) * dot(q_r, kq_s) + kb(s) * qsum(r))
-//     (dot: the lanes' sum as for float keys; qsum: the 8-lane sum of q_r
-//     (factored::); each product and sum rounded, in that order; a masked
-//     key gets its bias);
-//   out(r, d) = sum over s of p'(r, s) * vq(s, d) (the lanes, as for float
-//     values) + the 8-lane sum over s of p(r, s) * vb(s), p' = p * vs(s)
-//     (both terms 0 where p is 0: a masked key's parameters never count).
+// Packed keys (or values) of one group a row run *factored*: each key's
+// (value row's) scale and bias apply once around the stored integers, as
+// MLX's Metal kernels for quantized matmuls factor them:
+//   score(r, s) = bias(r, s) + (ks(s) * t(r, s) + kb(s) * qsum(r)): the split
+//     scores (qmm_api.h's QSplit): q_r in three int8 parts (split_rows), t
+//     and qsum their exact integer products with the key's integers (and
+//     their own sums) scaled back; a masked key gets its bias;
+//   out(r, d) = sum over s of p'(r, s) * vq(s, d) (the float lanes over the
+//     integers, q8i / q4i: float(q), exact) + the 8-lane sum over s of
+//     p(r, s) * vb(s), p' = p * vs(s) (factored::; both terms 0 where p is 0:
+//     a masked key's parameters never count).
 // Against MLX's dequantize-then-multiply (every other path) this skips a
-// multiply and an add a value and reads a key's scale and bias once, not
-// once per 16 values: its values equal MLX's up to rounding
-// (tests/test_attention.py), not to the bit.
+// multiply and an add a value, reads a key's scale and bias once, and takes
+// the keys' products in integers: its values equal MLX's up to rounding
+// (tests/test_attention.py), not to the bit. The same bits on every ISA path.
 __attribute__((optimize("fp-contract=off"))) void attention_vector(const float* q, const KV& k, const KV& v,
                                                                    const float* bias, int per, int b, int h, int R,
                                                                    int D, float* scores, float* o) {
@@ -1156,22 +1219,21 @@ __attribute__((optimize("fp-contract=off"))) void attention_vector(const float* 
   const bool fk = factored_kv(k), fv = factored_kv(v);
   const factored::Passes& f = factored::passes();
   thread_local std::vector<float> extra;
-  const int nb = (R + per - 1) / per;
-  if (fk) {  // the lanes over the integers, with a bias of 0 where the key is visible
-    extra.resize(size_t(nb) * S);
-    f.lanes_bias(bias, size_t(nb) * S, extra.data());
-  }
-  const float* lanes_bias = fk ? extra.data() : bias;
-  if (!tracer_qmm::attend_scores(q, R, D, kb, attend_kind(k, fk), S, lanes_bias, per, scores)) {
-    attend_scores_loops(q, R, D, k, kb, S, lanes_bias, per, scores, fk);
-  }
-  if (fk) {
-    for (int r = 0; r < R; ++r) {
-      f.finish_scores(bias + size_t(r / per) * S, kp.scales, kp.biases, f.sum8(q + size_t(r) * D, D), S,
-                      scores + size_t(r) * S);
+  if (fk) {  // the split scores: q in three int8 parts, integer products with the stored keys
+    thread_local std::vector<int8_t> parts;
+    thread_local std::vector<float> split;
+    parts.resize(size_t(R) * tracer_qmm::kQParts * D);
+    split.resize(size_t(R) * (tracer_qmm::kQParts + 1));
+    float* qsum = split.data() + size_t(R) * tracer_qmm::kQParts;
+    split_rows(q, R, D, parts.data(), split.data(), qsum);
+    const tracer_qmm::QSplit qs{R, D, parts.data(), split.data(), qsum};
+    if (!tracer_qmm::attend_split_scores(qs, kp, k.bits, S, bias, per, scores)) {
+      split_scores_loops(qs, kp, k.bits, S, bias, per, scores);
     }
+  } else if (!tracer_qmm::attend_scores(q, R, D, kb, attend_kind(k), S, bias, per, scores)) {
+    attend_scores_loops(q, R, D, k, kb, S, bias, per, scores, false);
   }
-  softmax_rows(scores, R, S);
+  for (int r = 0; r < R; ++r) f.softmax_row(scores + size_t(r) * S, S);
   const float* p = scores;
   thread_local std::vector<float> pb;
   if (fv) {  // p' = p * the value rows' scales, and each row's sum of p * their biases

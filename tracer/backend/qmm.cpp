@@ -177,6 +177,8 @@ struct Path {
   void (*attend_scores)(const float* q, int R, int D, const void* k, int kind, int S, const float* bias, int per,
                         float* out);
   void (*attend_values)(const float* p, int R, int S, const void* v, int kind, int D, float* out);
+  void (*attend_split)(const tracer_qmm::QSplit& q, const tracer_qmm::AttendPacked& k, int bits, int S,
+                       const float* bias, int per, float* out);
 };
 
 #if defined(__x86_64__)
@@ -317,19 +319,21 @@ inline void order4_even_odd(const float* from, float* to) {
 const tracer_qmm_unit::Path tracer_qmm_unit::kPathAvx2 = {
     "avx2", has_avx2, isa_avx2::rows_small, isa_avx2::dequant_rows, isa_avx2::fast_rows, isa_avx2::factored_rows,
     isa_avx2::quantize_x_rows,
-    isa_avx2::order4, vmath_avx2::exp_shifted, vmath_avx2::swiglu, attend_avx2::scores, attend_avx2::values};
+    isa_avx2::order4, vmath_avx2::exp_shifted, vmath_avx2::swiglu, attend_avx2::scores, attend_avx2::values,
+    attend_avx2::split_scores};
 #elif defined(__x86_64__) && QMM_UNIT_AVX512
 const tracer_qmm_unit::Path tracer_qmm_unit::kPathAvx512 = {
     "avx512", has_avx512, isa_avx512::rows_small, isa_avx512::dequant_rows, fast_avx512, factored_avx2,
     quantize_x_avx2,  // the same bytes on every path
-    isa_avx512::order4, vmath_avx512::exp_shifted, vmath_avx512::swiglu, attend_avx512::scores, attend_avx512::values};
+    isa_avx512::order4, vmath_avx512::exp_shifted, vmath_avx512::swiglu, attend_avx512::scores, attend_avx512::values,
+    split_scores_avx512};
 #endif
 #else  // unit 0: the rest of the file
 
 // ------------------------------------------------------------ ISA choice
 const Path kPathPortable = {"portable", [] { return true; }, isa_portable::rows_small, isa_portable::dequant_rows,
                             isa_portable::fast_rows, isa_portable::factored_rows, isa_portable::quantize_x_rows,
-                            isa_portable::order4, nullptr, nullptr, nullptr, nullptr};
+                            isa_portable::order4, nullptr, nullptr, nullptr, nullptr, nullptr};
 const Path* const kPaths[] = {  // worst to best
     &kPathPortable,
 #if defined(__x86_64__)
@@ -669,6 +673,12 @@ bool tracer_qmm::attend_scores(const float* q, int R, int D, const void* k, int 
                                int per, float* out) {
   const auto f = path().attend_scores;
   return f != nullptr && (f(q, R, D, k, kind, S, bias, per, out), true);
+}
+
+bool tracer_qmm::attend_split_scores(const QSplit& q, const AttendPacked& k, int bits, int S, const float* bias,
+                                     int per, float* out) {
+  const auto f = path().attend_split;
+  return f != nullptr && (f(q, k, bits, S, bias, per, out), true);
 }
 
 bool tracer_qmm::attend_vector_path() {

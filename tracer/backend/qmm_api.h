@@ -63,6 +63,32 @@ inline bool masked_key(float bias) {
 }
 bool attend_scores(const float* q, int R, int D, const void* k, int kind, int S, const float* bias, int per,
                    float* out);
+// The factored scores over packed keys of one group a row (kernels.cpp's
+// attention_vector): each query row q_r split into three int8 parts,
+// q_r ~ d0 q0 + d1 q1 + d2 q2 (d1 = d0 / 254, d2 = d1 / 254, |q_p| <= 127:
+// kernels.cpp's split_rows), the keys' stored integers k_s multiplied with
+// each part exactly in int32, then per key, elementwise (split_score):
+//   t = (float(q0 . k_s) * d0 + float(q1 . k_s) * d1) + float(q2 . k_s) * d2,
+//   score(r, s) = bias + (ks(s) * t + kb(s) * qsum(r))  (the bias itself where it masks the key),
+// qsum(r) the same sum over the parts' own integer sums. The integer products
+// are exact, so every ISA path gives the same bits whatever its order.
+constexpr int kQParts = 3;
+struct QSplit {
+  int R, D;
+  const int8_t* parts;  // [R, kQParts, D]: row r's part p at (r kQParts + p) D, the values in order
+  const float* scale;   // [R, kQParts]: d0, d1, d2
+  const float* qsum;    // [R]
+};
+__attribute__((optimize("fp-contract=off"))) inline float split_score(const int32_t* a, const float* d, float ks,
+                                                                       float kb, float qsum, float bias) {
+  const float t = (float(a[0]) * d[0] + float(a[1]) * d[1]) + float(a[2]) * d[2];
+  return masked_key(bias) ? bias : bias + (ks * t + kb * qsum);
+}
+// scores [R, S] of q's rows against packed keys `k` of `bits` (one group a
+// row: k.groups == 1), bias [R / per, S] as attend_scores takes it. False,
+// doing nothing, where the path has none (kernels.cpp's loops serve).
+bool attend_split_scores(const QSplit& q, const AttendPacked& k, int bits, int S, const float* bias, int per,
+                         float* out);
 bool attend_values(const float* p, int R, int S, const void* v, int kind, int D, float* out);
 // Whether the ISA path in use has vector attention (attend_scores / attend_values
 // above do something): false on the portable path, forced or not.
