@@ -232,62 +232,129 @@ void values_k(const float* p, int R, int S, const void* v, int D, float* out) {
     }
   }
 }
-// The split scores (qmm_api.h's QSplit, kernels.cpp's attention_vector):
-// each visible key's integers widened to 16 bits once, multiplied with every
-// row's parts (widened once a call) in pairs (vpmaddwd: exact), each
-// (row, part)'s int32 lanes summed eight (row, part)s at a time; finished
-// by split_score. Integer sums: the same bits as any other order.
-inline __m256i sums8(const __m256i (&v)[8]) {  // lane i: the sum of v[i]'s lanes
-  const __m256i h01 = _mm256_hadd_epi32(v[0], v[1]), h23 = _mm256_hadd_epi32(v[2], v[3]);
-  const __m256i h45 = _mm256_hadd_epi32(v[4], v[5]), h67 = _mm256_hadd_epi32(v[6], v[7]);
-  const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);
-  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+// The split scores (qmm_api.h's QSplit, kernels.cpp's attention_vector)
+// 8 keys at a time, lane i key s0 + i: each row's parts as two 16-bit ones,
+// 254 q0 + q1 and q2, taken in pairs of values (once a call); the keys' rows
+// transposed as 8 x 8 dwords, each column's bytes (4-bit: nibbles) split into
+// pairs of 16-bit values, and each pair column multiplied with a broadcast
+// pair of a row's part by vpmaddwd (exact), summed in int32 (a01, a2); then
+// split_score's operations on the 8 lanes (the same operations in the same
+// order: the same bits).
+inline void transpose8(__m256i (&r)[8]) {  // r[j] lane i <- r[i] lane j
+  __m256i t[8], u[8];
+  for (int m = 0; m < 4; ++m) {
+    t[2 * m] = _mm256_unpacklo_epi32(r[2 * m], r[2 * m + 1]);
+    t[2 * m + 1] = _mm256_unpackhi_epi32(r[2 * m], r[2 * m + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // u[4 h + c], block L: rows 4h .. 4h + 3 at column 4L + c
+    u[4 * h] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+    u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2x128_si256(u[c], u[4 + c], 0x20);
+    r[4 + c] = _mm256_permute2x128_si256(u[c], u[4 + c], 0x31);
+  }
 }
-template <int K>
+// The two values pair column c of a key row holds (8 bits: a column's bytes 0, 2 then 1, 3;
+// 4 bits: its low nibbles' bytes 0, 2 then 1, 3, then its high nibbles' likewise).
+inline void pair_values(int bits, int c, int& da, int& db) {
+  if (bits == 8) {
+    da = 4 * (c / 2) + (c & 1);
+  } else {
+    constexpr int base[4] = {0, 2, 1, 3};
+    da = 8 * (c / 4) + base[c % 4];
+  }
+  db = da + (bits == 8 ? 2 : 4);
+}
+template <int BITS>
 void split_scores_k(const tracer_qmm::QSplit& q, const attend::AttendPacked& k, int S, const float* bias, int per,
                     float* out) {
-  const int R = q.R, D = q.D, C = D / 16, RP = R * tracer_qmm::kQParts, nb = (R + per - 1) / per;
-  thread_local std::vector<int16_t> q16;
-  thread_local std::vector<int32_t> acc;
-  q16.assign(q.parts, q.parts + size_t(RP) * D);
-  acc.resize(size_t(RP + 7) / 8 * 8);
-  for (int s = 0; s < S; ++s) {
-    bool all = true;  // masked for every bias row: the key is not read
-    for (int i = 0; i < nb; ++i) all = all && attend::masked_key(bias[size_t(i) * S + s]);
-    if (all) {
-      for (int r = 0; r < R; ++r) out[size_t(r) * S + s] = bias[size_t(r / per) * S + s];
+  constexpr int P = tracer_qmm::kQParts;
+  const int R = q.R, D = q.D, PC = D / 2, W = D * BITS / 32, nb = (R + per - 1) / per;  // PC: pair columns
+  thread_local std::vector<int32_t> qp;  // [R, 2, PC]: row r's pairs of 254 q0 + q1, then of q2
+  qp.resize(size_t(R) * 2 * PC);
+  for (int r = 0; r < R; ++r) {
+    const int8_t* p0 = q.parts + size_t(r) * P * D;
+    for (int c = 0; c < PC; ++c) {
+      int da, db;
+      pair_values(BITS, c, da, db);
+      const auto pair = [](int a, int b) { return int32_t(uint32_t(uint16_t(int16_t(a))) | uint32_t(uint16_t(int16_t(b))) << 16); };
+      qp[size_t(2 * r) * PC + c] = pair(254 * p0[da] + p0[D + da], 254 * p0[db] + p0[D + db]);  // |.| <= 32385
+      qp[size_t(2 * r + 1) * PC + c] = pair(p0[2 * D + da], p0[2 * D + db]);
+    }
+  }
+  const __m256 lowest = _mm256_set1_ps(-std::numeric_limits<float>::max());
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m256i low16 = _mm256_set1_epi32(0x00FF00FF), nibble = _mm256_set1_epi8(0x0F);
+  __m256i pc[128];  // PC <= 128 (D <= 256)
+  for (int s0 = 0; s0 < S; s0 += 8) {
+    const int n = std::min(8, S - s0);
+    bool live = false;  // some key some bias row shows
+    for (int i = 0; i < nb && !live; ++i)
+      for (int j = 0; j < n; ++j) live = live || !attend::masked_key(bias[size_t(i) * S + s0 + j]);
+    if (!live) {  // masked for every row: not read
+      for (int r = 0; r < R; ++r)
+        std::memcpy(out + size_t(r) * S + s0, bias + size_t(r / per) * S + s0, n * sizeof(float));
       continue;
     }
-    if (s % 16 == 0) attend::prefetch_rows<K>(&k, s, 16, D);
-    __m256i kw[16];  // D <= 256
-    for (int c = 0; c < C; ++c) {
-      float unused_scale, unused_bias;
-      kw[c] = _mm256_cvtepu8_epi16(attend::packed16<K>(&k, s, 16 * c, unused_scale, unused_bias));
-    }
-    for (int rp0 = 0; rp0 < RP; rp0 += 8) {
-      __m256i v[8];
+    if (s0 % 16 == 0) attend::prefetch_rows<attend::q8i>(&k, s0, 16, D);
+    const uint8_t* rows = k.data + size_t(s0) * k.row_bytes;
+    for (int t = 0; 8 * t < W; ++t) {  // 8 dwords of each key at a time
+      __m256i r[8];
       for (int i = 0; i < 8; ++i) {
-        __m256i a = _mm256_setzero_si256();
-        if (rp0 + i < RP) {
-          const int16_t* qp = q16.data() + size_t(rp0 + i) * D;
-          for (int c = 0; c < C; ++c)
-            a = _mm256_add_epi32(a, _mm256_madd_epi16(kw[c], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qp + 16 * c))));
-        }
-        v[i] = a;
+        const uint8_t* row = rows + size_t(i) * k.row_bytes + 32 * t;
+        r[i] = i >= n ? _mm256_setzero_si256()
+               : W >= 8 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row))
+                        : _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
       }
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc.data() + rp0), sums8(v));
+      transpose8(r);
+      const int w = std::min(8, W - 8 * t);
+      for (int j = 0; j < w; ++j) {
+        if constexpr (BITS == 8) {
+          __m256i* c = pc + 2 * (8 * t + j);
+          c[0] = _mm256_and_si256(r[j], low16), c[1] = _mm256_and_si256(_mm256_srli_epi32(r[j], 8), low16);
+        } else {
+          __m256i* c = pc + 4 * (8 * t + j);
+          const __m256i lo = _mm256_and_si256(r[j], nibble), hi = _mm256_and_si256(_mm256_srli_epi32(r[j], 4), nibble);
+          c[0] = _mm256_and_si256(lo, low16), c[1] = _mm256_and_si256(_mm256_srli_epi32(lo, 8), low16);
+          c[2] = _mm256_and_si256(hi, low16), c[3] = _mm256_and_si256(_mm256_srli_epi32(hi, 8), low16);
+        }
+      }
     }
-    const float ks = k.scales[s], kb = k.biases[s];  // one group a row
+    alignas(32) float ksv[8] = {}, kbv[8] = {};
+    std::memcpy(ksv, k.scales + s0, n * sizeof(float)), std::memcpy(kbv, k.biases + s0, n * sizeof(float));
+    const __m256 ks = _mm256_load_ps(ksv), kb = _mm256_load_ps(kbv);
     for (int r = 0; r < R; ++r) {
-      out[size_t(r) * S + s] = tracer_qmm::split_score(acc.data() + size_t(r) * tracer_qmm::kQParts,
-                                                       q.scale + size_t(r) * tracer_qmm::kQParts, ks, kb, q.qsum[r],
-                                                       bias[size_t(r / per) * S + s]);
+      const int32_t* q01 = qp.data() + size_t(2 * r) * PC;
+      const int32_t* q2 = q01 + PC;
+      __m256i a01 = _mm256_setzero_si256(), a2 = _mm256_setzero_si256();
+      for (int c = 0; c < PC; ++c) {
+        a01 = _mm256_add_epi32(a01, _mm256_madd_epi16(pc[c], _mm256_set1_epi32(q01[c])));
+        a2 = _mm256_add_epi32(a2, _mm256_madd_epi16(pc[c], _mm256_set1_epi32(q2[c])));
+      }
+      const float* d = q.scale + size_t(r) * P;
+      const __m256 t = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a01), _mm256_set1_ps(d[1])),
+                                     _mm256_mul_ps(_mm256_cvtepi32_ps(a2), _mm256_set1_ps(d[2])));
+      alignas(32) float bb[8] = {};
+      std::memcpy(bb, bias + size_t(r / per) * S + s0, n * sizeof(float));
+      const __m256 bv = _mm256_load_ps(bb);
+      const __m256 sc = _mm256_add_ps(bv, _mm256_add_ps(_mm256_mul_ps(ks, t), _mm256_mul_ps(kb, _mm256_set1_ps(q.qsum[r]))));
+      const __m256 masked = _mm256_or_ps(_mm256_cmp_ps(bv, lowest, _CMP_EQ_OQ), _mm256_cmp_ps(bv, minus_inf, _CMP_EQ_OQ));
+      if (n == 8) {
+        _mm256_storeu_ps(out + size_t(r) * S + s0, _mm256_blendv_ps(sc, bv, masked));
+      } else {
+        alignas(32) float o[8];
+        _mm256_store_ps(o, _mm256_blendv_ps(sc, bv, masked));
+        std::memcpy(out + size_t(r) * S + s0, o, n * sizeof(float));
+      }
     }
   }
 }
 void split_scores(const tracer_qmm::QSplit& q, const attend::AttendPacked& k, int bits, int S, const float* bias,
                   int per, float* out) {
-  bits == 8 ? split_scores_k<attend::q8i>(q, k, S, bias, per, out) : split_scores_k<attend::q4i>(q, k, S, bias, per, out);
+  bits == 8 ? split_scores_k<8>(q, k, S, bias, per, out) : split_scores_k<4>(q, k, S, bias, per, out);
 }
 #include "attend_common.h"
 }  // namespace attend_avx2
@@ -511,8 +578,8 @@ inline void rows_scores(const __m512i* cols, const int32_t* qc, int stride, cons
   for (int i = 0; i < G; ++i) {
     const int r = r0 + i;
     const float* d = scale + size_t(r) * P;
-    const __m512 t = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[i * P]), _mm512_set1_ps(d[0])),
-                                                 _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i * P + 1]), _mm512_set1_ps(d[1]))),
+    const __m512i a01 = _mm512_add_epi32(_mm512_mullo_epi32(acc[i * P], _mm512_set1_epi32(254)), acc[i * P + 1]);
+    const __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a01), _mm512_set1_ps(d[1])),
                                    _mm512_mul_ps(_mm512_cvtepi32_ps(acc[i * P + 2]), _mm512_set1_ps(d[2])));
     const __m512 bv = _mm512_maskz_loadu_ps(lanes, bias + size_t(r / per) * S);
     const __mmask16 masked = _mm512_cmp_ps_mask(bv, lowest, _CMP_EQ_OQ) | _mm512_cmp_ps_mask(bv, minus_inf, _CMP_EQ_OQ);

@@ -1029,8 +1029,7 @@ void attend_values_loops(const float* p, int R, int S, const KV& v, const void* 
 // (qmm_api.h's QSplit): per row, d0 = max |q| / 127 and, for each value,
 // a = q / d0, q0 = round(a), q1 = round((a - q0) * 254), q2 = round(((a - q0)
 // * 254 - q1) * 254) (to nearest, ties to even; |q_p| <= 127), d1 = d0 / 254,
-// d2 = d1 / 254; qsum = (float(sum q0) * d0 + float(sum q1) * d1) + float(sum
-// q2) * d2. The parts hold q to about 2^-24 of the row's largest |q| (each
+// d2 = d1 / 254; qsum = float(254 sum q0 + sum q1) * d1 + float(sum q2) * d2. The parts hold q to about 2^-24 of the row's largest |q| (each
 // value within ~1e-7 of it, the rounding of q / d0 included). A row of zeros:
 // parts and scales 0; a row with a NaN or an infinity: scales and qsum NaN
 // (its scores NaN where the keys are visible, as float arithmetic gives).
@@ -1060,7 +1059,7 @@ __attribute__((optimize("fp-contract=off"))) void split_rows(const float* q, int
       sums[0] += int32_t(i0), sums[1] += int32_t(i1), sums[2] += int32_t(i2);
     }
     d[0] = d0, d[1] = d0 / 254.0f, d[2] = d[1] / 254.0f;
-    qsum[r] = (float(sums[0]) * d[0] + float(sums[1]) * d[1]) + float(sums[2]) * d[2];
+    qsum[r] = float(tracer_qmm::join01(sums[0], sums[1])) * d[1] + float(sums[2]) * d[2];
   }
 }
 
@@ -1086,8 +1085,8 @@ void split_scores_loops(const tracer_qmm::QSplit& q, const tracer_qmm::AttendPac
         const int8_t* qp = q.parts + (size_t(r) * P + p) * D;
         for (int j = 0; j < D; ++j) a[p] += ints[j] * int32_t(qp[j]);
       }
-      out[size_t(r) * S + s] = tracer_qmm::split_score(a, q.scale + size_t(r) * P, k.scales[s], k.biases[s], q.qsum[r],
-                                                       bias[size_t(r / per) * S + s]);
+      out[size_t(r) * S + s] = tracer_qmm::split_score(tracer_qmm::join01(a[0], a[1]), a[2], q.scale + size_t(r) * P,
+                                                       k.scales[s], k.biases[s], q.qsum[r], bias[size_t(r / per) * S + s]);
     }
   }
 }

@@ -65,13 +65,16 @@ bool attend_scores(const float* q, int R, int D, const void* k, int kind, int S,
                    float* out);
 // The factored scores over packed keys of one group a row (kernels.cpp's
 // attention_vector): each query row q_r split into three int8 parts,
-// q_r ~ d0 q0 + d1 q1 + d2 q2 (d1 = d0 / 254, d2 = d1 / 254, |q_p| <= 127:
-// kernels.cpp's split_rows), the keys' stored integers k_s multiplied with
-// each part exactly in int32, then per key, elementwise (split_score):
-//   t = (float(q0 . k_s) * d0 + float(q1 . k_s) * d1) + float(q2 . k_s) * d2,
+// q_r ~ d0 (q0 + q1 / 254 + q2 / 254^2) (|q_p| <= 127, d1 = d0 / 254,
+// d2 = d1 / 254: kernels.cpp's split_rows), the keys' stored integers k_s
+// multiplied with the parts exactly in int32: a01 = k_s . (254 q0 + q1)
+// (= 254 (k_s . q0) + k_s . q1) and a2 = k_s . q2; then per key,
+// elementwise (split_score):
+//   t = float(a01) * d1 + float(a2) * d2,
 //   score(r, s) = bias + (ks(s) * t + kb(s) * qsum(r))  (the bias itself where it masks the key),
 // qsum(r) the same sum over the parts' own integer sums. The integer products
-// are exact, so every ISA path gives the same bits whatever its order.
+// are exact, so every ISA path gives the same bits whatever its order (VNNI:
+// the three parts' products, joined; AVX2: 254 q0 + q1 as one 16-bit part).
 constexpr int kQParts = 3;
 struct QSplit {
   int R, D;
@@ -79,9 +82,10 @@ struct QSplit {
   const float* scale;   // [R, kQParts]: d0, d1, d2
   const float* qsum;    // [R]
 };
-__attribute__((optimize("fp-contract=off"))) inline float split_score(const int32_t* a, const float* d, float ks,
-                                                                       float kb, float qsum, float bias) {
-  const float t = (float(a[0]) * d[0] + float(a[1]) * d[1]) + float(a[2]) * d[2];
+inline int32_t join01(int32_t a0, int32_t a1) { return a0 * 254 + a1; }  // |.| < 2^31 for D <= 128
+__attribute__((optimize("fp-contract=off"))) inline float split_score(int32_t a01, int32_t a2, const float* d,
+                                                                       float ks, float kb, float qsum, float bias) {
+  const float t = float(a01) * d[1] + float(a2) * d[2];
   return masked_key(bias) ? bias : bias + (ks * t + kb * qsum);
 }
 // scores [R, S] of q's rows against packed keys `k` of `bits` (one group a
