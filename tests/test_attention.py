@@ -312,3 +312,37 @@ def test_the_environment_picks_the_packed_arithmetic_at_load(value, want):
     assert mode == want and f"quantized K/V of one group a row {want}" in status
     if value == "mlx":
         assert "factored or dequantized" in err
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_factored_scores_take_any_query_row(bits):
+    """The factored scores split each query row into three int8 parts scaled
+    by its largest |q| (qmm_api.h's QSplit): a row of zeros, a row with a
+    NaN and a row whose values span six orders of magnitude. The same bits
+    on every ISA path; zeros give the visible values' mean; a NaN poisons
+    its own row only (the other rows' bits as with that row zeroed); the
+    wide row within the factored arithmetic's bound of the float64 value."""
+    B, nk, R, S, D = 1, 2, 4, 45, 64
+    q, kq, vq, bias, _ = packed_inputs(B, nk, R, S, D, bits, 64, seed=5)
+    qn = np.array(q)
+    qn[0, 0, 0] = 0.0
+    qn[0, 0, 2] *= np.logspace(-3, 3, D, dtype=np.float32)[np.random.default_rng(1).permutation(D)] / 100
+    zeroed = qn.copy()
+    qn[0, 1, 1, 7] = np.nan
+    zeroed[0, 1, 1] = 0.0
+    q, q0 = mx.array(qn), mx.array(zeroed)
+    outs = on_every_path(lambda: attend_packed(q, kq, vq, bias))
+    got = outs["portable"].reshape(B, nk, R, D)
+    assert np.isnan(got[0, 1, 1]).all() and np.isfinite(np.delete(got.reshape(-1, D), 1 * R + 1, 0)).all()
+    clean = attend_packed(q0, kq, vq, bias).reshape(B, nk, R, D)
+    rows = [(h, r) for h in range(nk) for r in range(R) if (h, r) != (1, 1)]
+    for h, r in rows:
+        assert np.array_equal(got[0, h, r].view(np.int32), clean[0, h, r].view(np.int32))
+    vals = exact_values(vq, bits, 64)
+    visible = np.asarray(bias)[0] == 0
+    mean = vals[0, 0, visible].mean(0)
+    assert np.abs(got[0, 0, 0] - mean).max() <= 16 * np.finfo(np.float32).eps * np.abs(mean).max()
+    exact64 = _reference64(np.asarray(q0, np.float64), exact_values(kq, bits, 64), vals,
+                           np.asarray(bias, np.float64)).reshape(B, nk, R, D)
+    wide = exact64[0, 0, 2]
+    assert np.abs(got[0, 0, 2] - wide).max() <= 16 * np.finfo(np.float32).eps * np.abs(wide).max()

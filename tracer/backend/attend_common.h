@@ -87,9 +87,7 @@ void scores(const float* q, int R, int D, const void* k, int kind, int S, const 
   : kind == attend::f16 ? scores_d<attend::f16>(q, R, D, k, S, bias, per, out)
   : kind == attend::bf16 ? scores_d<attend::bf16>(q, R, D, k, S, bias, per, out)
   : kind == attend::q8  ? scores_d<attend::q8>(q, R, D, k, S, bias, per, out)
-  : kind == attend::q4  ? scores_d<attend::q4>(q, R, D, k, S, bias, per, out)
-  : kind == attend::q8i ? scores_d<attend::q8i>(q, R, D, k, S, bias, per, out)
-                        : scores_d<attend::q4i>(q, R, D, k, S, bias, per, out);
+                        : scores_d<attend::q4>(q, R, D, k, S, bias, per, out);  // (q8i / q4i keys: split_scores)
 }
 void values(const float* p, int R, int S, const void* v, int kind, int D, float* out) {
   kind == attend::f32   ? values_d<attend::f32>(p, R, S, v, D, out)

@@ -26,8 +26,9 @@
 
 namespace attend {
 // q8i / q4i: packed blocks read as their integers (float(q), no scale or
-// bias: the factored arithmetic's keys and values, kernels.cpp's
-// attention_vector applies the groups' scales and biases around the lanes).
+// bias: the factored arithmetic's values, kernels.cpp's attention_vector
+// applies the rows' scales and biases around the lanes; its keys take
+// split_scores below, integer products).
 enum Kind { f32 = 0, f16 = 1, bf16 = 2, q8 = 3, q4 = 4, q8i = 5, q4i = 6 };
 constexpr bool packed(int K) { return K == q8 || K == q4 || K == q8i || K == q4i; }
 constexpr bool integers(int K) { return K == q8i || K == q4i; }

@@ -984,13 +984,13 @@ __attribute__((optimize("fp-contract=off"))) const float* stored_row(const KV& k
 }
 
 void attend_scores_loops(const float* q, int R, int D, const KV& k, const void* block, int S, const float* bias,
-                         int per, float* out, bool integers) {
+                         int per, float* out) {
   float buf[256];
   const int nb = (R + per - 1) / per;
   for (int s = 0; s < S; ++s) {
     bool all = true;  // masked for every bias row: the key is not read
     for (int i = 0; i < nb; ++i) all = all && tracer_qmm::masked_key(bias[size_t(i) * S + s]);
-    const float* kr = all ? nullptr : stored_row(k, block, s, buf, integers);
+    const float* kr = all ? nullptr : stored_row(k, block, s, buf);
     for (int r = 0; r < R; ++r) {
       const float b = bias[size_t(r / per) * S + s];
       if (tracer_qmm::masked_key(b)) {
@@ -1230,7 +1230,7 @@ __attribute__((optimize("fp-contract=off"))) void attention_vector(const float* 
       split_scores_loops(qs, kp, k.bits, S, bias, per, scores);
     }
   } else if (!tracer_qmm::attend_scores(q, R, D, kb, attend_kind(k), S, bias, per, scores)) {
-    attend_scores_loops(q, R, D, k, kb, S, bias, per, scores, false);
+    attend_scores_loops(q, R, D, k, kb, S, bias, per, scores);
   }
   for (int r = 0; r < R; ++r) f.softmax_row(scores + size_t(r) * S, S);
   const float* p = scores;

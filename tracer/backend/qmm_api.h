@@ -42,8 +42,8 @@ bool swiglu(const float* a, const float* b, float* out, int n);
 // bias [R / per, S] (row r: bias row r / per) + q [R, D] . k [S, D], and
 // out [R, D] = p [R, S] @ v [S, D], keys
 // and values stored as `kind` (0 float32, 1 float16, 2 bfloat16; 3 and 4:
-// mx.quantize's 8- and 4-bit blocks, 5 and 6 their integers alone (kernels.cpp's
-// factored arithmetic), `k` / `v` then an AttendPacked), D a
+// mx.quantize's 8- and 4-bit blocks, 5 and 6 their integers alone (values
+// only: kernels.cpp's factored arithmetic), `k` / `v` then an AttendPacked), D a
 // multiple of 16 up to 256. False, doing nothing, where the path has none
 // (the caller runs the same arithmetic in plain loops).
 // A key the decode bias masks (float32's lowest or -inf): its score is the
