@@ -311,6 +311,8 @@ def test_dequantized_keeps_mlx_values_in_the_lanes_where_factored_would_run(pack
 def test_the_environment_picks_the_packed_arithmetic_at_load(value, want):
     mode, status, err = setting_at_load("MLX_TRACER_PACKED_ATTENTION", value, "packed_attention")
     assert mode == want and f"quantized K/V of one group a row {want}" in status
+    # the factored keys' integer products name their ISA (the fast contract's int8 kernels')
+    assert (f"the keys' products in integers: {K.qmm_int8_isa()}" in status) == (want == "factored")
     if value == "mlx":
         assert "factored or dequantized" in err
 

@@ -276,6 +276,13 @@ _PACKED = {  # MLX_TRACER_PACKED_ATTENTION
 }
 
 
+def _packed_isa(module) -> str:
+    """The factored keys' integer products run on the fast contract's int8 kernels' ISA (attend_x86.h)."""
+    if module.packed_attention() != "factored":
+        return ""
+    return f" (the keys' products in integers: {module.qmm_int8_isa()})"
+
+
 def status() -> str:
     """One line for ``mlx-tracer info``."""
     module = load()
@@ -283,6 +290,7 @@ def status() -> str:
         return (f"active: the lean layers on the CPU, decode and windows (4 graph nodes a decode layer; float32 or "
                 f"packed 4-/8-bit projections); quantized matmul {module.qmm_isa()} (integer products: "
                 f"{module.qmm_int8_isa()}), {module.qmm_threads()} threads; "
-                f"decode attention {_ATTENTION[module.attention_mode()]}, {_PACKED[module.packed_attention()]} "
+                f"decode attention {_ATTENTION[module.attention_mode()]}, {_PACKED[module.packed_attention()]}"
+                f"{_packed_isa(module)} "
                 f"({Path(module.__file__).name})")
     return f"not used: {_state['why']}"
