@@ -9,7 +9,9 @@ capacity bucket of a 1024-token context). Prints the median ms of a call
 and the K/V bytes it read per second, for the BLAS path (MLX's bits) and
 the vector path, float32 / float16 / bfloat16 K/V, and 8-/4-bit packed K/V
 (group 64, float32 scales: MLX's quantized_matmul arithmetic, "mlx", and the
-vector lanes on MLX's dequantized values).
+vector path: with heads of 64, one group a row, the factored arithmetic,
+its keys' products in integers; ``MLX_TRACER_PACKED_ATTENTION=dequantized``
+puts MLX's dequantized values in the float lanes instead).
 """
 
 from __future__ import annotations
