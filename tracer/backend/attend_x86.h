@@ -489,9 +489,14 @@ inline const uint8_t* keys_read(const float* p, int R, int S) {
   return read;
 }
 // out [G, D] (rows D apart) = p [G, S] @ v [S, D] for the C slices from d0, in registers.
+// 4-bit integers (q4i, C even): each 32 values' 16 bytes split into their low
+// nibbles (the even-numbered values) and high ones (the odd), each 16 widened
+// once; the accumulators hold the even and the odd values, interleaved back
+// as stored (each output's multiply-adds the same, in key order: the same bits).
 template <int K, int C, int G>
 inline void values_rows(const float* p, int S, const void* v, int D, int d0, const uint8_t* read, bool prefetch,
                         float* out) {
+  constexpr bool halves = K == attend::q4i && C % 2 == 0;
   __m512 acc[G][C];
   for (int i = 0; i < G; ++i)
     for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
@@ -499,14 +504,36 @@ inline void values_rows(const float* p, int S, const void* v, int D, int d0, con
     if (!read[s]) continue;  // a key every row gives 0 (a masked one): skipped
     if (prefetch) attend::prefetch_rows<K>(v, s, 1, D);
     __m512 vc[C];
-    for (int c = 0; c < C; ++c) vc[c] = load16<K>(v, D, s, d0 + 16 * c);
+    if constexpr (halves) {  // vc[2 m]: values d0 + 32 m + 2 j, vc[2 m + 1]: d0 + 32 m + 2 j + 1 (lane j)
+      const attend::AttendPacked& pk = *static_cast<const attend::AttendPacked*>(v);
+      const uint8_t* row = pk.data + size_t(s) * pk.row_bytes + d0 / 2;
+      const __m128i low4 = _mm_set1_epi8(0x0F);
+      for (int m = 0; m < C / 2; ++m) {
+        const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * m));
+        vc[2 * m] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(x, low4)));
+        vc[2 * m + 1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(x, 4), low4)));
+      }
+    } else {
+      for (int c = 0; c < C; ++c) vc[c] = load16<K>(v, D, s, d0 + 16 * c);
+    }
     for (int i = 0; i < G; ++i) {
       const __m512 pv = _mm512_set1_ps(p[size_t(i) * S + s]);
       for (int c = 0; c < C; ++c) acc[i][c] = _mm512_fmadd_ps(pv, vc[c], acc[i][c]);
     }
   }
-  for (int i = 0; i < G; ++i)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + size_t(i) * D + d0 + 16 * c, acc[i][c]);
+  if constexpr (halves) {
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int i = 0; i < G; ++i)
+      for (int m = 0; m < C / 2; ++m) {
+        float* o = out + size_t(i) * D + d0 + 32 * m;
+        _mm512_storeu_ps(o, _mm512_permutex2var_ps(acc[i][2 * m], first, acc[i][2 * m + 1]));
+        _mm512_storeu_ps(o + 16, _mm512_permutex2var_ps(acc[i][2 * m], second, acc[i][2 * m + 1]));
+      }
+  } else {
+    for (int i = 0; i < G; ++i)
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + size_t(i) * D + d0 + 16 * c, acc[i][c]);
+  }
 }
 template <int K, int CC>
 void values_k(const float* p, int R, int S, const void* v, int D, float* out) {
