@@ -312,12 +312,6 @@ float row_max(const float* row, int S) {
   return nan ? std::numeric_limits<float>::quiet_NaN() : top;
 }
 
-// MLX's CPU softmax of R rows [R, S] in place (float32, precise: max, fast
-// exp, sum, times 1 / sum), each row's bits as MLX's softmax gives them: its
-// exps summed one after the other from key 0 (MLX's order; several rows' sums
-// run side by side so that their additions overlap), its max taken in 16
-// lanes (the same value: a max does not depend on its order, NaN wins either
-// way; a zero's sign, which could, does not change any exp(x - max)).
 // row[j] = MLX's exp(row[j] - top) for j < S (its bits: the ISA path's vector math, else its functor).
 void exp_shifted_row(float* row, int S, float top) {
   if (!tracer_qmm::exp_shifted(row, top, row, S)) {
@@ -328,6 +322,12 @@ void exp_shifted_row(float* row, int S, float top) {
   }
 }
 
+// MLX's CPU softmax of R rows [R, S] in place (float32, precise: max, fast
+// exp, sum, times 1 / sum), each row's bits as MLX's softmax gives them: its
+// exps summed one after the other from key 0 (MLX's order; several rows' sums
+// run side by side so that their additions overlap), its max taken in 16
+// lanes (the same value: a max does not depend on its order, NaN wins either
+// way; a zero's sign, which could, does not change any exp(x - max)).
 void softmax_rows(float* rows, int R, int S) {
   constexpr int kSide = 4;  // rows summed side by side
   for (int r0 = 0; r0 < R; r0 += kSide) {
@@ -1029,8 +1029,9 @@ void attend_values_loops(const float* p, int R, int S, const KV& v, const void* 
 // (qmm_api.h's QSplit): per row, d0 = max |q| / 127 and, for each value,
 // a = q / d0, q0 = round(a), q1 = round((a - q0) * 254), q2 = round(((a - q0)
 // * 254 - q1) * 254) (to nearest, ties to even; |q_p| <= 127), d1 = d0 / 254,
-// d2 = d1 / 254; qsum = float(254 sum q0 + sum q1) * d1 + float(sum q2) * d2. The parts hold q to about 2^-24 of the row's largest |q| (each
-// value within ~1e-7 of it, the rounding of q / d0 included). A row of zeros:
+// d2 = d1 / 254; qsum = float(254 sum q0 + sum q1) * d1 + float(sum q2) * d2.
+// The parts hold q to about 2^-24 of the row's largest |q| (each value within
+// ~1e-7 of it, the rounding of q / d0 included). A row of zeros:
 // parts and scales 0; a row with a NaN or an infinity: scales and qsum NaN
 // (its scores NaN where the keys are visible, as float arithmetic gives).
 __attribute__((optimize("fp-contract=off"))) void split_rows(const float* q, int R, int D, int8_t* parts,
@@ -1206,8 +1207,11 @@ const Passes& passes() {
 //     a masked key's parameters never count).
 // Against MLX's dequantize-then-multiply (every other path) this skips a
 // multiply and an add a value, reads a key's scale and bias once, and takes
-// the keys' products in integers: its values equal MLX's up to rounding
-// (tests/test_attention.py), not to the bit. The same bits on every ISA path.
+// the keys' products in integers: its values equal MLX's up to rounding, not
+// to the bit (against the float64 attention over the unrounded values: 0.5-7.5
+// float32 eps of the largest output measured on tests/test_attention.py's
+// cases, MLX's own quantized_matmul arithmetic 4-8; the tests bound it at 16).
+// The same bits on every ISA path.
 __attribute__((optimize("fp-contract=off"))) void attention_vector(const float* q, const KV& k, const KV& v,
                                                                    const float* bias, int per, int b, int h, int R,
                                                                    int D, float* scores, float* o) {
