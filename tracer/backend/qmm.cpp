@@ -248,13 +248,6 @@ inline float half_to_float(uint16_t h) {
 
 using Halves = void (*)(const uint16_t* h, int G, float* out);  // out [G] = float16 h [G] in float32
 
-// A row's 4 float16 values (8 bytes from h) as one integer (the fast tiles' in-register widening).
-inline long long halves4_bits(const uint16_t* h) {
-  long long bits;
-  std::memcpy(&bits, h, sizeof bits);
-  return bits;
-}
-
 void halves_portable(const uint16_t* h, int G, float* out) {
   for (int g = 0; g < G; ++g) out[g] = half_to_float(h[g]);
 }

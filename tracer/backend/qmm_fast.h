@@ -59,6 +59,7 @@ struct FastParamsT {
 };
 using FastParams = FastParamsT<float>;
 
+#ifndef QMM_FQ_GATHER4_N_HALVES  // (the ISA's own where it defines this)
 // fq_gather4_n from float16 rows: the first n values of each, zeros after (reads only those).
 inline FQ fq_gather4_n(const uint16_t* r0, const uint16_t* r1, const uint16_t* r2, const uint16_t* r3, int n) {
   uint16_t t[4][kStep] = {};
@@ -66,6 +67,7 @@ inline FQ fq_gather4_n(const uint16_t* r0, const uint16_t* r1, const uint16_t* r
   for (int i = 0; i < 4; ++i) std::memcpy(t[i], r[i], sizeof(uint16_t) * n);
   return fq_gather4(t[0], t[1], t[2], t[3]);
 }
+#endif
 
 // One step (blocks 4 k .. 4 k + 4, the row's last nb < 4 blocks where kTail) of
 // quads [Q] of weight rows (packed at w[q][i], their block scales at s[q][i])

@@ -356,10 +356,24 @@ inline FQ fq_gather4_n(const float* r0, const float* r1, const float* r2, const 
   v = _mm512_insertf32x4(v, _mm_maskz_loadu_ps(m, r3), 3);
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), v);
 }
-inline FQ fq_gather4(const uint16_t* r0, const uint16_t* r1, const uint16_t* r2, const uint16_t* r3) {
-  const __m256i h = _mm256_setr_epi64x(halves4_bits(r0), halves4_bits(r1), halves4_bits(r2), halves4_bits(r3));
+// From float16 rows: each row's 4 values loaded into a vector register (GCC
+// built _mm256_setr_epi64x of 4 integers in memory, 4 stores then a 32-byte
+// load that store forwarding cannot serve: ~9 % of a bucket-1 head's time).
+inline FQ fq_halves4(__m128i q0, __m128i q1, __m128i q2, __m128i q3) {
+  const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi64(q0, q1)), _mm_unpacklo_epi64(q2, q3), 1);
   return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15),
                                _mm512_cvtph_ps(h));  // lane 4 i + j: r_i[j], then as above
+}
+inline FQ fq_gather4(const uint16_t* r0, const uint16_t* r1, const uint16_t* r2, const uint16_t* r3) {
+  const auto q = [](const uint16_t* r) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r)); };
+  return fq_halves4(q(r0), q(r1), q(r2), q(r3));
+}
+// ... the first n < 4 values of each (masked loads: reads only those; not qmm_fast.h's copies through memory).
+#define QMM_FQ_GATHER4_N_HALVES
+inline FQ fq_gather4_n(const uint16_t* r0, const uint16_t* r1, const uint16_t* r2, const uint16_t* r3, int n) {
+  const __mmask8 m = __mmask8((1u << n) - 1);
+  return fq_halves4(_mm_maskz_loadu_epi16(m, r0), _mm_maskz_loadu_epi16(m, r1), _mm_maskz_loadu_epi16(m, r2),
+                    _mm_maskz_loadu_epi16(m, r3));
 }
 inline FQ fq_mul(FQ a, FQ b) { return _mm512_mul_ps(a, b); }
 inline FQ fq_fma(FQ a, FQ b, FQ c) { return _mm512_fmadd_ps(a, b, c); }
@@ -370,6 +384,7 @@ inline void fq_rows(FQ a, float* out) {
   _mm_storeu_ps(out, _mm_add_ps(_mm_add_ps(l0, l1), _mm_add_ps(l2, l3)));
 }
 #include "qmm_fast.h"
+#undef QMM_FQ_GATHER4_N_HALVES
 }  // namespace isa_avx512_vnni
 #pragma GCC pop_options
 
