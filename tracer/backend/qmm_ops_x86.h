@@ -185,6 +185,22 @@ inline FQ fq_gather4(const uint16_t* r0, const uint16_t* r1, const uint16_t* r2,
   _MM_TRANSPOSE4_PS(c0, c1, c2, c3);
   return {_mm256_set_m128(c1, c0), _mm256_set_m128(c3, c2)};
 }
+// A row's first n < 4 float16 values, zeros after, by scalar loads of only
+// those (not qmm_fast.h's copy through memory, which store forwarding cannot
+// serve to halves4's 8-byte load).
+inline __m128 halves_n(const uint16_t* r, int n) {
+  int32_t lo = r[0];
+  if (n >= 2) std::memcpy(&lo, r, sizeof lo);
+  __m128i v = _mm_cvtsi32_si128(lo);
+  if (n == 3) v = _mm_insert_epi16(v, r[2], 2);
+  return _mm_cvtph_ps(v);
+}
+#define QMM_FQ_GATHER4_N_HALVES
+inline FQ fq_gather4_n(const uint16_t* r0, const uint16_t* r1, const uint16_t* r2, const uint16_t* r3, int n) {
+  __m128 c0 = halves_n(r0, n), c1 = halves_n(r1, n), c2 = halves_n(r2, n), c3 = halves_n(r3, n);
+  _MM_TRANSPOSE4_PS(c0, c1, c2, c3);
+  return {_mm256_set_m128(c1, c0), _mm256_set_m128(c3, c2)};
+}
 inline FQ fq_mul(FQ a, const FQ& b) { return {_mm256_mul_ps(a.v[0], b.v[0]), _mm256_mul_ps(a.v[1], b.v[1])}; }
 inline FQ fq_fma(const FQ& a, const FQ& b, const FQ& c) {
   return {_mm256_fmadd_ps(a.v[0], b.v[0], c.v[0]), _mm256_fmadd_ps(a.v[1], b.v[1], c.v[1])};
@@ -200,6 +216,7 @@ inline void fq_rows(const FQ& a, float* out) {
 }
 #include "qmm_isa.h"
 #include "qmm_fast.h"
+#undef QMM_FQ_GATHER4_N_HALVES
 // The factored contract (qmm_factored.h), AVX-512 CPUs' too.
 using FF = __m256;
 inline FF ff_zero() { return _mm256_setzero_ps(); }
