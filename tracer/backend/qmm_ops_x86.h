@@ -118,12 +118,29 @@ inline WR unpack4(const uint8_t* p) {
   }
   return w;
 }
+// The first n < 4 blocks, zeros for the rest, each 16 bytes loaded only if
+// its block is (was a copy into a buffer, which store forwarding could not
+// serve to unpack4's 32-byte loads).
 template <int BITS>
 inline WR unpack4_n(const uint8_t* p, int n) {
-  constexpr int bb = kBlock * BITS / 8;
-  alignas(32) uint8_t tmp[4 * bb] = {};
-  for (int blk = 0; blk < n; ++blk) std::memcpy(tmp + blk * bb, p + blk * bb, bb);
-  return unpack4<BITS>(tmp);
+  const int bytes = n * kBlock * BITS / 8;  // a multiple of 16
+  const auto part = [&](int at) {
+    return at < bytes ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + at)) : _mm_setzero_si128();
+  };
+  const auto two = [&](int lo, int hi) { return _mm256_inserti128_si256(_mm256_castsi128_si256(part(lo)), part(hi), 1); };
+  const __m256i m = _mm256_set1_epi8(0x0f);
+  WR w;
+  for (int h = 0; h < 2; ++h) {
+    if constexpr (BITS == 4) {
+      const __m256i v = two(32 * h, 32 * h + 16);
+      w.a[h] = _mm256_and_si256(v, m), w.b[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+    } else {  // as unpack4's load_pair(q, q + 32) and (q + 16, q + 48)
+      const __m256i a = two(64 * h, 64 * h + 32), b = two(64 * h + 16, 64 * h + 48);
+      w.a[h] = _mm256_and_si256(a, m), w.b[h] = _mm256_and_si256(b, m);
+      w.a_hi[h] = _mm256_and_si256(_mm256_srli_epi16(a, 4), m), w.b_hi[h] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
+    }
+  }
+  return w;
 }
 struct P {
   __m256i v[2];
