@@ -14,7 +14,7 @@
 //       4 j + i: row i's block j (the same integers on every ISA);
 //   FQ (16 float lanes in that order): fq_zero, fq_load (16 floats), fq_gather4(r0 .. r3)
 //       (lane 4 j + i = r_i[j], from float rows or float16 ones widened in registers;
-//       fq_gather4_n: r_i[j] for j < n, else 0, reading only those), fq_mul, fq_fma
+//       fq_gather4_n, either: r_i[j] for j < n, else 0, reading only those), fq_mul, fq_fma
 //       (fused), fq_fma_sums(sums, sd, acc) = fma(float(sums), sd, acc), fq_rows(acc, out)
 //       out[i] = (acc[i] + acc[4 + i]) + (acc[8 + i] + acc[12 + i]).
 // No horizontal sum per block: a quad's 16 block sums come out of one transpose
@@ -58,16 +58,6 @@ struct FastParamsT {
   const T* biases(int n) const { return b + size_t(n - n0) * lb; }
 };
 using FastParams = FastParamsT<float>;
-
-#ifndef QMM_FQ_GATHER4_N_HALVES  // (the ISA's own where it defines this)
-// fq_gather4_n from float16 rows: the first n values of each, zeros after (reads only those).
-inline FQ fq_gather4_n(const uint16_t* r0, const uint16_t* r1, const uint16_t* r2, const uint16_t* r3, int n) {
-  uint16_t t[4][kStep] = {};
-  const uint16_t* r[4] = {r0, r1, r2, r3};
-  for (int i = 0; i < 4; ++i) std::memcpy(t[i], r[i], sizeof(uint16_t) * n);
-  return fq_gather4(t[0], t[1], t[2], t[3]);
-}
-#endif
 
 // One step (blocks 4 k .. 4 k + 4, the row's last nb < 4 blocks where kTail) of
 // quads [Q] of weight rows (packed at w[q][i], their block scales at s[q][i])

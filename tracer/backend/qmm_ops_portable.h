@@ -144,10 +144,11 @@ inline FQ fq_gather4(const T* r0, const T* r1, const T* r2, const T* r3) {
   for (int l = 0; l < 16; ++l) o.v[l] = as_float(r[l % 4][l / 4]);
   return o;
 }
-inline FQ fq_gather4_n(const float* r0, const float* r1, const float* r2, const float* r3, int n) {
-  const float* r[4] = {r0, r1, r2, r3};
+template <class T>  // the first n values of each row, zeros after (reads only those)
+inline FQ fq_gather4_n(const T* r0, const T* r1, const T* r2, const T* r3, int n) {
+  const T* r[4] = {r0, r1, r2, r3};
   FQ o{};
-  for (int l = 0; l < 4 * n; ++l) o.v[l] = r[l % 4][l / 4];
+  for (int l = 0; l < 4 * n; ++l) o.v[l] = as_float(r[l % 4][l / 4]);
   return o;
 }
 inline FQ fq_mul(FQ a, const FQ& b) { return lanes_mul(a, b); }

@@ -203,8 +203,8 @@ inline FQ fq_gather4(const uint16_t* r0, const uint16_t* r1, const uint16_t* r2,
   return {_mm256_set_m128(c1, c0), _mm256_set_m128(c3, c2)};
 }
 // A row's first n < 4 float16 values, zeros after, by scalar loads of only
-// those (not qmm_fast.h's copy through memory, which store forwarding cannot
-// serve to halves4's 8-byte load).
+// those (a copy through memory, which store forwarding could not serve to
+// halves4's 8-byte load).
 inline __m128 halves_n(const uint16_t* r, int n) {
   int32_t lo = r[0];
   if (n >= 2) std::memcpy(&lo, r, sizeof lo);
@@ -212,7 +212,6 @@ inline __m128 halves_n(const uint16_t* r, int n) {
   if (n == 3) v = _mm_insert_epi16(v, r[2], 2);
   return _mm_cvtph_ps(v);
 }
-#define QMM_FQ_GATHER4_N_HALVES
 inline FQ fq_gather4_n(const uint16_t* r0, const uint16_t* r1, const uint16_t* r2, const uint16_t* r3, int n) {
   __m128 c0 = halves_n(r0, n), c1 = halves_n(r1, n), c2 = halves_n(r2, n), c3 = halves_n(r3, n);
   _MM_TRANSPOSE4_PS(c0, c1, c2, c3);
@@ -233,7 +232,6 @@ inline void fq_rows(const FQ& a, float* out) {
 }
 #include "qmm_isa.h"
 #include "qmm_fast.h"
-#undef QMM_FQ_GATHER4_N_HALVES
 // The factored contract (qmm_factored.h), AVX-512 CPUs' too.
 using FF = __m256;
 inline FF ff_zero() { return _mm256_setzero_ps(); }
@@ -402,8 +400,7 @@ inline FQ fq_gather4(const uint16_t* r0, const uint16_t* r1, const uint16_t* r2,
   const auto q = [](const uint16_t* r) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(r)); };
   return fq_halves4(q(r0), q(r1), q(r2), q(r3));
 }
-// ... the first n < 4 values of each (masked loads: reads only those; not qmm_fast.h's copies through memory).
-#define QMM_FQ_GATHER4_N_HALVES
+// ... the first n < 4 values of each (masked loads: reads only those).
 inline FQ fq_gather4_n(const uint16_t* r0, const uint16_t* r1, const uint16_t* r2, const uint16_t* r3, int n) {
   const __mmask8 m = __mmask8((1u << n) - 1);
   return fq_halves4(_mm_maskz_loadu_epi16(m, r0), _mm_maskz_loadu_epi16(m, r1), _mm_maskz_loadu_epi16(m, r2),
@@ -418,7 +415,6 @@ inline void fq_rows(FQ a, float* out) {
   _mm_storeu_ps(out, _mm_add_ps(_mm_add_ps(l0, l1), _mm_add_ps(l2, l3)));
 }
 #include "qmm_fast.h"
-#undef QMM_FQ_GATHER4_N_HALVES
 }  // namespace isa_avx512_vnni
 #pragma GCC pop_options
 
