@@ -237,6 +237,12 @@ inline void prefetch(const void* p) {
   _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
 #endif
 }
+// ... into L2 only (the one-row fast tiles' far prefetches, qmm_fast.h).
+inline void prefetch_l2(const void* p) {
+#if defined(__x86_64__)
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
+#endif
+}
 
 
 // Exact: subnormals, infinities and NaNs included (where F16C is missing).

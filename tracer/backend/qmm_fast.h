@@ -32,6 +32,7 @@
 // ISA, the thread count, nor on which rows or x rows share a tile.
 
 constexpr int kStep = 4;  // blocks a step (and weight rows a quad)
+constexpr int kFarQuads = 8, kNearQuads = 2;  // the one-row tile's prefetches (fast_tile)
 
 // A row's 4 blocks (unpacked) times a step of an x row: its int8 sums, or
 // under the split contract (x's int8 part at x, its remainder's `lo` bytes
@@ -71,7 +72,7 @@ inline void fast_step(const uint8_t* const (&w)[Q][kStep], const T* const (&s)[Q
   const int kt = kStep * k;
 #pragma GCC unroll 4
   for (int q = 0; q < Q; ++q) {
-    if (MT >= kPrefetchMinM) {  // the same bytes of the rows kPrefetchTiles tiles ahead
+    if (MT >= kPrefetchMinM && MT > 1) {  // the same bytes of the rows kPrefetchTiles tiles ahead (one row: fast_tile's)
       const size_t ahead = pf_ahead;
 #pragma GCC unroll 4
       for (int i = 0; i < kStep; ++i) {
@@ -97,7 +98,7 @@ inline void fast_step(const uint8_t* const (&w)[Q][kStep], const T* const (&s)[Q
 // out[m0 .. m0 + MT, n .. min(n + 4 Q, n1)) under the fast contract; rows past
 // n1 compute row n1 - 1 again, unstored.
 template <int Q, int MT, int BITS, bool SPLIT, class T>
-inline void fast_tile(const QmmJob& j, int n, int n1, int m0, const FastParamsT<T>& p) {
+[[gnu::always_inline]] inline void fast_tile_body(const QmmJob& j, int n, int n1, int m0, const FastParamsT<T>& p) {
   const int B = j.K / kBlock, G = j.K / j.group, Bp = fast_blocks(j.K), Gp = fast_groups(G), full = B / kStep;
   const size_t lo = size_t(Bp) * kBlock, ldq = lo * (SPLIT ? 2 : 1), ldd = size_t(Bp) * kStep, ldg = size_t(Gp) * kStep;
   const int8_t* xq = j.xq + m0 * ldq;
@@ -120,9 +121,10 @@ inline void fast_tile(const QmmJob& j, int n, int n1, int m0, const FastParamsT<
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) acc[q][m] = fq_zero();
   }
-  if constexpr (MT == 1 && Q == 1) {
-    // One x row: the weights stream faster read a row after the other (in
-    // segments of kSeg steps), the partial sums waiting in L1 for the quad's 4 rows.
+  if constexpr (MT == 1 && Q == 1 && !kQuadSideBySide) {
+    // One x row where a quad's 4 rows do not fit side by side in the
+    // registers: a row after the other (in segments of kSeg steps), the
+    // partial sums waiting in L1 for the quad's 4 rows.
     constexpr int bb = kBlock * BITS / 8, kSeg = 16;
     const int steps = full + (full * kStep < B), nb = B - full * kStep;
     P part[kStep][kSeg];
@@ -149,8 +151,33 @@ inline void fast_tile(const QmmJob& j, int n, int n1, int m0, const FastParamsT<
     }
   } else {
     const size_t ahead = size_t(kPrefetchTiles) * kStep * Q * j.K * BITS / 8;  // bytes
-    for (int k = 0; k < full; ++k) fast_step<Q, MT, BITS, false, SPLIT, T>(w, s, k, kStep, xq, ldq, lo, xd, ldd, acc, ahead);
+    // One x row (decode: weights from memory) on 32 vector registers. The
+    // steps read a quad's 4 rows side by side (x's step loaded once for the
+    // 4, their sums transposed at once, none waiting in memory), which the
+    // hardware's prefetchers do not follow as they follow one row after
+    // another (the order above, 0.5.20's on every ISA): each step
+    // asks for its share of the lines of the quads kFarQuads ahead (into L2)
+    // and kNearQuads ahead (into L1), the quad's rows being one run of bytes;
+    // none past the matrix's last row.
+    const size_t quad_bytes = size_t(kStep) * j.K * BITS / 8;
+    const int steps = full + (full * kStep < B);
+    const size_t per_step = (quad_bytes / 64 + steps - 1) / steps * 64;  // >= quad_bytes / steps, whole lines
+    const char* quad = reinterpret_cast<const char*>(w[0][0]);
+    const bool far = n + kStep * kFarQuads < j.N, near = n + kStep * kNearQuads < j.N;
+    const auto ask = [&](int k) {
+      if constexpr (MT == 1 && Q == 1) {
+        for (size_t l = k * per_step, e = std::min(quad_bytes, l + per_step); l < e; l += 64) {
+          if (far) prefetch_l2(quad + kFarQuads * quad_bytes + l);
+          if (near) prefetch(quad + kNearQuads * quad_bytes + l);
+        }
+      }
+    };
+    for (int k = 0; k < full; ++k) {
+      ask(k);
+      fast_step<Q, MT, BITS, false, SPLIT, T>(w, s, k, kStep, xq, ldq, lo, xd, ldd, acc, ahead);
+    }
     if (full * kStep < B) {
+      ask(full);
       fast_step<Q, MT, BITS, true, SPLIT, T>(w, s, full, B - full * kStep, xq, ldq, lo, xd, ldd, acc, ahead);
     }
   }
@@ -179,6 +206,11 @@ inline void fast_tile(const QmmJob& j, int n, int n1, int m0, const FastParamsT<
       }
     }
   }
+}
+
+template <int Q, int MT, int BITS, bool SPLIT, class T>
+[[gnu::noinline]] void fast_tile(const QmmJob& j, int n, int n1, int m0, const FastParamsT<T>& p) {
+  fast_tile_body<Q, MT, BITS, SPLIT>(j, n, n1, m0, p);
 }
 
 // The fast contract's x (qmm.cpp's quantize_x): plain loops the compiler
@@ -286,7 +318,11 @@ struct FastTile {
   }
   template <int Q, int MT, class Params>
   void run(int n, int n1, int m0, const Params& p) const {
-    fast_tile<Q, MT, BITS, SPLIT>(j, n, n1, m0, p);
+    if constexpr (MT == 1 && kQuadSideBySide) {  // inlined into the loop over quads (fast_quads_mt)
+      fast_tile_body<Q, MT, BITS, SPLIT>(j, n, n1, m0, p);
+    } else {
+      fast_tile<Q, MT, BITS, SPLIT>(j, n, n1, m0, p);
+    }
   }
 };
 

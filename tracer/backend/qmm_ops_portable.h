@@ -60,6 +60,7 @@ inline void dequant(const uint8_t* p, const Group& g, F* w) {
 // The fast contract's integer dot products and float lanes (loops the compiler vectorizes).
 constexpr int kFastTile = 4;
 constexpr int kFastQuads(int) { return 1; }
+constexpr bool kQuadSideBySide = false;  // one x row: a quad's rows one after another (qmm_fast.h)
 struct WR {
   uint8_t b[2][64];  // halves A, B of the 4 blocks (16 bytes each)
 };

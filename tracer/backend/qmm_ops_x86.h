@@ -92,6 +92,9 @@ inline void dequant(const uint8_t* p, const Group& g, F* w) {
 // A quad's 16 lanes in two vectors: blocks 0, 1 (lanes 0-7), blocks 2, 3 (8-15).
 constexpr int kFastTile = 4;
 constexpr int kFastQuads(int) { return 1; }
+// One x row: a quad's rows one after another (qmm_fast.h): side by side, its
+// 4 rows' unpacked blocks (16 registers at 4 bits, 32 at 8) do not fit in 16.
+constexpr bool kQuadSideBySide = false;
 inline __m256i load_pair(const uint8_t* p0, const uint8_t* p1) {
   return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1);
@@ -319,6 +322,8 @@ namespace isa_avx512_vnni {
 using namespace isa_avx512;
 constexpr int kFastTile = 8;
 constexpr int kFastQuads(int) { return 1; }
+// One x row: a quad's 4 rows side by side, a step at a time (qmm_fast.h).
+constexpr bool kQuadSideBySide = true;
 struct WR {
   __m512i a, b;  // halves A and B of the 4 blocks
 };
