@@ -159,13 +159,13 @@ template <int Q, int MT, int BITS, bool SPLIT, class T>
     // asks for its share of the lines of the quads kFarQuads ahead (into L2)
     // and kNearQuads ahead (into L1), the quad's rows being one run of bytes;
     // none past the matrix's last row.
-    const size_t quad_bytes = size_t(kStep) * j.K * BITS / 8;
-    const int steps = full + (full * kStep < B);
-    const size_t per_step = (quad_bytes / 64 + steps - 1) / steps * 64;  // >= quad_bytes / steps, whole lines
-    const char* quad = reinterpret_cast<const char*>(w[0][0]);
-    const bool far = n + kStep * kFarQuads < j.N, near = n + kStep * kNearQuads < j.N;
     const auto ask = [&](int k) {
       if constexpr (MT == 1 && Q == 1) {
+        const size_t quad_bytes = size_t(kStep) * j.K * BITS / 8;
+        const int steps = full + (full * kStep < B);
+        const size_t per_step = (quad_bytes / 64 + steps - 1) / steps * 64;  // >= quad_bytes / steps, whole lines
+        const char* quad = reinterpret_cast<const char*>(w[0][0]);
+        const bool far = n + kStep * kFarQuads < j.N, near = n + kStep * kNearQuads < j.N;
         for (size_t l = k * per_step, e = std::min(quad_bytes, l + per_step); l < e; l += 64) {
           if (far) prefetch_l2(quad + kFarQuads * quad_bytes + l);
           if (near) prefetch(quad + kNearQuads * quad_bytes + l);
