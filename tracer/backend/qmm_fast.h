@@ -158,7 +158,7 @@ template <int Q, int MT, int BITS, bool SPLIT, class T>
     // another (the order above, 0.5.20's on every ISA): each step
     // asks for its share of the lines of the quads kFarQuads ahead (into L2)
     // and kNearQuads ahead (into L1), the quad's rows being one run of bytes;
-    // none past the matrix's last row.
+    // none for a quad that starts past the matrix's last row.
     const auto ask = [&](int k) {
       if constexpr (MT == 1 && Q == 1) {
         const size_t quad_bytes = size_t(kStep) * j.K * BITS / 8;
