@@ -60,6 +60,37 @@ struct FastParamsT {
 };
 using FastParams = FastParamsT<float>;
 
+#ifdef QMM_HALF_TAIL
+// A row's last step of nb <= 2 blocks at half the vector width (the ISA's
+// WR2, unpack2_n, dotx2, reduce_quad2, fq_fma_sums2: the lanes of blocks 0
+// and 1 only), so that it costs half a step, not a whole one (SmolLM2's K =
+// 576 is 4 steps and 2 blocks). The same integers and the same fused
+// multiply-adds into those lanes; the lanes of blocks 2 and 3, which the
+// whole-width step adds zeros to (acc is never -0: it starts at +0), are
+// left as they are.
+template <int Q, int MT, int BITS, bool SPLIT, class T>
+inline void fast_half_step(const uint8_t* const (&w)[Q][kStep], const T* const (&s)[Q][kStep], int k, int nb,
+                           const int8_t* xq, size_t ldq, size_t lo, const float* xd, size_t ldd, FQ (&acc)[Q][MT]) {
+  constexpr int bb = kBlock * BITS / 8;
+  const size_t at = size_t(k) * kStep * bb;
+  const int kt = kStep * k;
+#pragma GCC unroll 4
+  for (int q = 0; q < Q; ++q) {
+    WR2 wr[kStep];
+#pragma GCC unroll 4
+    for (int i = 0; i < kStep; ++i) wr[i] = unpack2_n<BITS>(w[q][i] + at, nb);
+    const FQ sq = fq_gather4_n(s[q][0] + kt, s[q][1] + kt, s[q][2] + kt, s[q][3] + kt, nb);
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* x = xq + m * ldq + kt * kBlock;
+      const QS2 sums = reduce_quad2(dotx2<BITS, SPLIT>(wr[0], x, lo), dotx2<BITS, SPLIT>(wr[1], x, lo),
+                                    dotx2<BITS, SPLIT>(wr[2], x, lo), dotx2<BITS, SPLIT>(wr[3], x, lo));
+      acc[q][m] = fq_fma_sums2(sums, fq_mul(sq, fq_load(xd + m * ldd + kt * kStep)), acc[q][m]);
+    }
+  }
+}
+#endif
+
 // One step (blocks 4 k .. 4 k + 4, the row's last nb < 4 blocks where kTail) of
 // quads [Q] of weight rows (packed at w[q][i], their block scales at s[q][i])
 // into the accumulators of MT x rows.
@@ -70,6 +101,11 @@ inline void fast_step(const uint8_t* const (&w)[Q][kStep], const T* const (&s)[Q
   constexpr int bb = kBlock * BITS / 8;  // bytes a block
   const size_t at = size_t(k) * kStep * bb;
   const int kt = kStep * k;
+#ifdef QMM_HALF_TAIL
+  if constexpr (kTail) {
+    if (nb <= kStep / 2) return fast_half_step<Q, MT, BITS, SPLIT, T>(w, s, k, nb, xq, ldq, lo, xd, ldd, acc);
+  }
+#endif
 #pragma GCC unroll 4
   for (int q = 0; q < Q; ++q) {
     if (MT >= kPrefetchMinM && MT > 1) {  // the same bytes of the rows kPrefetchTiles tiles ahead (one row: fast_tile's)

@@ -375,6 +375,47 @@ inline QS reduce_quad(P p0, P p1, P p2, P p3) {
   const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(p2, p3), _mm512_unpackhi_epi32(p2, p3));
   return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
 }
+// A row's last step of at most 2 blocks at half width (qmm_fast.h's
+// fast_half_step): 128-bit lane j = block j as above, for j = 0, 1.
+#define QMM_HALF_TAIL 1
+struct WR2 {
+  __m256i a, b;
+};
+template <int BITS>
+inline WR2 unpack2_n(const uint8_t* p, int n) {  // n <= 2 blocks, reads only those
+  const int bytes = n * kBlock * BITS / 8;  // <= 32 at 4 bits, <= 64 at 8
+  if constexpr (BITS == 4) {
+    const __m256i v = _mm256_maskz_loadu_epi8(bytes >= 32 ? ~__mmask32(0) : (__mmask32(1) << bytes) - 1, p),
+                  m = _mm256_set1_epi8(0x0f);
+    return {_mm256_and_si256(v, m), _mm256_and_si256(_mm256_srli_epi16(v, 4), m)};
+  } else {  // blocks 0, 1 as [0A 0B 1A 1B]: halves A are 128-bit lanes 0 and 2, halves B 1 and 3
+    const __m512i v = _mm512_maskz_loadu_epi8(bytes >= 64 ? ~__mmask64(0) : (__mmask64(1) << bytes) - 1, p);
+    const __m512i ab = _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0));  // [0A 1A 0B 1B]
+    return {_mm512_castsi512_si256(ab), _mm512_extracti64x4_epi64(ab, 1)};
+  }
+}
+using P2 = __m256i;
+template <int BITS>
+inline P2 dot2(const WR2& w, const int8_t* x) {
+  const auto ld = [](const int8_t* q) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)); };
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w.a, ld(x)), w.b, ld(x + 64));
+}
+template <int BITS, bool SPLIT>
+inline P2 dotx2(const WR2& w, const int8_t* x, size_t lo) {
+  if constexpr (SPLIT) {
+    const auto ld = [](const int8_t* q) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)); };
+    const P2 hi = _mm256_slli_epi32(dot2<BITS>(w, x), 7);
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(hi, w.a, ld(x + lo)), w.b, ld(x + lo + 64));
+  } else {
+    return dot2<BITS>(w, x);
+  }
+}
+using QS2 = __m256i;  // lane 4 j + i: row i's block j, j = 0, 1
+inline QS2 reduce_quad2(P2 p0, P2 p1, P2 p2, P2 p3) {
+  const __m256i t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
+  const __m256i t1 = _mm256_add_epi32(_mm256_unpacklo_epi32(p2, p3), _mm256_unpackhi_epi32(p2, p3));
+  return _mm256_add_epi32(_mm256_unpacklo_epi64(t0, t1), _mm256_unpackhi_epi64(t0, t1));
+}
 using FQ = __m512;
 inline FQ fq_zero() { return _mm512_setzero_ps(); }
 inline FQ fq_load(const float* p) { return _mm512_loadu_ps(p); }
@@ -414,12 +455,17 @@ inline FQ fq_gather4_n(const uint16_t* r0, const uint16_t* r1, const uint16_t* r
 inline FQ fq_mul(FQ a, FQ b) { return _mm512_mul_ps(a, b); }
 inline FQ fq_fma(FQ a, FQ b, FQ c) { return _mm512_fmadd_ps(a, b, c); }
 inline FQ fq_fma_sums(QS s, FQ d, FQ a) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, a); }
+// fq_fma_sums on lanes 0 .. 7 (blocks 0 and 1), the others of a as they are.
+inline FQ fq_fma_sums2(QS2 s, FQ d, FQ a) {
+  return _mm512_mask3_fmadd_ps(_mm512_cvtepi32_ps(_mm512_zextsi256_si512(s)), d, a, __mmask16(0x00ff));
+}
 inline void fq_rows(FQ a, float* out) {
   const __m128 l0 = _mm512_castps512_ps128(a), l1 = _mm512_extractf32x4_ps(a, 1), l2 = _mm512_extractf32x4_ps(a, 2),
                l3 = _mm512_extractf32x4_ps(a, 3);
   _mm_storeu_ps(out, _mm_add_ps(_mm_add_ps(l0, l1), _mm_add_ps(l2, l3)));
 }
 #include "qmm_fast.h"
+#undef QMM_HALF_TAIL
 }  // namespace isa_avx512_vnni
 #pragma GCC pop_options
 
