@@ -33,6 +33,13 @@ them (prompt i % count in row i); the batch's bound
 the largest of the rows' oracles: one window serves every row of a verify
 step, so no row's schedule beats its own oracle, and plain decode takes as
 many steps as the longest output (the bucket-4 goal: 1.5x).
+
+With ``--peer-python PATH`` (a Python that has llama_cpp, as ``mlx-tracer
+bench --peer-python``): llama.cpp's c(L) on the same GGUF file, threads and
+context — one decode call of L tokens a sequence, logits for each, over a
+decode call of one (its calls are not pipelined) — and the oracle's bound
+at those costs on the same outputs: what the same speculation could buy
+llama.cpp on this machine.
 """
 
 from __future__ import annotations
@@ -83,6 +90,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30, help="decode steps a measuring round (3 rounds)")
     ap.add_argument("--costs", default=None, help="c(L) as L:c,... instead of measuring (e.g. 2:1.3,5:2.0,9:2.8)")
     ap.add_argument("--bucket", type=int, default=1, help="rows decoding together (the costs measured at this bucket)")
+    ap.add_argument("--peer-python", default=None, help="a Python with llama_cpp: llama.cpp's c(L) on the same file too")
     args = ap.parse_args()
     if args.bucket < 1:
         ap.error("--bucket takes B >= 1")
@@ -102,12 +110,13 @@ def main() -> int:
     print(f"weights {args.weights}, workload {args.workload!r}, {args.tokens} tokens, bucket {args.bucket}, "
           f"load average {os.getloadavg()[0]:.2f}")
     print("c(L), verify step / pipelined decode step: " + " ".join(f"L{L}:{c:.2f}" for L, c in sorted(costs.items())))
+    peer_costs = peer_window_costs(args.peer_python, args.bucket, max(map(len, contexts))) if args.peer_python else None
     drafter = PromptLookup()
     windows = sorted(set(costs) | {k + 1 for k in args.ks})
     totals = {"tokens": 0, "oracle": 0.0}
     per_prompt = []  # (tokens, oracle units) of each prompt's output
-    for prompt, context, res in zip(prompts, contexts, gen.batch_generate(prompts, max_tokens=args.tokens)):
-        out = list(res.tokens)
+    outputs = [list(res.tokens) for res in gen.batch_generate(prompts, max_tokens=args.tokens)]
+    for prompt, context, out in zip(prompts, contexts, outputs):
         print(f"-- {prompt[:40]!r}...: {len(out)} tokens")
         for k in args.ks:
             runs = replay_always(context, out, drafter, k)
@@ -124,7 +133,37 @@ def main() -> int:
         rows = [per_prompt[i % len(prompts)] for i in range(args.bucket)]
         print(f"a batch of {args.bucket} (prompt i % {len(prompts)} in row i), one window a verify step: "
               f"{batch_bound(rows):.2f}x plain decode at most")
+    if peer_costs:
+        peer = [(len(out), oracle_units(context, out, drafter, peer_costs, windows))
+                for context, out in zip(contexts, outputs)]
+        n, units = sum(t for t, _ in peer), sum(u for _, u in peer)
+        print(f"llama.cpp at its c(L), the same outputs: {units:.1f} decode calls' time at best: "
+              f"{n / units:.2f}x its plain decode at most"
+              + (f"; a batch of {args.bucket}: {batch_bound([peer[i % len(prompts)] for i in range(args.bucket)]):.2f}x"
+                 if args.bucket > 1 else ""))
     return 0
+
+
+def peer_window_costs(python: str, bucket: int, context: int):
+    """llama.cpp's c(L) for WINDOWS on the default model's GGUF file (printed), or None (why, printed)."""
+    from mlx_tracer.bench.peer import gguf_file, peer_threads, start_peer
+
+    worker, note = start_peer(python)
+    print(note)
+    path = gguf_file("smollm2", None)
+    if worker is None or path is None:
+        if path is None:
+            print("llama.cpp: skipped (the default model is no GGUF file here)")
+        return None
+    try:
+        worker.load(path, peer_threads())
+        ms = worker.window(bucket, context, list(WINDOWS))
+    finally:
+        worker.close()
+    costs = {L: ms[L] / ms[1] for L in WINDOWS}
+    print(f"llama.cpp c(L), a decode call of L tokens a sequence / of one ({ms[1]:.2f} ms, {context} positions): "
+          + " ".join(f"L{L}:{c:.2f}" for L, c in sorted(costs.items())))
+    return costs
 
 
 if __name__ == "__main__":

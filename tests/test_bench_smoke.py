@@ -142,6 +142,29 @@ def test_the_peer_is_skipped_with_a_note_when_its_python_cannot_run_it(tmp_path)
     assert bench.gguf_file("llama-h64", None) is None  # random models: no file for the peer
 
 
+@pytest.mark.skipif(not os.environ.get("MLX_TRACER_TEST_PEER_PYTHON"),
+                    reason="MLX_TRACER_TEST_PEER_PYTHON (a Python with llama_cpp) not set")
+def test_the_peer_times_verify_windows_on_the_same_file():
+    """llama.cpp's verify-window timings (benchmarks/spec_ceiling.py --peer-python): a decode call of L
+    tokens a sequence for L = 1 and each length asked, after the same context, rolled back between calls."""
+    worker, note = bench.start_peer(os.environ["MLX_TRACER_TEST_PEER_PYTHON"])
+    assert worker is not None, note
+    path = bench.gguf_file("smollm2", None)
+    if path is None:
+        pytest.skip("the default model is no GGUF file here")
+    try:
+        worker.load(path, 2)
+        ms = worker.window(1, 64, [5, 17], reps=3)
+        assert set(ms) == {1, 5, 17} and all(t > 0 for t in ms.values())
+        assert ms[17] > ms[1]  # 17 tokens' products cost more than one's
+        again = worker.window(2, 64, [3], reps=1)  # two sequences; the context rolled back, not grown
+        assert set(again) == {1, 3}
+        with pytest.raises(bench.WorkerError, match="exceeds llama.cpp's batch"):
+            worker.window(1, 64, [100000], reps=1)
+    finally:
+        worker.close()
+
+
 def test_run_peak_counts_one_system_apart_from_what_else_is_live():
     """A system's peak is what it owns plus what its run allocated, not the
     other systems' arrays that happen to be live in the process."""

@@ -51,6 +51,12 @@ class PeerWorker(Worker):
         """One run: ``{"tps", "peak_mb", "peak_kind"}`` (see :mod:`.peer_worker`)."""
         return self.ask(op="decode", bucket=bucket, context=context, tokens=tokens, first=list(first))
 
+    def window(self, bucket: int, context: int, lengths: List[int], reps: int = 7) -> dict:
+        """ms of one decode call of L tokens a sequence for L = 1 and each of
+        ``lengths``: ``{L: ms}`` (see :mod:`.peer_worker`'s ``window``)."""
+        res = self.ask(op="window", bucket=bucket, context=context, lengths=list(lengths), reps=reps)
+        return {int(n): ms for n, ms in res["ms"].items()}
+
 
 def start_peer(python: Optional[str]) -> Tuple[Optional[PeerWorker], str]:
     """``(worker, note)``: a started llama.cpp worker and a line saying what runs,

@@ -16,6 +16,9 @@ functions; the high-level ``Llama`` class has no multi-sequence decode):
   ``bucket`` tokens and a greedy argmax of each sequence's logits: tokens/s.
   A context is made and prefilled once per (bucket, context) and trimmed back
   to ``context`` positions before each run (``llama_memory_seq_rm``);
+* ``window``: what a speculative verify window costs it (one decode call of
+  L tokens a sequence, logits for each) against a decode call of 1, at a
+  bucket and context (``benchmarks/spec_ceiling.py --peer-python``);
 * the peak memory of each run: the process's resident-set high-water mark
   (``VmHWM`` of ``/proc/self/status``, reset before the run by writing 5 to
   ``/proc/self/clear_refs``; where that is refused, ``ru_maxrss``, the
@@ -201,6 +204,44 @@ class LlamaCpp:
         return {"tps": B * steps / dt, "peak_mb": peak_mb(),
                 "peak_kind": "VmHWM" if exact else "ru_maxrss (the process's lifetime peak)"}
 
+    def window(self, bucket: int, context: int, lengths: list, reps: int) -> dict:
+        """What a verify window costs llama.cpp: ``bucket`` sequences at
+        ``context`` positions, ONE ``llama_decode`` of L tokens a sequence
+        (logits for each, each read and its argmax taken, as a verifier
+        does) for each L of ``lengths`` and for L = 1 (a decode step), rolled
+        back to the context after each call; the lengths take turns, ``reps``
+        calls each after two untimed rounds. ``{"ms": {L: median ms}}``."""
+        self._need()
+        if self.model is None:
+            raise ValueError("no model loaded")
+        B, C, L = bucket, context, self.L
+        sizes = [1] + sorted({int(n) for n in lengths if int(n) > 1})
+        n_batch = L.llama_context_default_params().n_batch  # the contexts' (_context keeps the default)
+        if B * sizes[-1] > n_batch:
+            raise ValueError(f"a window of {sizes[-1]} tokens in {B} sequences exceeds llama.cpp's batch of {n_batch}")
+        self._context(B, C, sizes[-1] + 1)
+        text = self.text
+
+        def once(n: int) -> float:
+            for s in range(B):
+                L.llama_memory_seq_rm(self.mem, s, C, -1)
+            entries = [(text[(s + i) % len(text)], C + i, s, True) for s in range(B) for i in range(n)]
+            t0 = time.perf_counter()
+            self._decode(entries)
+            for i in range(len(entries)):
+                self._argmax(i)
+            return time.perf_counter() - t0
+
+        times = {n: [] for n in sizes}
+        for r in range(reps + 2):
+            for n in sizes:
+                t = once(n)
+                if r >= 2:
+                    times[n].append(t)
+        for s in range(B):
+            L.llama_memory_seq_rm(self.mem, s, C, -1)
+        return {"ms": {str(n): 1e3 * sorted(t)[len(t) // 2] for n, t in times.items()}}
+
     def handle(self, req: dict) -> dict:
         op = req.get("op")
         if op == "hello":
@@ -209,6 +250,8 @@ class LlamaCpp:
             return self.load(req["path"], int(req["threads"]))
         if op == "decode":
             return self.decode(int(req["bucket"]), int(req["context"]), int(req["tokens"]), list(req.get("first", [])))
+        if op == "window":
+            return self.window(int(req["bucket"]), int(req["context"]), list(req["lengths"]), int(req.get("reps", 7)))
         raise ValueError(f"unknown request {op!r}")
 
 
