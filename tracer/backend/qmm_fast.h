@@ -172,6 +172,13 @@ template <int Q, int MT, int BITS, bool SPLIT, class T>
           part[i][k - k0] = dotx<BITS, SPLIT>(unpack4<BITS>(w[0][i] + size_t(k) * kStep * bb), xq + k * kStep * kBlock, lo);
         }
         if (kf < k1) {
+#ifdef QMM_HALF_TAIL
+          if (nb <= kStep / 2) {  // at half width (fast_half_step), blocks 2 and 3 zero sums as they were
+            part[i][kf - k0] = p_from_half(dotx2<BITS, SPLIT>(unpack2_n<BITS>(w[0][i] + size_t(kf) * kStep * bb, nb),
+                                                              xq + kf * kStep * kBlock, lo));
+            continue;
+          }
+#endif
           part[i][kf - k0] = dotx<BITS, SPLIT>(unpack4_n<BITS>(w[0][i] + size_t(kf) * kStep * bb, nb),
                                                xq + kf * kStep * kBlock, lo);
         }

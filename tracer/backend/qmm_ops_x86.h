@@ -233,8 +233,46 @@ inline void fq_rows(const FQ& a, float* out) {
   const __m128 l23 = _mm_add_ps(_mm256_castps256_ps128(a.v[1]), _mm256_extractf128_ps(a.v[1], 1));
   _mm_storeu_ps(out, _mm_add_ps(l01, l23));
 }
+// A row's last step of at most 2 blocks (qmm_fast.h's fast_half_step): the
+// vectors [0] of the above alone (blocks 0 and 1), the accumulators' [1] left
+// as they are.
+#define QMM_HALF_TAIL 1
+struct WR2 {
+  __m256i a, b;        // halves A, B of blocks 0-1; 8 bits: their low nibbles
+  __m256i a_hi, b_hi;  // 8 bits: the high nibbles
+};
+template <int BITS>
+inline WR2 unpack2_n(const uint8_t* p, int n) {  // n <= 2 blocks, reads only those
+  const WR w = unpack4_n<BITS>(p, n);              // its vectors [1] are zeros, never read
+  return {w.a[0], w.b[0], w.a_hi[0], w.b_hi[0]};
+}
+template <int BITS, bool SPLIT>
+inline __m256i dotx2(const WR2& w, const int8_t* x, size_t lo) {
+  const auto dot = [&](const int8_t* q) {
+    const __m256i xa = loadu256(q), xb = loadu256(q + 64);
+    const __m256i l = _mm256_add_epi16(_mm256_maddubs_epi16(w.a, xa), _mm256_maddubs_epi16(w.b, xb));
+    if constexpr (BITS == 4) {
+      return _mm256_madd_epi16(l, _mm256_set1_epi16(1));
+    } else {
+      const __m256i h = _mm256_add_epi16(_mm256_maddubs_epi16(w.a_hi, xa), _mm256_maddubs_epi16(w.b_hi, xb));
+      return _mm256_add_epi32(_mm256_madd_epi16(l, _mm256_set1_epi16(1)), _mm256_madd_epi16(h, _mm256_set1_epi16(16)));
+    }
+  };
+  if constexpr (SPLIT) {
+    return _mm256_add_epi32(_mm256_slli_epi32(dot(x), 7), dot(x + lo));
+  } else {
+    return dot(x);
+  }
+}
+using QS2 = __m256i;
+inline QS2 reduce_quad2(__m256i p0, __m256i p1, __m256i p2, __m256i p3) { return transpose_sum(p0, p1, p2, p3); }
+inline P p_from_half(__m256i v) { return {v, _mm256_setzero_si256()}; }  // blocks 2, 3: zero sums
+inline FQ fq_fma_sums2(QS2 s, const FQ& d, const FQ& a) {
+  return {_mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d.v[0], a.v[0]), a.v[1]};
+}
 #include "qmm_isa.h"
 #include "qmm_fast.h"
+#undef QMM_HALF_TAIL
 // The factored contract (qmm_factored.h), AVX-512 CPUs' too.
 using FF = __m256;
 inline FF ff_zero() { return _mm256_setzero_ps(); }
@@ -410,6 +448,7 @@ inline P2 dotx2(const WR2& w, const int8_t* x, size_t lo) {
     return dot2<BITS>(w, x);
   }
 }
+inline P p_from_half(P2 v) { return _mm512_zextsi256_si512(v); }  // blocks 2, 3: zero sums
 using QS2 = __m256i;  // lane 4 j + i: row i's block j, j = 0, 1
 inline QS2 reduce_quad2(P2 p0, P2 p1, P2 p2, P2 p3) {
   const __m256i t0 = _mm256_add_epi32(_mm256_unpacklo_epi32(p0, p1), _mm256_unpackhi_epi32(p0, p1));
