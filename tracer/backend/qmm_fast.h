@@ -102,7 +102,7 @@ inline void fast_step(const uint8_t* const (&w)[Q][kStep], const T* const (&s)[Q
   const size_t at = size_t(k) * kStep * bb;
   const int kt = kStep * k;
 #ifdef QMM_HALF_TAIL
-  if constexpr (kTail) {
+  if constexpr (kTail && half_tail(BITS, MT)) {
     if (nb <= kStep / 2) return fast_half_step<Q, MT, BITS, SPLIT, T>(w, s, k, nb, xq, ldq, lo, xd, ldd, acc);
   }
 #endif

@@ -235,8 +235,9 @@ inline void fq_rows(const FQ& a, float* out) {
 }
 // A row's last step of at most 2 blocks (qmm_fast.h's fast_half_step): the
 // vectors [0] of the above alone (blocks 0 and 1), the accumulators' [1] left
-// as they are.
+// as they are. Every tile (AVX2 forced, qmm.py in turns: faster at 1 and 5 rows).
 #define QMM_HALF_TAIL 1
+constexpr bool half_tail(int, int) { return true; }
 struct WR2 {
   __m256i a, b;        // halves A, B of blocks 0-1; 8 bits: their low nibbles
   __m256i a_hi, b_hi;  // 8 bits: the high nibbles
@@ -414,8 +415,10 @@ inline QS reduce_quad(P p0, P p1, P p2, P p3) {
   return _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
 }
 // A row's last step of at most 2 blocks at half width (qmm_fast.h's
-// fast_half_step): 128-bit lane j = block j as above, for j = 0, 1.
+// fast_half_step): 128-bit lane j = block j as above, for j = 0, 1. Not for
+// 8 bits at several x rows, where it measured slower (qmm.py in turns).
 #define QMM_HALF_TAIL 1
+constexpr bool half_tail(int bits, int mt) { return bits == 4 || mt == 1; }
 struct WR2 {
   __m256i a, b;
 };
