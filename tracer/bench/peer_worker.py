@@ -98,6 +98,11 @@ class LlamaCpp:
         if self.L is None:
             raise RuntimeError(f"llama_cpp is not importable by {sys.executable}: {self.why}")
 
+    def _need_model(self):
+        self._need()
+        if self.model is None:
+            raise ValueError("no model loaded")
+
     def hello(self) -> dict:
         self._need()
         return {"version": getattr(self.L, "__version__", "?"), "python": sys.executable,
@@ -177,19 +182,23 @@ class LlamaCpp:
             chunk = ids[off:off + self.n_batch]
             self._decode([(t, off + i, seq, off + i == len(ids) - 1) for i, t in enumerate(chunk)])
 
+    def _back_to_context(self, B: int, C: int):
+        """Trims each of the B sequences back to its C context positions (and checks it holds them)."""
+        for s in range(B):
+            self.L.llama_memory_seq_rm(self.mem, s, C, -1)
+            if self.L.llama_memory_seq_pos_max(self.mem, s) != C - 1:
+                raise RuntimeError(f"llama.cpp's sequence {s} did not go back to its {C} context positions")
+
     def _argmax(self, i: int) -> int:
         logits = self.np.ctypeslib.as_array(self.L.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
         return int(logits.argmax())
 
     def decode(self, bucket: int, context: int, tokens: int, first: list) -> dict:
         """One run: tokens/s of ``tokens - 1`` timed steps (at least 1) and the run's peak memory."""
-        self._need()
-        if self.model is None:
-            raise ValueError("no model loaded")
+        self._need_model()
         B, C, L = bucket, context, self.L
         self._context(B, C, tokens)
-        for s in range(B):  # back to the context alone
-            L.llama_memory_seq_rm(self.mem, s, C, -1)
+        self._back_to_context(B, C)
         exact = reset_peak()
         cur = [int(t) % self.n_vocab for t in first[:B]] + [0] * (B - len(first))
         self._decode([(cur[s], C, s, True) for s in range(B)])  # the 1-token prompt, untimed
@@ -211,9 +220,7 @@ class LlamaCpp:
         does) for each L of ``lengths`` and for L = 1 (a decode step), rolled
         back to the context after each call; the lengths take turns, ``reps``
         calls each after two untimed rounds. ``{"ms": {L: median ms}}``."""
-        self._need()
-        if self.model is None:
-            raise ValueError("no model loaded")
+        self._need_model()
         B, C, L = bucket, context, self.L
         sizes = [1] + sorted({int(n) for n in lengths if int(n) > 1})
         n_batch = L.llama_context_default_params().n_batch  # the contexts' (_context keeps the default)
@@ -223,8 +230,7 @@ class LlamaCpp:
         text = self.text
 
         def once(n: int) -> float:
-            for s in range(B):
-                L.llama_memory_seq_rm(self.mem, s, C, -1)
+            self._back_to_context(B, C)
             entries = [(text[(s + i) % len(text)], C + i, s, True) for s in range(B) for i in range(n)]
             t0 = time.perf_counter()
             self._decode(entries)
@@ -238,8 +244,7 @@ class LlamaCpp:
                 t = once(n)
                 if r >= 2:
                     times[n].append(t)
-        for s in range(B):
-            L.llama_memory_seq_rm(self.mem, s, C, -1)
+        self._back_to_context(B, C)
         return {"ms": {str(n): 1e3 * sorted(t)[len(t) // 2] for n, t in times.items()}}
 
     def handle(self, req: dict) -> dict:
