@@ -218,3 +218,31 @@ def test_a_leader_serves_like_the_generator_and_beats_while_idle(model_dir, refe
         assert leader.sent - sent >= 3 and worker.running
     with pytest.raises(ValueError, match="sharded Generator"):
         Leader(Generator(model, tokenizer))
+
+
+@pytest.mark.parametrize("failure", ["group", "other"])
+def test_an_engine_thread_whose_group_failed_waits_on_no_stream(model_dir, monkeypatch, failure):
+    """When a collective raises (a peer died), MLX may still hold another that
+    never ends (the lockstep's checksum, dispatched ahead): the engine thread
+    must not wait on its streams then (``mx.synchronize`` would hang, and
+    ``mlx-tracer serve`` exits at once on ``group_failed``). Any other failure
+    still lets the thread's streams go before it ends."""
+    import mlx.core as mx
+
+    from mlx_tracer.runtime.distributed import DistributedError
+
+    gen = Generator.load(model_dir, progress=False, weights="as-is", buckets=(1,))
+    error = DistributedError("rank 0/2: a step failed; lost rank 1") if failure == "group" else RuntimeError("a bug")
+
+    def step():
+        raise error
+
+    synced = []
+    monkeypatch.setattr(gen, "step", step)
+    monkeypatch.setattr(mx, "synchronize", lambda *a: synced.append(1))
+    with running_server(gen) as (url, worker):
+        r = httpx.post(url + "/v1/completions", json=dict(prompt="1 2", max_tokens=4), timeout=30)
+        assert r.status_code == 500 and "the engine failed" in r.json()["error"]["message"], r.text
+        wait_for(lambda: not worker._thread.is_alive(), what="the engine thread to end")
+        assert worker.error is error and worker.group_failed == (failure == "group")
+        assert synced == ([] if failure == "group" else [1])

@@ -133,8 +133,11 @@ def serve(args) -> int:
             failed = (lambda: leader.stalled() or worker.error and "the engine stopped") if leader else None
             run(app, sock, args.log_level, grace=args.shutdown_grace, stop_when=failed)
         finally:
-            stuck = leader and leader.stalled()
-            if stuck:  # the engine thread waits inside MLX on a peer that is gone: nothing can end it but exiting
+            stuck = leader and (leader.stalled() or (worker.group_failed and str(worker.error)))
+            # the engine thread waits inside MLX on a peer that is gone, or the group failed and MLX may
+            # hold a collective that never ends (joining the thread, or exiting normally, could wait for
+            # it for good): nothing can end it but exiting
+            if stuck:
                 log(f"mlx-tracer: error: the sharded server stopped: {stuck}")
                 os._exit(1)
             worker.stop()

@@ -100,6 +100,13 @@ class EngineWorker:
             self._thread.join(timeout)
 
     @property
+    def group_failed(self) -> bool:
+        """Whether the thread stopped because the ranks' group failed (a
+        sharded server whose peer died): MLX may then hold a collective
+        that never ends, so nothing may wait on MLX's streams any more."""
+        return isinstance(self.error, DistributedError)
+
+    @property
     def running(self) -> bool:
         return self._thread.is_alive() and not self._stopping and self.error is None
 
@@ -196,12 +203,16 @@ class EngineWorker:
             if self._leader is not None:
                 self._close_leader()
             # MLX gives each thread its own streams; left behind, they abort
-            # the process at exit ("terminate called without an active exception")
-            try:
-                mx.synchronize()
-                mx.clear_streams()
-            except Exception:
-                pass
+            # the process at exit ("terminate called without an active exception").
+            # Not after the group failed: a collective still queued (the
+            # lockstep's checksum) may wait for the dead peer for good, and
+            # the server exits at once then (``mlx-tracer serve``)
+            if not self.group_failed:
+                try:
+                    mx.synchronize()
+                    mx.clear_streams()
+                except Exception:
+                    pass
 
     def _close_leader(self):
         try:
