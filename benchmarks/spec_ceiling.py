@@ -1,7 +1,7 @@
 """How much prompt-lookup speculation could buy at a bucket, at best.
 
     python benchmarks/spec_ceiling.py [--weights W] [--tokens 64] [--ks 4 8 16] [--steps 30]
-                                      [--costs 2:1.3,5:2.0,9:2.8,17:4.0] [--bucket 1]
+                                      [--costs 2:1.3,5:2.0,9:2.8,17:4.0] [--bucket 1] [--tree 4]
 
 Generates the plain greedy output of each prompt of a workload of
 ``benchmarks/speculative.py`` (``mlx_tracer.bench.speculative.WORKLOADS``;
@@ -11,6 +11,13 @@ and prints, per prompt:
 
 * **always, k**: verify steps with ``k`` drafts whenever there are drafts
   (the ``always`` policy): steps, tokens per step, the accepted runs;
+* **auto, k**: the engine's own policy (``Speculator``, ``auto``) replayed at
+  the same costs (``mlx_tracer.bench.speculative.replay_policy``: stepping as
+  the engine does, plain steps pipelined while it judges a verify step could
+  not pay; one speculator per k learns over the workload, its second pass
+  printed): units, speedup and its schedule; and over all prompts. What it
+  loses to the oracle is the policy's (it cannot know which drafts hold);
+  what the bench measures below this is the engine's time around the steps;
 * **oracle**: the fewest decode-step units any policy could spend on that
   output — at each position either a plain step (1) or a verify step of a
   window L (cost c(L), advancing by the drafts it would accept + 1), chosen
@@ -25,6 +32,12 @@ while the last computes, as the engine runs them), or given with
 real policy reaches the oracle: it pays for refused drafts the oracle
 skips. The bucket-1 goal of the speculation issue (2.5x on text that
 quotes its prompt) is above this bound wherever the bound says so.
+
+With ``--tree N`` (4 by default; 0: not), the oracle once more with token
+trees: each window's L - 1 drafts a tree of the continuations of up to N
+earlier matches of the context's suffix, level by level, priced as a window
+of L (``oracle_units(..., tree=N)``): how much verifying several candidate
+continuations at once could add to prompt lookup.
 
 With ``--bucket B`` (> 1) the costs are a bucket-B verify step's over a
 bucket-B decode step, and the workload's prompts run as the bench batches
@@ -91,12 +104,15 @@ def main() -> int:
     ap.add_argument("--costs", default=None, help="c(L) as L:c,... instead of measuring (e.g. 2:1.3,5:2.0,9:2.8)")
     ap.add_argument("--bucket", type=int, default=1, help="rows decoding together (the costs measured at this bucket)")
     ap.add_argument("--peer-python", default=None, help="a Python with llama_cpp: llama.cpp's c(L) on the same file too")
+    ap.add_argument("--tree", type=int, default=4,
+                    help="the oracle again with token trees of up to this many lookup continuations (0: not)")
     args = ap.parse_args()
     if args.bucket < 1:
         ap.error("--bucket takes B >= 1")
     from mlx_tracer import Generator
-    from mlx_tracer.bench.speculative import WORKLOADS, batch_bound, oracle_units, replay_always
+    from mlx_tracer.bench.speculative import WORKLOADS, batch_bound, oracle_units, replay_always, replay_policy
     from mlx_tracer.runtime.drafters import PromptLookup
+    from mlx_tracer.runtime.speculator import Speculator
 
     if args.workload not in WORKLOADS:
         ap.error(f"--workload takes one of {', '.join(map(repr, WORKLOADS))}")
@@ -116,12 +132,23 @@ def main() -> int:
     totals = {"tokens": 0, "oracle": 0.0}
     per_prompt = []  # (tokens, oracle units) of each prompt's output
     outputs = [list(res.tokens) for res in gen.batch_generate(prompts, max_tokens=args.tokens)]
-    for prompt, context, out in zip(prompts, contexts, outputs):
+    # the engine's own policy at these costs, one speculator per k learning over the workload as the
+    # engine does: its second pass is printed (the first, as the bench's untimed run, teaches it)
+    policy = {}
+    for k in args.ks:
+        spec = Speculator(PromptLookup(), k)
+        for rep in range(2):
+            policy[k] = [replay_policy(spec, c, o, costs, uid=rep * len(outputs) + j)
+                         for j, (c, o) in enumerate(zip(contexts, outputs))]
+    for j, (prompt, context, out) in enumerate(zip(prompts, contexts, outputs)):
         print(f"-- {prompt[:40]!r}...: {len(out)} tokens")
         for k in args.ks:
             runs = replay_always(context, out, drafter, k)
             steps = len(out) - sum(runs)
             print(f"   always, k={k:<2}: {steps} steps ({len(out) / steps:.2f} tokens a step), runs {runs}")
+        for k in args.ks:
+            u, schedule = policy[k][j]
+            print(f"   auto, k={k:<4}: {u:.1f} units, {(len(out) - 1) / u:.2f}x: {' '.join(schedule)}")
         units = oracle_units(context, out, drafter, costs, windows)
         per_prompt.append((len(out), units))
         totals["tokens"] += len(out)
@@ -129,6 +156,14 @@ def main() -> int:
         print(f"   oracle: {units:.1f} decode steps' time, {len(out) / units:.2f}x plain decode at most")
     print(f"all prompts: {totals['tokens']} tokens in {totals['oracle']:.1f} decode steps' time at best: "
           f"{totals['tokens'] / totals['oracle']:.2f}x plain decode at most (windows {windows})")
+    decoded = sum(len(out) - 1 for out in outputs)  # the first token of each comes from its prefill
+    for k in args.ks:
+        print(f"the engine's policy (auto, k={k}) at these costs: {decoded} decoded tokens in "
+              f"{sum(u for u, _ in policy[k]):.1f} units: {decoded / sum(u for u, _ in policy[k]):.2f}x plain decode")
+    if args.tree:
+        units = sum(oracle_units(c, o, drafter, costs, windows, tree=args.tree) for c, o in zip(contexts, outputs))
+        print(f"oracle with token trees (up to {args.tree} lookup continuations a window): "
+              f"{totals['tokens'] / units:.2f}x plain decode at most")
     if args.bucket > 1:
         rows = [per_prompt[i % len(prompts)] for i in range(args.bucket)]
         print(f"a batch of {args.bucket} (prompt i % {len(prompts)} in row i), one window a verify step: "

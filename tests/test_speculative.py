@@ -361,7 +361,7 @@ def test_the_auto_policy_chooses_the_window_by_measured_costs():
     spec.observe("verify", 1, 0.120, 2)  # a column costs 0.02 s...
     spec.observe("verify", 1, 0.300, 5)  # ...until the fifth: the matmuls' row tiles
     drafts = spec.drafts([row], 1)
-    assert spec.window == 3 and drafts == [[1, 1]]  # unmeasured, priced from L=2: (1 + 1.8) / 0.14 beats L=2 and L=5
+    assert spec.window == 3 and drafts == [[1, 1]]  # unmeasured, priced between L=2 and L=5: (1 + 1.8) / 0.162 beats both
     spec.observe("verify", 1, 0.400, 3)  # measured: dear
     assert spec.drafts([row], 1) == [[1]] and spec.window == 2  # (1 + 0.9) / 0.12 > (1 + 3.6) / 0.3
     spec.row(0).accept_rate = 0.1
@@ -516,6 +516,34 @@ def test_the_speculator_cuts_windows_to_max_rows():
     assert Speculator(PromptLookup(), 8, "always").longest(16) == 9
 
 
+def test_a_row_whose_verify_failed_is_still_judged_on_its_drafts_match():
+    """With a cheap drafter (prompt lookup) the drafts themselves are judged,
+    never the row's recent share alone: a row whose last verify step failed
+    on a spurious match (share down, draft length halved to 2) still
+    verifies when it goes on to quote a long span. (Judged on the share
+    alone first, such a row was declined before its drafts were looked at,
+    step after step, while its share recovered.)
+    A window not measured is priced between the measured ones around it."""
+    from mlx_tracer.runtime.requests import Request
+    from mlx_tracer.runtime.speculator import EXPLORE, Speculator
+
+    spec = Speculator(PromptLookup(), k=16)
+    spec.observe("decode", 1, 0.100)
+    spec.observe("verify", 1, 0.154, 2)
+    spec.observe("verify", 1, 0.176, 4)
+    assert spec.cost(1, 3) == pytest.approx(0.165) and spec.cost(1, 3, EXPLORE) == pytest.approx(0.165 * EXPLORE)
+    quoting = Request(0, [5, 6, 7, 8, 9, 10, 11, 12, 13, 3, 5, 6, 7, 8, 9], 50, GREEDY, frozenset(), initial_key(0))
+    assert PromptLookup().propose_match(quoting.context, 2) == ([10, 11], 5)
+    spec.by_match[-1] = 0.9  # learned: the first draft after a long match held 9 times in 10
+    state = spec.row(0)
+    state.accept_rate, state.draft_len = 0.25, 2  # after verify steps that accepted none of their drafts
+    # on its share alone: (1 + 0.25 * 2) / 0.165 < 1 / 0.1; on the match: (1 + 0.45 * 1.9) / 0.165 > 1 / 0.1
+    assert spec.drafts([quoting], 1) == [[10, 11]] and spec.window == 3
+    assert spec.may_pay([quoting], 1)
+    nothing = Request(1, [5, 6, 7, 8], 50, GREEDY, frozenset(), initial_key(0))  # no match: nothing to judge
+    assert spec.drafts([nothing], 1) is None and not spec.may_pay([nothing], 1)
+
+
 class MatchDrafts:
     """A drafter that proposes ``k`` copies of token 1 after a match of ``match`` tokens."""
 
@@ -595,3 +623,47 @@ def test_a_batch_speculation_ceiling_is_the_longest_output_over_the_largest_orac
     assert batch_bound([(12, 4.0), (10, 10.0)]) == pytest.approx(1.2)
     # rows that all quote alike bound the batch as one row does
     assert batch_bound([(12, 4.0)] * 4) == pytest.approx(3.0)
+
+
+def test_the_policy_replay_steps_as_the_engine_does():
+    """``replay_policy`` drives the engine's speculator over a known output at
+    given window costs: a plain step is measured first (and the next is
+    dispatched beside it), verify steps advance by what the output confirms,
+    the speculator learns across requests, and dear windows are declined."""
+    from mlx_tracer.bench.speculative import replay_policy
+    from mlx_tracer.runtime.speculator import Speculator
+
+    context = [50, 51] + list(range(1, 21)) + [60]
+    out = list(range(1, 21)) + [70, 71, 72]  # quotes the context, then goes its own way
+
+    def emitted(schedule):
+        return sum(1 if s == "." else int(s.split("=")[1].split("/")[0]) + 1 for s in schedule)
+
+    spec = Speculator(PromptLookup(), 8)
+    cheap = {L: 1.01 for L in (2, 3, 4, 5, 9)}
+    units, schedule = replay_policy(spec, context, out, cheap)
+    assert schedule == [".", ".", "V9=8/8", "V9=8/8", ".", "."] and units == pytest.approx(4 + 2 * 1.01)
+    units, schedule = replay_policy(spec, context, out, cheap, uid=1)  # measured: it verifies at once
+    assert schedule[0] == "V9=8/8" and emitted(schedule) == len(out) - 1 and units < 6
+    dear = Speculator(PromptLookup(), 8)
+    replay_policy(dear, context, out, {L: 10.0 for L in (2, 3, 4, 5, 9)})  # tries a window once, learns its cost
+    units, schedule = replay_policy(dear, context, out, {L: 10.0 for L in (2, 3, 4, 5, 9)}, uid=1)
+    assert set(schedule) == {"."} and units == len(out) - 1
+
+
+def test_a_token_tree_of_lookup_continuations_verifies_older_matches_too():
+    """The oracle with token trees: the continuations of every earlier match
+    (newest first), verified together; one branch is plain prompt lookup's."""
+    from mlx_tracer.bench.speculative import lookup_continuations, oracle_units
+
+    context = [1, 2, 7, 8, 9, 3, 1, 2, 5, 6, 4, 1, 2]  # "1 2" went on "5 6", and before that "7 8 9"
+    assert lookup_continuations(context, 3, 4) == [[5, 6, 4], [7, 8, 9]]
+    assert lookup_continuations(context, 3, 1) == [PromptLookup().propose(context, 3)]
+    assert lookup_continuations([1, 2, 3], 2, 4) == []
+    out = [7, 8, 0, 0]  # the older continuation holds for two tokens
+    costs, lookup = {5: 1.5}, PromptLookup()
+    # plain prompt lookup: 5 6 4 fails (a plain step), then "2 7" proposes 8 9 3 (8 holds), then a plain step
+    assert oracle_units(context, out, lookup, costs, [5]) == pytest.approx(1 + 1.5 + 1)
+    assert oracle_units(context, out, lookup, costs, [5], tree=1) == pytest.approx(1 + 1.5 + 1)
+    # a tree of 4 drafts over 2 branches (5, 7, then 5 6, 7 8): 7 8 hold at once, then a plain step
+    assert oracle_units(context, out, lookup, costs, [5], tree=2) == pytest.approx(1.5 + 1)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
-from typing import Callable, Dict, List, Sequence
+from typing import Callable, Dict, List, Sequence, Tuple
 
 PASSAGE = (
     "The Eiffel Tower was built for the 1889 World's Fair in Paris. It is 330 metres tall and was the tallest "
@@ -139,16 +139,54 @@ def replay_always(context, out, drafter, k):
     return runs
 
 
-def oracle_units(context, out, drafter, costs: dict, windows) -> float:
+def lookup_continuations(context, k: int, most: int, ngram: int = 3) -> List[List[int]]:
+    """Up to ``most`` distinct continuations (``k`` tokens each at most), newest
+    first, of every earlier match of the context's longest matching suffix
+    (``ngram`` tokens down to 1): the branches a token tree of prompt lookup
+    would verify together."""
+    for n in range(min(ngram, len(context) - 1), 0, -1):
+        suffix, found = list(context[-n:]), []
+        for start in range(len(context) - n - 1, -1, -1):
+            if list(context[start : start + n]) == suffix:
+                cont = list(context[start + n : start + n + k])
+                if cont and cont not in found:
+                    found.append(cont)
+                    if len(found) == most:
+                        break
+        if found:
+            return found
+    return []
+
+
+def _tree_confirmed(branches, nodes: int, out, i) -> int:
+    """How far ``out`` from ``i`` runs along a token tree: the prefixes of
+    ``branches`` level by level (every branch's first draft, then their
+    seconds, ...; newest branch first within a level), up to ``nodes``."""
+    tree = set()
+    for depth in range(1, max(map(len, branches), default=0) + 1):
+        for branch in branches:
+            if len(tree) < nodes and len(branch) >= depth:
+                tree.add(tuple(branch[:depth]))
+    a = 0
+    while i + a < len(out) and tuple(out[i : i + a + 1]) in tree:
+        a += 1
+    return a
+
+
+def oracle_units(context, out, drafter, costs: dict, windows, tree: int = 0) -> float:
     """The fewest decode-step units any policy could spend on emitting ``out``
     after ``context``: at each position a plain step (1) or a verify step of
     a window L in ``windows`` (``cost_of(costs, L)``, advancing by the drafts
     ``drafter`` proposes there that ``out`` confirms, + 1), chosen knowing
-    every outcome (benchmarks/spec_ceiling.py)."""
+    every outcome (benchmarks/spec_ceiling.py). ``tree``: the window holds a
+    token tree of L - 1 drafts instead, the continuations of up to ``tree``
+    earlier matches (:func:`lookup_continuations`; priced as a window of L)."""
     n = len(out)
 
     @lru_cache(maxsize=None)
     def accepted(i, L):
+        if tree:
+            return _tree_confirmed(lookup_continuations(context + out[:i], L - 1, tree), L - 1, out, i)
         return _confirmed(drafter.propose(context + out[:i], L - 1), out, i)
 
     best = [0.0] * (n + 1)  # best[i]: units to emit out[i:]
@@ -158,6 +196,64 @@ def oracle_units(context, out, drafter, costs: dict, windows) -> float:
             j = min(n, i + accepted(i, L) + 1)
             best[i] = min(best[i], cost_of(costs, L) + best[j])
     return best[0]
+
+
+@dataclass
+class _ReplayRow:
+    """What the speculator reads of a request."""
+
+    uid: int
+    context: List[int]
+    budget: int
+
+
+def replay_policy(speculator, context, out, costs: dict, uid: int = 0) -> Tuple[float, List[str]]:
+    """The decode-step units ``speculator`` (the engine's policy, fed the
+    step times ``costs`` in decode steps) spends emitting ``out[1:]`` after
+    ``context`` + ``out[0]`` (the prefill's token) at bucket 1, stepping as
+    the engine does (``Engine._speculative_step``): with no step in flight it
+    asks for drafts (a verify step of the chosen window advances by the drafts
+    ``out`` confirms + 1); declined, it runs a plain step and dispatches the
+    next beside it, and while a plain step is in flight it keeps dispatching
+    the next as long as :meth:`~.Speculator.may_pay` (judged on the tokens
+    read so far: one behind) says no. Returns the units and the schedule
+    (``"."`` a plain step, ``"V5=3/4"`` a verify step of window 5 that
+    accepted 3 of 4 drafts). The speculator keeps what it learned: replay a
+    workload's outputs through one, as the engine serves them."""
+    n, i, units, schedule = len(out), 1, 0.0, []
+    row = _ReplayRow(uid, list(context) + list(out[:1]), n - 1)
+    in_flight = False
+
+    def plain():
+        nonlocal units, i
+        units += 1.0
+        speculator.plain_step([row])
+        speculator.observe("decode", 1, 1.0)
+        schedule.append(".")
+        i += 1
+
+    while i < n:
+        if in_flight:  # step i computes; the host judges on the tokens before it
+            row.context, row.budget = list(context) + list(out[:i]), n - i
+            more = not speculator.may_pay([row], 1)
+            plain()
+            in_flight = more and i < n
+            continue
+        row.context, row.budget = list(context) + list(out[:i]), n - i
+        drafts = speculator.drafts([row], 1)
+        if drafts is None:
+            plain()
+            in_flight = i < n
+            continue
+        L = speculator.window
+        accepted = _confirmed(drafts[0], out, i)
+        speculator.update(row, len(drafts[0]), accepted)
+        units += cost_of(costs, L)
+        speculator.observe("verify", 1, cost_of(costs, L), L)
+        schedule.append(f"V{L}={accepted}/{len(drafts[0])}")
+        i += accepted + 1
+    speculator.forget(uid)
+    return units, schedule
 
 
 def batch_bound(rows) -> float:

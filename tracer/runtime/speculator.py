@@ -22,8 +22,10 @@ second than a plain decode step:
 
 divided by the window's measured time, against ``rows / decode step time``.
 Step times are measured per bucket (and window length) as the engine runs;
-a window not measured yet is priced from the nearest one measured at that
-bucket (its cost per column beyond the decode step's), or guessed
+a window not measured yet is priced between the two measured at that
+bucket on either side of it (linearly: a window's cost is mostly fixed, its
+columns add less than its first), else from the nearest one measured (its
+cost per column beyond the decode step's), or guessed
 (``GUESSED_COLUMN_COST`` decode steps a column) before any was; when
 choosing among windows, slightly optimistically (``EXPLORE``), so that a
 neighbouring length is tried once when it may pay (but a verify step runs
@@ -127,7 +129,7 @@ class Speculator:
         """Each row's drafts for the next verify step (at most ``window - 1``
         each), or None for a plain step."""
         ks = self._caps(rows, width)
-        if not any(ks) or self._choose(rows, ks, width) is None:
+        if not any(ks) or not self._worth_drafting(rows, ks, width):
             return None
         out, matches = self._propose(rows, ks)
         L = self._choose(rows, [len(d) for d in out], width, matches) if any(out) else None
@@ -160,12 +162,23 @@ class Speculator:
         steps pipelined while it cannot. With a drafter that says it is
         ``cheap`` (prompt lookup), its drafts are looked at too."""
         ks = self._caps(rows, width)
-        if not any(ks) or self._choose(rows, ks, width) is None:
+        if not any(ks) or not self._worth_drafting(rows, ks, width):
             return False
         if not self.cheap:
             return True
         out, matches = self._propose(rows, ks)
         return any(out) and self._choose(rows, [len(d) for d in out], width, matches) is not None
+
+    def _worth_drafting(self, rows, ks, width) -> bool:
+        """Whether to ask the drafter: a dear one only when its drafts could
+        pay at the rows' recent shares; a cheap one whenever a plain step has
+        been measured. Its drafts are judged on their match lengths, which
+        the rows' shares alone cannot see: a row whose last verify step failed
+        (its share down, its draft length halved) on a spurious match would
+        otherwise never again be looked at while it quotes a long span."""
+        if self.cheap and self.policy == "auto":
+            return self.longest(width) >= 2 and ("decode", width) in self.step_s
+        return self._choose(rows, ks, width) is not None
 
     def _accepted(self, state: DraftState, match: Optional[int], n: int) -> float:
         """The drafts of ``n`` a row's verify step is expected to accept (see
@@ -221,7 +234,12 @@ class Speculator:
         if measured is not None:
             return measured
         decode = self.step_s[("decode", width)]
-        known = [(key[2], s) for key, s in self.step_s.items() if key[0] == "verify" and key[1] == width]
+        known = sorted((key[2], s) for key, s in self.step_s.items() if key[0] == "verify" and key[1] == width)
+        below = [m for m in known if m[0] < L]
+        above = [m for m in known if m[0] > L]
+        if below and above:  # between two measured windows: most of a window's cost is fixed, not per column
+            (L0, s0), (L1, s1) = below[-1], above[0]
+            return unmeasured * (s0 + (s1 - s0) * (L - L0) / (L1 - L0))
         if known:
             L0, s0 = min(known, key=lambda m: (abs(m[0] - L), m[0]))
             per_column = max(0.0, s0 - decode) / (L0 - 1)
