@@ -667,3 +667,14 @@ def test_a_token_tree_of_lookup_continuations_verifies_older_matches_too():
     assert oracle_units(context, out, lookup, costs, [5], tree=1) == pytest.approx(1 + 1.5 + 1)
     # a tree of 4 drafts over 2 branches (5, 7, then 5 6, 7 8): 7 8 hold at once, then a plain step
     assert oracle_units(context, out, lookup, costs, [5], tree=2) == pytest.approx(1.5 + 1)
+
+
+def test_each_bucket_of_the_speculation_bench_runs_every_prompt():
+    from mlx_tracer.bench.speculative import workload_batches
+
+    p = ["a", "b", "c", "d"]
+    assert workload_batches(p, 1) == [["a"], ["b"], ["c"], ["d"]]
+    assert workload_batches(p, 2) == [["a", "b"], ["c", "d"]]
+    assert workload_batches(p, 3) == [["a", "b", "c"], ["d", "a", "b"]]
+    assert workload_batches(p, 4) == [p]
+    assert workload_batches(p, 8) == [p + p]

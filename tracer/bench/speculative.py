@@ -66,13 +66,23 @@ def format_spec_row(r: SpecRow) -> str:
             f"{r.acceptance:>7.0%} {r.tokens_per_verify:>10.2f} {r.verify_steps:>6} {cost}")
 
 
+def workload_batches(prompts: Sequence[str], bucket: int) -> List[List[str]]:
+    """The batches a bucket runs a workload's prompts in, each ``bucket``
+    wide: every prompt at least once, the prompts in turn (a bucket of 1
+    runs each alone, one after another; a bucket wider than the workload, one
+    batch repeating them)."""
+    n = len(prompts)
+    return [[prompts[(i + j) % n] for j in range(bucket)] for i in range(0, max(n, 1), bucket)]
+
+
 def spec_rows(plain, buckets: Sequence[int] = (1, 4), k: int = 4, tokens: int = 64, reps: int = 3,
               policy: str = "auto", workloads: Sequence[str] = tuple(WORKLOADS),
               on_row: Callable[[SpecRow], None] = lambda r: None) -> List[SpecRow]:
     """One :class:`SpecRow` per (workload, bucket) for ``plain``, a
     :class:`~mlx_tracer.Generator` (its model and tokenizer also serve the
-    speculative one: prompt lookup, ``k`` drafts, ``policy``). A bucket wider
-    than a workload's prompts repeats them."""
+    speculative one: prompt lookup, ``k`` drafts, ``policy``). Each bucket
+    runs the workload's prompts in :func:`workload_batches` (tokens/s over all
+    of them); a bucket wider than a workload's prompts repeats them."""
     from ..generator import Generator
 
     spec = Generator(plain.model, plain.tokenizer, speculative="prompt-lookup", draft_tokens=k, spec_policy=policy)
@@ -80,15 +90,15 @@ def spec_rows(plain, buckets: Sequence[int] = (1, 4), k: int = 4, tokens: int = 
     for name in workloads:
         prompts = WORKLOADS[name]
         for B in buckets:
-            batch = [prompts[i % len(prompts)] for i in range(B)]
+            batches = workload_batches(prompts, B)
             times = {"plain": [], "spec": []}
             outs = {}
             for rep in range(reps + 1):  # the first run traces and builds kernels
                 for label, gen in (("plain", plain), ("spec", spec)):
                     gen.engine.reset_stats()
-                    res = gen.batch_generate(batch, max_tokens=tokens)
+                    res = [c for batch in batches for c in gen.batch_generate(batch, max_tokens=tokens)]
                     if rep:
-                        times[label].append(gen.stats.decode_tps)
+                        times[label].append(gen.stats.decode_tps)  # over every batch of the run
                     outs[label] = [c.tokens for c in res]
             if outs["plain"] != outs["spec"]:
                 raise SpeculationChangedTokens(f"speculative decoding changed greedy tokens ({name}, bucket {B})")
