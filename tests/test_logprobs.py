@@ -71,3 +71,45 @@ def test_the_compiled_step_uses_it(tmp_path):
     dot = tmp_path / "graph.dot"
     mx.export_to_dot(str(dot), step.log_softmax(x * 1.0))
     assert "TracerLogProbs" in dot.read_text()
+
+
+def greedy_reference(x: mx.array):
+    lp = K.logprobs(x)
+    picks = mx.argmax(lp, axis=-1).astype(mx.int32)
+    return np.array(picks), np.array(mx.take_along_axis(lp, picks[..., None], axis=-1)[..., 0])
+
+
+def test_greedy_picks_equal_argmax_over_the_logprobs_bit_for_bit(isa):
+    """``greedy_logprobs``: mx.argmax over logprobs(x) and the log-probability
+    there, the same bits, also where rounding x - lse makes a smaller logit's
+    value equal the largest's (MLX takes the first), with NaN (MLX's argmax
+    takes the first NaN), infinities, banned rows, views and under compile."""
+    rng = np.random.default_rng(7)
+    a = rng.normal(0, 6, (12, 3000)).astype(np.float32)
+    a[0, ::3] = -np.inf
+    a[1, :] = -np.inf
+    a[2, 7] = np.inf
+    a[2, 900] = np.inf
+    a[3, 11] = np.nan
+    a[3, 2000] = np.nan
+    a[4, :] = 1e30
+    a[5, 100] = a[5, 50] = a[5].max() + 1  # a tie: the first wins
+    top = np.float32(30.0)  # rows whose lse is large: x - lse rounds neighbours of the top together
+    a[6] = top - rng.uniform(0, 1e-5, 3000).astype(np.float32)
+    a[6, 1500] = top
+    a[7, :] = 0.0
+    a[8, -1] = a[8].max() + 3  # the last token
+    a[9, 0] = np.nan
+    for x in (mx.array(a), mx.array(a.reshape(3, 4, 3000)), mx.array(rng.normal(0, 3, (50, 4)).astype(np.float32)).T):
+        picks, lps = K.greedy_logprobs(x)
+        want_picks, want_lps = greedy_reference(x)
+        assert picks.dtype == mx.int32 and picks.shape == x.shape[:-1]
+        assert np.array_equal(np.array(picks), want_picks), (isa, np.array(picks), want_picks)
+        assert_same_bits(lps, want_lps, (isa, "greedy"))
+        c_picks, c_lps = mx.compile(K.greedy_logprobs)(x)
+        assert np.array_equal(np.array(c_picks), want_picks)
+        assert_same_bits(c_lps, want_lps, (isa, "greedy compiled"))
+    rounded = np.array(K.logprobs(mx.array(a[6:7])))[0]
+    assert (rounded == rounded.max()).sum() > 1  # the rounding case above is real: several equal maxima
+    with pytest.raises(ValueError, match="float32"):
+        K.greedy_logprobs(mx.zeros((2, 3), dtype=mx.float16))

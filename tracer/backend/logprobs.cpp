@@ -13,6 +13,11 @@
 //   lse = m where m is infinite, else log(n) + m (std::log, as MLX calls it);
 // then each x - lse. Rows run on qmm's pool, one row a task (the same bits on
 // any thread). tests/test_logprobs.py checks it against the MLX ops.
+//
+// greedy_logprobs: a greedy row needs only its pick and that pick's
+// log-probability (a decode step's token, a verify window's picks): the same
+// lse, then mx.argmax's rule (the first NaN, else the first largest) over
+// x - lse, each value computed as logprobs computes it, no row written.
 
 #include <cmath>
 #include <limits>
@@ -20,6 +25,7 @@
 #include <vector>
 
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/vector.h>
 
 #include "mlx/array.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -34,7 +40,9 @@ using mx::array;
 
 namespace {
 
-void logprobs_row(const float* x, int V, float* out) {
+// logsumexp(x) of one row as MLX computes it (see the top); `scratch` [V]
+// takes the exponentials on the way.
+float row_lse(const float* x, int V, float* scratch) {
   using namespace mx::simd;
   Simd<float, 1> vmax(-std::numeric_limits<float>::infinity());
   for (int j = 0; j < V; ++j) {
@@ -42,19 +50,39 @@ void logprobs_row(const float* x, int V, float* out) {
   }
   const float m = vmax.value;
   Simd<float, 1> total(0.0);
-  if (tracer_qmm::exp_shifted(x, m, out, V)) {  // out holds the exponentials for now
+  if (tracer_qmm::exp_shifted(x, m, scratch, V)) {
     for (int j = 0; j < V; ++j) {
-      total = total + Simd<float, 1>(out[j]);
+      total = total + Simd<float, 1>(scratch[j]);
     }
   } else {
     for (int j = 0; j < V; ++j) {
       total = total + exp(Simd<float, 1>(x[j]) - m);
     }
   }
-  const float lse = std::isinf(m) ? m : std::log(total.value) + m;
+  return std::isinf(m) ? m : std::log(total.value) + m;
+}
+
+void logprobs_row(const float* x, int V, float* out) {
+  const float lse = row_lse(x, V, out);  // out holds the exponentials for now
   for (int j = 0; j < V; ++j) {
     out[j] = x[j] - lse;
   }
+}
+
+// mx.argmax over the row's log-probabilities x - lse (the first NaN, else the
+// first largest: MLX's rule) and that log-probability, without writing the row.
+void greedy_row(const float* x, int V, float* scratch, int32_t* token, float* logprob) {
+  const float lse = row_lse(x, V, scratch);
+  int best = 0;
+  float top = x[0] - lse;
+  for (int j = 1; j < V && !std::isnan(top); ++j) {
+    const float v = x[j] - lse;
+    if (v > top || std::isnan(v)) {
+      top = v, best = j;
+    }
+  }
+  *token = best;
+  *logprob = top;
 }
 
 class LogProbs : public mx::Primitive {
@@ -92,6 +120,55 @@ class LogProbs : public mx::Primitive {
   }
 };
 
+// The greedy pick of each row and its log-probability: mx.argmax and
+// mx.take_along_axis over logprobs(x), in one pass that writes no row.
+class GreedyLogProbs : public mx::Primitive {
+ public:
+  explicit GreedyLogProbs(mx::Stream s) : mx::Primitive(s) {}
+
+  void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
+    const array& x = in[0];
+    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
+    auto& enc = mx::cpu::get_command_encoder(stream());
+    enc.set_input_array(x);
+    enc.set_output_array(outputs[0]);
+    enc.set_output_array(outputs[1]);
+    const int V = x.shape(-1), rows = int(x.size() / V);
+    enc.dispatch([x = x.data<float>(), t = outputs[0].data<int32_t>(), lp = outputs[1].data<float>(), V, rows]() {
+      struct Ctx {
+        const float* x;
+        int32_t* t;
+        float* lp;
+        int V;
+      } ctx{x, t, lp, V};
+      tracer_qmm::parallel_for(rows, [](const void* c, int r) {
+        const Ctx& g = *static_cast<const Ctx*>(c);
+        thread_local std::vector<float> scratch;
+        scratch.resize(size_t(g.V));
+        greedy_row(g.x + size_t(r) * g.V, g.V, scratch.data(), g.t + r, g.lp + r);
+      }, &ctx);
+    });
+  }
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
+    throw std::runtime_error("mlx_tracer greedy_logprobs: CPU only");
+  }
+  const char* name() const override {
+    return "TracerGreedyLogProbs";
+  }
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return true;
+  }
+};
+
+std::vector<array> greedy_logprobs(const array& x) {
+  if (x.dtype() != mx::float32 || x.ndim() < 1 || x.shape(-1) < 1) {
+    throw std::invalid_argument("greedy_logprobs: x must be float32 [..., V] with V >= 1");
+  }
+  mx::Shape rows(x.shape().begin(), x.shape().end() - 1);
+  return array::make_arrays({rows, rows}, {mx::int32, mx::float32},
+                            std::make_shared<GreedyLogProbs>(mx::default_stream(mx::Device::cpu)), {mx::contiguous(x)});
+}
+
 array logprobs(const array& x) {
   if (x.dtype() != mx::float32 || x.ndim() < 1 || x.shape(-1) < 1) {
     throw std::invalid_argument("logprobs: x must be float32 [..., V] with V >= 1");
@@ -107,4 +184,7 @@ array logprobs(const array& x) {
 void register_logprobs(nb::module_& m) {
   m.def("logprobs", &logprobs, nb::arg("x"),
         "x - logsumexp(x, axis=-1, keepdims=True) for float32 x [..., V], with the bits of those MLX ops on the CPU");
+  m.def("greedy_logprobs", &greedy_logprobs, nb::arg("x"),
+        "(argmax, log-probability) of each row of float32 x [..., V]: mx.argmax(logprobs(x), -1) as int32 and "
+        "logprobs(x) there, the same bits, in one pass that writes no row of log-probabilities");
 }

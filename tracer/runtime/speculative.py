@@ -63,14 +63,28 @@ def accept(logprobs: mx.array, tokens: mx.array, ndraft: mx.array, sampler: Opti
             chains.append(mx.stack(row_keys))
         hot = sampler["temperature"][:, None] > 0  # [Bk, 1]
         picks = mx.where(hot, mx.stack(draws).astype(mx.int32), picks)  # [Bk, L]
-    drafts = tokens[:, 1:]  # [Bk, L-1]
-    counts = mx.arange(L - 1, dtype=mx.int32)[None, :] < ndraft[:, None]  # [Bk, L-1] drafts that count
-    ok = (drafts == picks[:, :-1]) & counts
-    accepted = mx.sum(mx.cumprod(ok.astype(mx.int32), axis=1), axis=1)  # [Bk] leading accepted drafts
-    count = (accepted + 1).astype(mx.int32)
+    count = judged(picks, tokens, ndraft)
     lps = mx.take_along_axis(logprobs, picks[:, :, None], axis=-1)[..., 0]  # [Bk, L]
     keys = None
     if chains is not None:  # each row's key after its count draws
         idx = (count - 1)[:, None, None]  # [Bk, 1, 1]
         keys = mx.take_along_axis(mx.stack(chains), mx.broadcast_to(idx, (Bk, 1, 2)), axis=1)[:, 0, :]  # [Bk, 2]
     return picks, count, lps, keys
+
+
+def judged(picks: mx.array, tokens: mx.array, ndraft: mx.array) -> mx.array:
+    """``count [Bk]``: each row's leading drafts equal to its picks (``picks
+    [Bk, L]``, the token its sampler takes after each input), + 1."""
+    L = tokens.shape[1]
+    drafts = tokens[:, 1:]  # [Bk, L-1]
+    counts = mx.arange(L - 1, dtype=mx.int32)[None, :] < ndraft[:, None]  # [Bk, L-1] drafts that count
+    ok = (drafts == picks[:, :-1]) & counts
+    accepted = mx.sum(mx.cumprod(ok.astype(mx.int32), axis=1), axis=1)  # [Bk] leading accepted drafts
+    return (accepted + 1).astype(mx.int32)
+
+
+def accept_greedy(picks: mx.array, logprobs: mx.array, tokens: mx.array, ndraft: mx.array) -> Tuple[mx.array, ...]:
+    """:func:`accept` for greedy rows from their picks alone: ``picks [Bk, L]``
+    (the argmax after each input) and their log-probabilities ``[Bk, L]``, as
+    ``greedy_logprobs`` gives them without a row of log-probabilities."""
+    return picks, judged(picks, tokens, ndraft), logprobs, None

@@ -35,7 +35,7 @@ import time
 import weakref
 from collections import Counter
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -52,7 +52,7 @@ from ..caches.storage import KVFormat, columns
 from .options import DEFAULT_BUCKETS  # noqa: F401  (re-exported: the step module named it first)
 from .processors import process, slide, verify_windows
 from .sampling import sample, top_logprobs
-from .speculative import accept
+from .speculative import accept, accept_greedy
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,19 @@ def log_softmax(logits: mx.array) -> mx.array:
     if native is not None and logits.dtype == mx.float32:
         return native.logprobs(logits)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def greedy_logprobs(logits: mx.array) -> Tuple[mx.array, mx.array]:
+    """Each row's argmax over ``log_softmax(logits)`` (int32) and its
+    log-probability there: the native kernel's one pass where it is built
+    (the same bits, no row of log-probabilities written), else those ops."""
+    native = kernels.load()
+    if native is not None and logits.dtype == mx.float32:
+        picks, lps = native.greedy_logprobs(logits)
+        return picks, lps
+    logprobs = log_softmax(logits)
+    picks = mx.argmax(logprobs, axis=-1).astype(mx.int32)
+    return picks, mx.take_along_axis(logprobs, picks[..., None], axis=-1)[..., 0]
 
 
 def bucket_for(n: int, buckets: Sequence[int]) -> int:
@@ -388,8 +401,11 @@ class CompiledModel:
                 flat = {k: mx.repeat(v, L, axis=0) for k, v in procs.items() if k != "window"}  # [Bk*L, ...]
                 flat["window"] = verify_windows(procs["window"], tokens).reshape(Bk * L, -1)  # [Bk*L, W]
                 logits = process(logits.reshape(Bk * L, V), flat).reshape(Bk, L, V)
-            logprobs = log_softmax(logits)  # [Bk, L, V]
-            emitted, count, lps, keys = accept(logprobs, tokens, extra["ndraft"], extra.get("sampler"))
+            if extra.get("sampler") is None and not top:  # greedy: the picks alone, no [Bk, L, V] written
+                emitted, count, lps, keys = accept_greedy(*greedy_logprobs(logits), tokens, extra["ndraft"])
+            else:
+                logprobs = log_softmax(logits)  # [Bk, L, V]
+                emitted, count, lps, keys = accept(logprobs, tokens, extra["ndraft"], extra.get("sampler"))
             out.update(tokens=emitted, count=count, logprobs=lps)
             if keys is not None:
                 out["keys"] = keys
@@ -414,13 +430,16 @@ class CompiledModel:
             last = logits[:, -1, :]  # [Bk, V]
             if procs is not None:
                 last = process(last, procs)
-            logprobs = log_softmax(last)
-            if sampler_kind == "greedy":
-                toks = mx.argmax(logprobs, axis=-1).astype(mx.int32)
+            if sampler_kind == "greedy" and not top:  # the picks alone, no [Bk, V] of log-probabilities written
+                toks, out["logprobs"] = greedy_logprobs(last)  # [Bk], [Bk]
             else:
-                toks, out["keys"] = sample(logprobs, extra["sampler"])
+                logprobs = log_softmax(last)
+                if sampler_kind == "greedy":
+                    toks = mx.argmax(logprobs, axis=-1).astype(mx.int32)
+                else:
+                    toks, out["keys"] = sample(logprobs, extra["sampler"])
+                out["logprobs"] = mx.take_along_axis(logprobs, toks[:, None], axis=-1)[:, 0]  # [Bk]
             out["tokens"] = toks  # [Bk]
-            out["logprobs"] = mx.take_along_axis(logprobs, toks[:, None], axis=-1)[:, 0]  # [Bk]
             if procs is not None:
                 out["window"] = slide(procs["window"], toks)  # [Bk, W]: the next step's
             if top:
