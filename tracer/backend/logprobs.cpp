@@ -85,27 +85,41 @@ void greedy_row(const float* x, int V, float* scratch, int32_t* token, float* lo
   *logprob = top;
 }
 
-class LogProbs : public mx::Primitive {
+// x's rows [rows, V] on qmm's pool, one row a task (the same bits on any
+// thread): the log-softmax (one output like x) or, `greedy`, each row's pick
+// and its log-probability (int32 and float32, x's shape without V).
+class RowsKernel : public mx::Primitive {
  public:
-  using mx::Primitive::Primitive;
+  RowsKernel(mx::Stream s, bool greedy) : mx::Primitive(s), greedy_(greedy) {}
 
   void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
     const array& x = in[0];
-    array& out = outputs[0];
-    out.set_data(mx::allocator::malloc(out.nbytes()));
     auto& enc = mx::cpu::get_command_encoder(stream());
     enc.set_input_array(x);
-    enc.set_output_array(out);
+    for (auto& o : outputs) {
+      o.set_data(mx::allocator::malloc(o.nbytes()));
+      enc.set_output_array(o);
+    }
+    struct Ctx {
+      const float* x;
+      char* a;   // the log-probabilities (float) or the picks (int32)
+      float* b;  // greedy: the picks' log-probabilities
+      int V;
+      bool greedy;
+    };
     const int V = x.shape(-1), rows = int(x.size() / V);
-    enc.dispatch([x = x.data<float>(), o = out.data<float>(), V, rows]() {
-      struct Ctx {
-        const float* x;
-        float* o;
-        int V;
-      } ctx{x, o, V};
+    const Ctx ctx{x.data<float>(), outputs[0].data<char>(), greedy_ ? outputs[1].data<float>() : nullptr, V, greedy_};
+    enc.dispatch([ctx, rows]() {
       tracer_qmm::parallel_for(rows, [](const void* c, int r) {
         const Ctx& t = *static_cast<const Ctx*>(c);
-        logprobs_row(t.x + size_t(r) * t.V, t.V, t.o + size_t(r) * t.V);
+        const float* row = t.x + size_t(r) * t.V;
+        if (!t.greedy) {
+          logprobs_row(row, t.V, reinterpret_cast<float*>(t.a) + size_t(r) * t.V);
+          return;
+        }
+        thread_local std::vector<float> scratch;
+        scratch.resize(size_t(t.V));
+        greedy_row(row, t.V, scratch.data(), reinterpret_cast<int32_t*>(t.a) + r, t.b + r);
       }, &ctx);
     });
   }
@@ -113,51 +127,15 @@ class LogProbs : public mx::Primitive {
     throw std::runtime_error("mlx_tracer logprobs: CPU only");
   }
   const char* name() const override {
-    return "TracerLogProbs";
+    return greedy_ ? "TracerGreedyLogProbs" : "TracerLogProbs";
   }
   bool is_equivalent(const mx::Primitive& other) const override {
-    return true;
+    const auto* o = dynamic_cast<const RowsKernel*>(&other);
+    return o != nullptr && o->greedy_ == greedy_;
   }
-};
 
-// The greedy pick of each row and its log-probability: mx.argmax and
-// mx.take_along_axis over logprobs(x), in one pass that writes no row.
-class GreedyLogProbs : public mx::Primitive {
- public:
-  explicit GreedyLogProbs(mx::Stream s) : mx::Primitive(s) {}
-
-  void eval_cpu(const std::vector<array>& in, std::vector<array>& outputs) override {
-    const array& x = in[0];
-    for (auto& o : outputs) o.set_data(mx::allocator::malloc(o.nbytes()));
-    auto& enc = mx::cpu::get_command_encoder(stream());
-    enc.set_input_array(x);
-    enc.set_output_array(outputs[0]);
-    enc.set_output_array(outputs[1]);
-    const int V = x.shape(-1), rows = int(x.size() / V);
-    enc.dispatch([x = x.data<float>(), t = outputs[0].data<int32_t>(), lp = outputs[1].data<float>(), V, rows]() {
-      struct Ctx {
-        const float* x;
-        int32_t* t;
-        float* lp;
-        int V;
-      } ctx{x, t, lp, V};
-      tracer_qmm::parallel_for(rows, [](const void* c, int r) {
-        const Ctx& g = *static_cast<const Ctx*>(c);
-        thread_local std::vector<float> scratch;
-        scratch.resize(size_t(g.V));
-        greedy_row(g.x + size_t(r) * g.V, g.V, scratch.data(), g.t + r, g.lp + r);
-      }, &ctx);
-    });
-  }
-  void eval_gpu(const std::vector<array>&, std::vector<array>&) override {
-    throw std::runtime_error("mlx_tracer greedy_logprobs: CPU only");
-  }
-  const char* name() const override {
-    return "TracerGreedyLogProbs";
-  }
-  bool is_equivalent(const mx::Primitive& other) const override {
-    return true;
-  }
+ private:
+  bool greedy_;
 };
 
 std::vector<array> greedy_logprobs(const array& x) {
@@ -166,7 +144,7 @@ std::vector<array> greedy_logprobs(const array& x) {
   }
   mx::Shape rows(x.shape().begin(), x.shape().end() - 1);
   return array::make_arrays({rows, rows}, {mx::int32, mx::float32},
-                            std::make_shared<GreedyLogProbs>(mx::default_stream(mx::Device::cpu)), {mx::contiguous(x)});
+                            std::make_shared<RowsKernel>(mx::default_stream(mx::Device::cpu), true), {mx::contiguous(x)});
 }
 
 array logprobs(const array& x) {
@@ -175,7 +153,7 @@ array logprobs(const array& x) {
   }
   // rows read in place: a row-major copy of anything else (MLX's logsumexp
   // copies likewise; mx::contiguous hands a row-major input on as it is)
-  return array(x.shape(), mx::float32, std::make_shared<LogProbs>(mx::default_stream(mx::Device::cpu)),
+  return array(x.shape(), mx::float32, std::make_shared<RowsKernel>(mx::default_stream(mx::Device::cpu), false),
                {mx::contiguous(x)});
 }
 
