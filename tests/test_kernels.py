@@ -394,6 +394,8 @@ def test_the_lean_decode_on_kernels_equals_it_on_mlx_ops(family, quantize, tmp_p
     assert graph["TracerLayerIn"] == graph["TracerLayerMid"] == len(model.layers) and cm.lean.native_off is None
     assert graph["TracerCacheWrite"] == 2 * len(model.layers)
     assert "DynamicSliceUpdate" not in graph and "Softmax" not in graph
+    # a greedy step's pick and log-probability in one pass: no row of log-probabilities, no separate argmax
+    assert graph["TracerGreedyLogProbs"] == 1 and "TracerLogProbs" not in graph and "ArgReduce" not in graph
     # quantized: the last down projection and the (tied, quantized) head on qmm
     name = {"fast": "TracerQmmFast", "factored": "TracerQmmFactored", "split": "TracerQmmSplit"}.get(quantize, "TracerQmm")
     assert graph.get(name, 0) == (2 if quantize else 0)

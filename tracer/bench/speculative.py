@@ -243,13 +243,12 @@ def replay_policy(speculator, context, out, costs: dict, uid: int = 0) -> Tuple[
         i += 1
 
     while i < n:
+        row.context, row.budget = list(context) + list(out[:i]), n - i  # the tokens read so far
         if in_flight:  # step i computes; the host judges on the tokens before it
-            row.context, row.budget = list(context) + list(out[:i]), n - i
             more = not speculator.may_pay([row], 1)
             plain()
             in_flight = more and i < n
             continue
-        row.context, row.budget = list(context) + list(out[:i]), n - i
         drafts = speculator.drafts([row], 1)
         if drafts is None:
             plain()

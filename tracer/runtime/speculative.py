@@ -82,9 +82,3 @@ def judged(picks: mx.array, tokens: mx.array, ndraft: mx.array) -> mx.array:
     accepted = mx.sum(mx.cumprod(ok.astype(mx.int32), axis=1), axis=1)  # [Bk] leading accepted drafts
     return (accepted + 1).astype(mx.int32)
 
-
-def accept_greedy(picks: mx.array, logprobs: mx.array, tokens: mx.array, ndraft: mx.array) -> Tuple[mx.array, ...]:
-    """:func:`accept` for greedy rows from their picks alone: ``picks [Bk, L]``
-    (the argmax after each input) and their log-probabilities ``[Bk, L]``, as
-    ``greedy_logprobs`` gives them without a row of log-probabilities."""
-    return picks, judged(picks, tokens, ndraft), logprobs, None

@@ -52,7 +52,7 @@ from ..caches.storage import KVFormat, columns
 from .options import DEFAULT_BUCKETS  # noqa: F401  (re-exported: the step module named it first)
 from .processors import process, slide, verify_windows
 from .sampling import sample, top_logprobs
-from .speculative import accept, accept_greedy
+from .speculative import accept, judged
 
 
 @dataclass(frozen=True)
@@ -128,8 +128,7 @@ def greedy_logprobs(logits: mx.array) -> Tuple[mx.array, mx.array]:
     (the same bits, no row of log-probabilities written), else those ops."""
     native = kernels.load()
     if native is not None and logits.dtype == mx.float32:
-        picks, lps = native.greedy_logprobs(logits)
-        return picks, lps
+        return tuple(native.greedy_logprobs(logits))
     logprobs = log_softmax(logits)
     picks = mx.argmax(logprobs, axis=-1).astype(mx.int32)
     return picks, mx.take_along_axis(logprobs, picks[..., None], axis=-1)[..., 0]
@@ -402,7 +401,8 @@ class CompiledModel:
                 flat["window"] = verify_windows(procs["window"], tokens).reshape(Bk * L, -1)  # [Bk*L, W]
                 logits = process(logits.reshape(Bk * L, V), flat).reshape(Bk, L, V)
             if extra.get("sampler") is None and not top:  # greedy: the picks alone, no [Bk, L, V] written
-                emitted, count, lps, keys = accept_greedy(*greedy_logprobs(logits), tokens, extra["ndraft"])
+                emitted, lps = greedy_logprobs(logits)  # [Bk, L] each
+                count, keys = judged(emitted, tokens, extra["ndraft"]), None
             else:
                 logprobs = log_softmax(logits)  # [Bk, L, V]
                 emitted, count, lps, keys = accept(logprobs, tokens, extra["ndraft"], extra.get("sampler"))
