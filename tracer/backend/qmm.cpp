@@ -179,6 +179,9 @@ struct Path {
   void (*attend_values)(const float* p, int R, int S, const void* v, int kind, int D, float* out);
   void (*attend_split)(const tracer_qmm::QSplit& q, const tracer_qmm::AttendPacked& k, int bits, int S,
                        const float* bias, int per, float* out);
+  // The split contract's x, as quantize_x wrote it, relaid in place for the
+  // path's fast kernels (AVX2's 16-bit products, qmm_ops_x86.h); null: read as written.
+  void (*split_x)(const QmmJob&, int8_t* xq) = nullptr;
 };
 
 #if defined(__x86_64__)
@@ -321,13 +324,13 @@ const tracer_qmm_unit::Path tracer_qmm_unit::kPathAvx2 = {
     "avx2", has_avx2, isa_avx2::rows_small, isa_avx2::dequant_rows, isa_avx2::fast_rows, isa_avx2::factored_rows,
     isa_avx2::quantize_x_rows,
     isa_avx2::order4, vmath_avx2::exp_shifted, vmath_avx2::swiglu, attend_avx2::scores, attend_avx2::values,
-    attend_avx2::split_scores};
+    attend_avx2::split_scores, isa_avx2::split16_x};
 #elif defined(__x86_64__) && QMM_UNIT_AVX512
 const tracer_qmm_unit::Path tracer_qmm_unit::kPathAvx512 = {
     "avx512", has_avx512, isa_avx512::rows_small, isa_avx512::dequant_rows, fast_avx512, factored_avx2,
     quantize_x_avx2,  // the same bytes on every path
     isa_avx512::order4, vmath_avx512::exp_shifted, vmath_avx512::swiglu, attend_avx512::scores, attend_avx512::values,
-    split_scores_avx512};
+    split_scores_avx512, split_x_avx512};
 #endif
 #else  // unit 0: the rest of the file
 
@@ -455,6 +458,7 @@ void quantize_x(QmmJob& j, const Path& p, std::vector<int8_t>& xq, std::vector<f
   float* d = aligned_scratch(xd, size_t(j.M) * Bp * 4, true);
   float* g = aligned_scratch(xg, size_t(j.M) * fast_groups(j.K / j.group) * 4, true);
   p.quantize_x(j, q, d, g);
+  if (j.split && p.split_x != nullptr) p.split_x(j, q);
   j.xq = q, j.xd = d, j.xg = g;
 }
 

@@ -10,6 +10,7 @@
 //   P, dot4<BITS>(w, x)   partial integer dot products of those blocks with a step of x
 //       (vpdpbusd; maddubs + madd; scalar loops); dot4_split<BITS>(w, x, lo) = 128 * dot4(w, x)
 //       + dot4(w, x + lo) (the split contract: x's int8 part, its remainder lo bytes on);
+//       optionally (QMM_SPLIT16, below) the split contract's own unpacked form and products;
 //   QS, reduce_quad(p0 .. p3)  the 16 blocks' exact int32 sums of the rows p0 .. p3, lane
 //       4 j + i: row i's block j (the same integers on every ISA);
 //   FQ (16 float lanes in that order): fq_zero, fq_load (16 floats), fq_gather4(r0 .. r3)
@@ -34,17 +35,38 @@
 constexpr int kStep = 4;  // blocks a step (and weight rows a quad)
 constexpr int kFarQuads = 8, kNearQuads = 2;  // the one-row tile's prefetches (fast_tile)
 
-// A row's 4 blocks (unpacked) times a step of an x row: its int8 sums, or
-// under the split contract (x's int8 part at x, its remainder's `lo` bytes
-// on) 128 * the first's + the second's.
+// A row's 4 blocks unpacked as a contract's tiles take them (U::full(p),
+// U::tail(p, n): the first n < 4 blocks, zeros for the rest) times a step
+// of an x row (U::dot(w, x, lo)): its int8 sums, or under the split contract
+// (x's int8 part at x, its remainder's `lo` bytes on) 128 * the first's +
+// the second's. An ISA that defines QMM_SPLIT16 (AVX2) multiplies the split
+// contract's x with 8-bit weights as one 16-bit integer a weight instead
+// (128 xq + xr, exactly: |.| <= 16320), the weights unpacked to 16-bit lanes
+// (WS, unpack_s, unpack_s_n, dot_s; the half-width tail's WS2, unpack_s2_n,
+// dot_pair16) and x relaid for it once per call (Path::split_x): the same
+// integers, so the same bits, in fewer multiplies a weight.
 template <int BITS, bool SPLIT>
-inline P dotx(const WR& w, const int8_t* x, size_t lo) {
-  if constexpr (SPLIT) {
-    return dot4_split<BITS>(w, x, lo);
-  } else {
-    return dot4<BITS>(w, x);
+struct Unpacked {
+  using T = WR;
+  static T full(const uint8_t* p) { return unpack4<BITS>(p); }
+  static T tail(const uint8_t* p, int n) { return unpack4_n<BITS>(p, n); }
+  static P dot(const T& w, const int8_t* x, size_t lo) {
+    if constexpr (SPLIT) {
+      return dot4_split<BITS>(w, x, lo);
+    } else {
+      return dot4<BITS>(w, x);
+    }
   }
-}
+};
+#ifdef QMM_SPLIT16
+template <>
+struct Unpacked<8, true> {
+  using T = WS;
+  static T full(const uint8_t* p) { return unpack_s(p); }
+  static T tail(const uint8_t* p, int n) { return unpack_s_n(p, n); }
+  static P dot(const T& w, const int8_t* x, size_t lo) { return dot_s(w, x, lo); }
+};
+#endif
 
 // A range of weight rows' parameters as the fast tiles read them: per row,
 // its blocks' scales [K / 32] and its groups' biases [G], in float32 (T =
@@ -61,6 +83,22 @@ struct FastParamsT {
 using FastParams = FastParamsT<float>;
 
 #ifdef QMM_HALF_TAIL
+// Unpacked's half-width form (blocks 0 and 1): U::tail(p, n <= 2), U::dot.
+template <int BITS, bool SPLIT>
+struct Unpacked2 {
+  using T = WR2;
+  static T tail(const uint8_t* p, int n) { return unpack2_n<BITS>(p, n); }
+  static auto dot(const T& w, const int8_t* x, size_t lo) { return dotx2<BITS, SPLIT>(w, x, lo); }
+};
+#ifdef QMM_SPLIT16
+template <>
+struct Unpacked2<8, true> {
+  using T = WS2;
+  static T tail(const uint8_t* p, int n) { return unpack_s2_n(p, n); }
+  static auto dot(const T& w, const int8_t* x, size_t) { return dot_pair16(w.v, x); }
+};
+#endif
+
 // A row's last step of nb <= 2 blocks at half the vector width (the ISA's
 // WR2, unpack2_n, dotx2, reduce_quad2, fq_fma_sums2: the lanes of blocks 0
 // and 1 only), so that it costs half a step, not a whole one (SmolLM2's K =
@@ -76,15 +114,15 @@ inline void fast_half_step(const uint8_t* const (&w)[Q][kStep], const T* const (
   const int kt = kStep * k;
 #pragma GCC unroll 4
   for (int q = 0; q < Q; ++q) {
-    WR2 wr[kStep];
+    typename Unpacked2<BITS, SPLIT>::T wr[kStep];
 #pragma GCC unroll 4
-    for (int i = 0; i < kStep; ++i) wr[i] = unpack2_n<BITS>(w[q][i] + at, nb);
+    for (int i = 0; i < kStep; ++i) wr[i] = Unpacked2<BITS, SPLIT>::tail(w[q][i] + at, nb);
     const FQ sq = fq_gather4_n(s[q][0] + kt, s[q][1] + kt, s[q][2] + kt, s[q][3] + kt, nb);
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) {
       const int8_t* x = xq + m * ldq + kt * kBlock;
-      const QS2 sums = reduce_quad2(dotx2<BITS, SPLIT>(wr[0], x, lo), dotx2<BITS, SPLIT>(wr[1], x, lo),
-                                    dotx2<BITS, SPLIT>(wr[2], x, lo), dotx2<BITS, SPLIT>(wr[3], x, lo));
+      using U = Unpacked2<BITS, SPLIT>;
+      const QS2 sums = reduce_quad2(U::dot(wr[0], x, lo), U::dot(wr[1], x, lo), U::dot(wr[2], x, lo), U::dot(wr[3], x, lo));
       acc[q][m] = fq_fma_sums2(sums, fq_mul(sq, fq_load(xd + m * ldd + kt * kStep)), acc[q][m]);
     }
   }
@@ -116,16 +154,16 @@ inline void fast_step(const uint8_t* const (&w)[Q][kStep], const T* const (&s)[Q
         for (int l = 0; l < kStep * bb; l += 64) prefetch(w[q][i] + at + ahead + l);
       }
     }
-    WR wr[kStep];
+    using U = Unpacked<BITS, SPLIT>;
+    typename U::T wr[kStep];
 #pragma GCC unroll 4
-    for (int i = 0; i < kStep; ++i) wr[i] = kTail ? unpack4_n<BITS>(w[q][i] + at, nb) : unpack4<BITS>(w[q][i] + at);
+    for (int i = 0; i < kStep; ++i) wr[i] = kTail ? U::tail(w[q][i] + at, nb) : U::full(w[q][i] + at);
     const FQ sq = kTail ? fq_gather4_n(s[q][0] + kt, s[q][1] + kt, s[q][2] + kt, s[q][3] + kt, nb)
                         : fq_gather4(s[q][0] + kt, s[q][1] + kt, s[q][2] + kt, s[q][3] + kt);
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) {
       const int8_t* x = xq + m * ldq + kt * kBlock;
-      const QS sums = reduce_quad(dotx<BITS, SPLIT>(wr[0], x, lo), dotx<BITS, SPLIT>(wr[1], x, lo),
-                                  dotx<BITS, SPLIT>(wr[2], x, lo), dotx<BITS, SPLIT>(wr[3], x, lo));
+      const QS sums = reduce_quad(U::dot(wr[0], x, lo), U::dot(wr[1], x, lo), U::dot(wr[2], x, lo), U::dot(wr[3], x, lo));
       acc[q][m] = fq_fma_sums(sums, fq_mul(sq, fq_load(xd + m * ldd + kt * kStep)), acc[q][m]);
     }
   }
@@ -164,23 +202,23 @@ template <int Q, int MT, int BITS, bool SPLIT, class T>
     constexpr int bb = kBlock * BITS / 8, kSeg = 16;
     const int steps = full + (full * kStep < B), nb = B - full * kStep;
     P part[kStep][kSeg];
+    using U = Unpacked<BITS, SPLIT>;
     for (int k0 = 0; k0 < steps; k0 += kSeg) {
       const int k1 = std::min(steps, k0 + kSeg), kf = std::min(k1, full);
 #pragma GCC unroll 4
       for (int i = 0; i < kStep; ++i) {
         for (int k = k0; k < kf; ++k) {
-          part[i][k - k0] = dotx<BITS, SPLIT>(unpack4<BITS>(w[0][i] + size_t(k) * kStep * bb), xq + k * kStep * kBlock, lo);
+          part[i][k - k0] = U::dot(U::full(w[0][i] + size_t(k) * kStep * bb), xq + k * kStep * kBlock, lo);
         }
         if (kf < k1) {
 #ifdef QMM_HALF_TAIL
           if (nb <= kStep / 2) {  // at half width (fast_half_step), blocks 2 and 3 zero sums as they were
-            part[i][kf - k0] = p_from_half(dotx2<BITS, SPLIT>(unpack2_n<BITS>(w[0][i] + size_t(kf) * kStep * bb, nb),
-                                                              xq + kf * kStep * kBlock, lo));
+            using U2 = Unpacked2<BITS, SPLIT>;
+            part[i][kf - k0] = p_from_half(U2::dot(U2::tail(w[0][i] + size_t(kf) * kStep * bb, nb), xq + kf * kStep * kBlock, lo));
             continue;
           }
 #endif
-          part[i][kf - k0] = dotx<BITS, SPLIT>(unpack4_n<BITS>(w[0][i] + size_t(kf) * kStep * bb, nb),
-                                               xq + kf * kStep * kBlock, lo);
+          part[i][kf - k0] = U::dot(U::tail(w[0][i] + size_t(kf) * kStep * bb, nb), xq + kf * kStep * kBlock, lo);
         }
       }
       for (int k = k0; k < k1; ++k) {
@@ -385,7 +423,10 @@ inline void fast_quads_upto(int mt, int n0, int n1, int m0, const Tile& t, const
   fast_quads_mt<Tile, MT>(n0, n1, m0, t, p);
 }
 
-// Rows [n0, n1) in blocks of kParamRows (whole quads), every x tile over each.
+// Rows [n0, n1) in blocks of kParamRows (whole quads), every x tile over
+// each: the fewest tiles of at most kFastTile x rows, as even as they go (8
+// rows in tiles of 5: 4 and 4, not 5 and 3; 6: 3 and 3, not 5 and a row
+// alone, whose tile costs most of a wide one's time).
 template <int BITS, bool SPLIT>
 void fast_rows_bits(const QmmJob& j, int n0, int n1) {
   static_assert(kParamRows % kStep == 0);
@@ -395,8 +436,11 @@ void fast_rows_bits(const QmmJob& j, int n0, int n1) {
   for (int a = n0; a < n1; a += kParamRows) {
     const int b = std::min(n1, a + kParamRows);
     const auto tiles = [&](const auto& p) {
-      for (int m0 = 0; m0 < j.M; m0 += kFastTile) {
-        fast_quads_upto<FastTile<BITS, SPLIT>, kFastTile>(std::min(kFastTile, j.M - m0), a, b, m0, t, p);
+      const int count = (j.M + kFastTile - 1) / kFastTile;
+      for (int i = 0, m0 = 0; i < count; ++i) {
+        const int mt = (j.M - m0 + (count - i) - 1) / (count - i);
+        fast_quads_upto<FastTile<BITS, SPLIT>, kFastTile>(mt, a, b, m0, t, p);
+        m0 += mt;
       }
     };
     halves ? tiles(t.halves_in_place(a)) : tiles(t.params(a, b, buffer));

@@ -90,7 +90,10 @@ inline void dequant(const uint8_t* p, const Group& g, F* w) {
 // 4 bits as they are (a pair sums to at most 2 * 15 * 127: no saturation),
 // 8 bits split into nibbles (each by maddubs, the high ones weighted 16 by madd).
 // A quad's 16 lanes in two vectors: blocks 0, 1 (lanes 0-7), blocks 2, 3 (8-15).
-constexpr int kFastTile = 4;
+// kFastTile 5 (0.5.24; was 4): a bucket-1 verify window of 5 rows is one
+// tile, not 4 and a row alone (gate/up at M = 5, split, one thread, in cache:
+// 0.278 against 0.340 ms; M = 4 and 8 the same).
+constexpr int kFastTile = 5;
 constexpr int kFastQuads(int) { return 1; }
 // One x row: a quad's rows one after another (qmm_fast.h): side by side, its
 // 4 rows' unpacked blocks (16 registers at 4 bits, 32 at 8) do not fit in 16.
@@ -165,11 +168,19 @@ inline P dot4(const WR& w, const int8_t* x) {
 }
 // The split contract's sums: 128 * (x's int8 part's) + (its remainder's, lo
 // bytes on), lane by lane (exact in int32).
+// 4 bits (8 bits: dot_s, below): each part's 16-bit pair sums (|.| <= 2 * 2
+// * 15 * 127) widened by madd with 128 and with 1, no shift.
+inline __m256i split_pairs(__m256i a, __m256i b, const int8_t* x, size_t lo) {
+  const auto pairs = [&](const int8_t* q) {
+    return _mm256_add_epi16(_mm256_maddubs_epi16(a, loadu256(q)), _mm256_maddubs_epi16(b, loadu256(q + 64)));
+  };
+  return _mm256_add_epi32(_mm256_madd_epi16(pairs(x), _mm256_set1_epi16(128)),
+                          _mm256_madd_epi16(pairs(x + lo), _mm256_set1_epi16(1)));
+}
 template <int BITS>
 inline P dot4_split(const WR& w, const int8_t* x, size_t lo) {
-  const P hi = dot4<BITS>(w, x), rest = dot4<BITS>(w, x + lo);
-  return {_mm256_add_epi32(_mm256_slli_epi32(hi.v[0], 7), rest.v[0]),
-          _mm256_add_epi32(_mm256_slli_epi32(hi.v[1], 7), rest.v[1])};
+  static_assert(BITS == 4, "the split contract at 8 bits runs dot_s");
+  return {split_pairs(w.a[0], w.b[0], x, lo), split_pairs(w.a[1], w.b[1], x + 32, lo)};
 }
 // In each 128-bit lane, 4 vectors' 4 partial sums a block -> lane i: vector i's sum.
 inline __m256i transpose_sum(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
@@ -260,7 +271,8 @@ inline __m256i dotx2(const WR2& w, const int8_t* x, size_t lo) {
     }
   };
   if constexpr (SPLIT) {
-    return _mm256_add_epi32(_mm256_slli_epi32(dot(x), 7), dot(x + lo));
+    static_assert(BITS == 4, "the split contract at 8 bits runs dot_pair16");
+    return split_pairs(w.a, w.b, x, lo);
   } else {
     return dot(x);
   }
@@ -271,9 +283,88 @@ inline P p_from_half(__m256i v) { return {v, _mm256_setzero_si256()}; }  // bloc
 inline FQ fq_fma_sums2(QS2 s, const FQ& d, const FQ& a) {
   return {_mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d.v[0], a.v[0]), a.v[1]};
 }
+// The split contract with 8-bit weights in 16-bit lanes (qmm_fast.h's
+// QMM_SPLIT16): x as one integer a weight, 128 xq + xr (|.| <= 16320), by
+// madd (16-bit products, pairs summed in 32 bits: no saturation for weights
+// < 256); per 64 weights and x row 4 multiplies, against 12 for maddubs on
+// each nibble of the weights, twice. (4 bits stay on maddubs: unpacking
+// nibbles to 16-bit lanes costs more than the multiplies it saves, measured.)
+// WS.v[h][c]: blocks 2 h, 2 h + 1 (its 128-bit lanes), lane j weight 8 c + j;
+// x (split16_x) in that order: a step's blocks 0, 1 at x (the int8 part's
+// place, 128 bytes), blocks 2, 3 at x + lo (the remainder's), vector c of
+// each at 32 c bytes.
+#define QMM_SPLIT16 1
+struct WS {
+  __m256i v[2][4];
+};
+struct WS2 {
+  __m256i v[4];
+};
+// One pair of blocks' 16-bit weights from their first (a) and last (b) 16 bytes each, side by side.
+inline void ws_pair(__m256i a, __m256i b, __m256i* o) {
+  const __m256i z = _mm256_setzero_si256();
+  o[0] = _mm256_unpacklo_epi8(a, z), o[1] = _mm256_unpackhi_epi8(a, z);
+  o[2] = _mm256_unpacklo_epi8(b, z), o[3] = _mm256_unpackhi_epi8(b, z);
+}
+inline WS unpack_s(const uint8_t* p) {
+  WS w;
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* q = p + 64 * h;
+    ws_pair(load_pair(q, q + 32), load_pair(q + 16, q + 48), w.v[h]);
+  }
+  return w;
+}
+// The first n < 4 blocks, zeros for the rest, reading only those (as unpack4_n).
+inline WS unpack_s_n(const uint8_t* p, int n) {
+  const int bytes = n * kBlock;
+  const auto part = [&](int at) {
+    return at < bytes ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + at)) : _mm_setzero_si128();
+  };
+  const auto two = [&](int lo, int hi) { return _mm256_inserti128_si256(_mm256_castsi128_si256(part(lo)), part(hi), 1); };
+  WS w;
+  for (int h = 0; h < 2; ++h) ws_pair(two(64 * h, 64 * h + 32), two(64 * h + 16, 64 * h + 48), w.v[h]);
+  return w;
+}
+// One pair of blocks' 4 partial sums each (128-bit lanes), x's 4 vectors at q.
+inline __m256i dot_pair16(const __m256i* w, const int8_t* q) {
+  const auto m = [&](int c) { return _mm256_madd_epi16(w[c], loadu256(q + 32 * c)); };
+  return _mm256_add_epi32(_mm256_add_epi32(m(0), m(1)), _mm256_add_epi32(m(2), m(3)));
+}
+inline P dot_s(const WS& w, const int8_t* x, size_t lo) { return {dot_pair16(w.v[0], x), dot_pair16(w.v[1], x + lo)}; }
+inline WS2 unpack_s2_n(const uint8_t* p, int n) {  // n <= 2 blocks
+  const WS w = unpack_s_n(p, n);
+  return {{w.v[0][0], w.v[0][1], w.v[0][2], w.v[0][3]}};
+}
 #include "qmm_isa.h"
 #include "qmm_fast.h"
 #undef QMM_HALF_TAIL
+#undef QMM_SPLIT16
+// The split contract's x (quantize_x_rows' two int8 rows an x row) relaid
+// in place for dot_s where the weights have 8 bits (4 bits: read as
+// written): each step's 256 bytes (its 128 weights' int8 part and
+// remainder) become its 128 integers 128 xq + xr in 16 bits, in WS's order.
+void split16_x(const QmmJob& j, int8_t* xq) {
+  if (j.bits != 8) return;
+  const size_t lo = size_t(fast_blocks(j.K)) * kBlock;
+  for (int m = 0; m < j.M; ++m) {
+    int8_t* hi = xq + 2 * size_t(m) * lo;
+    for (size_t at = 0; at < lo; at += kStep * kBlock) {
+      int16_t out[2][4][16];  // [h][c][lane]: block 2 h + lane / 8, weight 8 c + lane % 8
+      for (int h = 0; h < 2; ++h) {
+        for (int c = 0; c < 4; ++c) {
+          for (int l = 0; l < 16; ++l) {
+            // quantize_x_rows' layout at 8 bits: weights 0-15 of the 4 blocks (16 bytes each), then 16-31
+            const int blk = 2 * h + l / 8, i = 8 * c + l % 8;
+            const size_t b = at + 64 * (i / 16) + 16 * blk + i % 16;
+            out[h][c][l] = int16_t(128 * hi[b] + hi[lo + b]);
+          }
+        }
+      }
+      std::memcpy(hi + at, out[0], sizeof out[0]);
+      std::memcpy(hi + lo + at, out[1], sizeof out[1]);
+    }
+  }
+}
 // The factored contract (qmm_factored.h), AVX-512 CPUs' too.
 using FF = __m256;
 inline FF ff_zero() { return _mm256_setzero_ps(); }
@@ -517,6 +608,11 @@ void fast_avx512(const QmmJob& j, int n0, int n1) {
 }
 // The factored contract: AVX2's kernels (unit 1), the same bits on every path.
 void factored_avx2(const QmmJob& j, int n0, int n1) { tracer_qmm_unit::kPathAvx2.factored(j, n0, n1); }
+// The split contract's x relaid for AVX2's kernels where those run it (no VNNI).
+void split_x_avx512(const QmmJob& j, int8_t* xq) {
+  static const bool vnni = has_vnni();
+  if (!vnni) tracer_qmm_unit::kPathAvx2.split_x(j, xq);
+}
 // x for the fast contract: AVX2's (unit 1), the same bytes on every path.
 void quantize_x_avx2(const QmmJob& j, int8_t* xq, float* xd, float* xg) {
   tracer_qmm_unit::kPathAvx2.quantize_x(j, xq, xd, xg);
