@@ -1,8 +1,8 @@
 """Where a compiled decode step's time goes, per native kernel phase.
 
-    MLX_TRACER_KERNEL_PROFILE=1 python benchmarks/kernel_profile.py [B=1] [CTX=128] [WEIGHTS=quantized] [--steps 40] [--kv-dtype float16 | --kv-bits 8] [--window L]
+    MLX_TRACER_KERNEL_PROFILE=1 python benchmarks/kernel_profile.py [B=1] [CTX=128] [WEIGHTS=quantized] [--steps 40] [--kv-dtype float16 | --kv-bits 8] [--window L] [--model PATH]
 
-SmolLM2 at bucket B over CTX positions; each step built and evaluated before
+SmolLM2 (or the GGUF / mlx-lm folder at --model) at bucket B over CTX positions; each step built and evaluated before
 the next (no pipelining: the step median includes the host's build). Prints
 the step median and, per phase of the layer kernels (``kernels.profile()``)
 and for the qmm primitive's tasks (the output head and the last layer's
@@ -38,13 +38,14 @@ def main() -> int:
     ap.add_argument("--kv-dtype", default=None, help="store K/V as float16/bfloat16 (default: the model's dtype)")
     ap.add_argument("--kv-bits", type=int, default=None, help="store K/V quantized to 4 or 8 bits (mlx-lm's layout)")
     ap.add_argument("--window", type=int, default=0, help="profile verify windows of this many tokens a row too")
+    ap.add_argument("--model", default=None, help="a GGUF file or mlx-lm folder instead of SmolLM2")
     args = ap.parse_args()
     if args.window == 1 or args.window < 0:
         ap.error("--window takes L >= 2 (a row's last token and at least one draft)")
     K = kernels.load()
     if K is None:
         raise SystemExit(f"native kernels unavailable: {kernels.status()}")
-    model, label = load_bench_model("smollm2", weights=args.weights)
+    model, label = load_bench_model("smollm2", path=args.model, weights=args.weights)
     compiled = CompiledModel(model, kv=check_kv(kv_bits=args.kv_bits, kv_dtype=args.kv_dtype))
     build, evaluate, verify, _ = _tracer_steps(compiled, [synthetic_context(model, compiled.layout, args.context)]
                                                * args.bucket, windows=True)
