@@ -127,13 +127,17 @@ inline WR unpack4(const uint8_t* p) {
 // The first n < 4 blocks, zeros for the rest, each 16 bytes loaded only if
 // its block is (was a copy into a buffer, which store forwarding could not
 // serve to unpack4's 32-byte loads).
-template <int BITS>
-inline WR unpack4_n(const uint8_t* p, int n) {
-  const int bytes = n * kBlock * BITS / 8;  // a multiple of 16
+// load_pair(p + lo, p + hi) of a row's first `bytes` (a multiple of 16), zeros past them, reading only those.
+inline __m256i load_pair_n(const uint8_t* p, int bytes, int lo, int hi) {
   const auto part = [&](int at) {
     return at < bytes ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + at)) : _mm_setzero_si128();
   };
-  const auto two = [&](int lo, int hi) { return _mm256_inserti128_si256(_mm256_castsi128_si256(part(lo)), part(hi), 1); };
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(part(lo)), part(hi), 1);
+}
+template <int BITS>
+inline WR unpack4_n(const uint8_t* p, int n) {
+  const int bytes = n * kBlock * BITS / 8;
+  const auto two = [&](int lo, int hi) { return load_pair_n(p, bytes, lo, hi); };
   const __m256i m = _mm256_set1_epi8(0x0f);
   WR w;
   for (int h = 0; h < 2; ++h) {
@@ -316,11 +320,7 @@ inline WS unpack_s(const uint8_t* p) {
 }
 // The first n < 4 blocks, zeros for the rest, reading only those (as unpack4_n).
 inline WS unpack_s_n(const uint8_t* p, int n) {
-  const int bytes = n * kBlock;
-  const auto part = [&](int at) {
-    return at < bytes ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + at)) : _mm_setzero_si128();
-  };
-  const auto two = [&](int lo, int hi) { return _mm256_inserti128_si256(_mm256_castsi128_si256(part(lo)), part(hi), 1); };
+  const auto two = [&](int lo, int hi) { return load_pair_n(p, n * kBlock, lo, hi); };
   WS w;
   for (int h = 0; h < 2; ++h) ws_pair(two(64 * h, 64 * h + 32), two(64 * h + 16, 64 * h + 48), w.v[h]);
   return w;
