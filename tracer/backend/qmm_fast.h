@@ -33,7 +33,6 @@
 // ISA, the thread count, nor on which rows or x rows share a tile.
 
 constexpr int kStep = 4;  // blocks a step (and weight rows a quad)
-constexpr int kFarQuads = 8, kNearQuads = 2;  // the one-row tile's prefetches (fast_tile)
 
 // A row's 4 blocks unpacked as a contract's tiles take them (U::full(p),
 // U::tail(p, n): the first n < 4 blocks, zeros for the rest) times a step
@@ -66,6 +65,17 @@ struct Unpacked<8, true> {
   static T tail(const uint8_t* p, int n) { return unpack_s_n(p, n); }
   static P dot(const T& w, const int8_t* x, size_t lo) { return dot_s(w, x, lo); }
 };
+#endif
+
+#ifndef QMM_QUAD_SUMS
+// One x row's full step of a quad's 4 rows (packed at w[i] + at): their 16
+// blocks' sums (reduce_quad's order). An ISA may define its own (QMM_QUAD_SUMS).
+template <int BITS, bool SPLIT>
+inline QS quad_sums(const uint8_t* const (&w)[kStep], size_t at, const int8_t* x, size_t lo) {
+  using U = Unpacked<BITS, SPLIT>;
+  return reduce_quad(U::dot(U::full(w[0] + at), x, lo), U::dot(U::full(w[1] + at), x, lo),
+                     U::dot(U::full(w[2] + at), x, lo), U::dot(U::full(w[3] + at), x, lo));
+}
 #endif
 
 // A range of weight rows' parameters as the fast tiles read them: per row,
@@ -154,12 +164,17 @@ inline void fast_step(const uint8_t* const (&w)[Q][kStep], const T* const (&s)[Q
         for (int l = 0; l < kStep * bb; l += 64) prefetch(w[q][i] + at + ahead + l);
       }
     }
+    const FQ sq = kTail ? fq_gather4_n(s[q][0] + kt, s[q][1] + kt, s[q][2] + kt, s[q][3] + kt, nb)
+                        : fq_gather4(s[q][0] + kt, s[q][1] + kt, s[q][2] + kt, s[q][3] + kt);
+    if constexpr (MT == 1 && !kTail) {
+      acc[q][0] = fq_fma_sums(quad_sums<BITS, SPLIT>(w[q], at, xq + kt * kBlock, lo), fq_mul(sq, fq_load(xd + kt * kStep)),
+                              acc[q][0]);
+      continue;
+    }
     using U = Unpacked<BITS, SPLIT>;
     typename U::T wr[kStep];
 #pragma GCC unroll 4
     for (int i = 0; i < kStep; ++i) wr[i] = kTail ? U::tail(w[q][i] + at, nb) : U::full(w[q][i] + at);
-    const FQ sq = kTail ? fq_gather4_n(s[q][0] + kt, s[q][1] + kt, s[q][2] + kt, s[q][3] + kt, nb)
-                        : fq_gather4(s[q][0] + kt, s[q][1] + kt, s[q][2] + kt, s[q][3] + kt);
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) {
       const int8_t* x = xq + m * ldq + kt * kBlock;
@@ -195,9 +210,9 @@ template <int Q, int MT, int BITS, bool SPLIT, class T>
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m) acc[q][m] = fq_zero();
   }
-  if constexpr (MT == 1 && Q == 1 && !kQuadSideBySide) {
-    // One x row where a quad's 4 rows do not fit side by side in the
-    // registers: a row after the other (in segments of kSeg steps), the
+  if (MT == 1 && Q == 1 && j.K * BITS / 8 < kSideRowBytes) {
+    // One x row with rows shorter than the ISA reads side by side (its
+    // kSideRowBytes): a row after the other (in segments of kSeg steps), the
     // partial sums waiting in L1 for the quad's 4 rows. kSeg 64 (0.5.24;
     // was 16): rows of up to K = 8192 read in one run each, not 4 strided
     // runs of 1 KB (Llama-3.2-1B's down projection, 2048 x 8192, split,
@@ -236,24 +251,35 @@ template <int Q, int MT, int BITS, bool SPLIT, class T>
     }
   } else {
     const size_t ahead = size_t(kPrefetchTiles) * kStep * Q * j.K * BITS / 8;  // bytes
-    // One x row (decode: weights from memory) on 32 vector registers. The
-    // steps read a quad's 4 rows side by side (x's step loaded once for the
-    // 4, their sums transposed at once, none waiting in memory), which the
-    // hardware's prefetchers do not follow as they follow one row after
-    // another (the order above, 0.5.20's on every ISA): each step
-    // asks for its share of the lines of the quads kFarQuads ahead (into L2)
-    // and kNearQuads ahead (into L1), the quad's rows being one run of bytes;
+    // One x row (decode: weights from memory), its rows of at least
+    // kSideRowBytes: the steps read a quad's 4 rows side by side (x's step
+    // loaded once for the 4, their sums transposed at once, none waiting in
+    // memory), which the hardware's prefetchers do not follow as they follow
+    // one row after another (the order above, 0.5.20's on every ISA): each
+    // step asks for its share of the lines of the quad far_quads() ahead
+    // (into L2) and kNearQuads ahead (into L1), the quad's rows being one
+    // run of bytes, and where kAskParams, at its first step, for the far
+    // quad's scales and biases (float16 ones read in place: GGUF's blocks);
     // none for a quad that starts past the matrix's last row.
     const auto ask = [&](int k) {
       if constexpr (MT == 1 && Q == 1) {
         const size_t quad_bytes = size_t(kStep) * j.K * BITS / 8;
-        const int steps = full + (full * kStep < B);
+        const int steps = full + (full * kStep < B), fq = far_quads(quad_bytes);
         const size_t per_step = (quad_bytes / 64 + steps - 1) / steps * 64;  // >= quad_bytes / steps, whole lines
         const char* quad = reinterpret_cast<const char*>(w[0][0]);
-        const bool far = n + kStep * kFarQuads < j.N, near = n + kStep * kNearQuads < j.N;
+        const bool far = n + kStep * fq < j.N, near = kNearQuads > 0 && n + kStep * kNearQuads < j.N;
         for (size_t l = k * per_step, e = std::min(quad_bytes, l + per_step); l < e; l += 64) {
-          if (far) prefetch_l2(quad + kFarQuads * quad_bytes + l);
+          if (far) prefetch_l2(quad + fq * quad_bytes + l);
           if (near) prefetch(quad + kNearQuads * quad_bytes + l);
+        }
+        if constexpr (kAskParams && std::is_same_v<T, uint16_t>) {
+          if (far && k == 0) {
+            const auto lines = [&](const T* row0, int ld) {
+              const char* at = reinterpret_cast<const char*>(row0 + size_t(fq) * kStep * ld);
+              for (size_t l = 0; l < size_t(kStep) * ld * sizeof(T); l += 64) prefetch_l2(at + l);
+            };
+            lines(s[0][0], p.ls), lines(b[0][0], p.lb);
+          }
         }
       }
     };
@@ -403,7 +429,7 @@ struct FastTile {
   }
   template <int Q, int MT, class Params>
   void run(int n, int n1, int m0, const Params& p) const {
-    if constexpr (MT == 1 && kQuadSideBySide) {  // inlined into the loop over quads (fast_quads_mt)
+    if constexpr (MT == 1 && kSideRowBytes == 0) {  // inlined into the loop over quads (fast_quads_mt)
       fast_tile_body<Q, MT, BITS, SPLIT>(j, n, n1, m0, p);
     } else {
       fast_tile<Q, MT, BITS, SPLIT>(j, n, n1, m0, p);

@@ -60,7 +60,11 @@ inline void dequant(const uint8_t* p, const Group& g, F* w) {
 // The fast contract's integer dot products and float lanes (loops the compiler vectorizes).
 constexpr int kFastTile = 4;
 constexpr int kFastQuads(int) { return 1; }
-constexpr bool kQuadSideBySide = false;  // one x row: a quad's rows one after another (qmm_fast.h)
+// One x row: a quad's rows one after another at every K (qmm_fast.h's kSideRowBytes), so no prefetches.
+constexpr int kSideRowBytes = std::numeric_limits<int>::max();
+constexpr int far_quads(size_t) { return 1; }
+constexpr int kNearQuads = 0;
+constexpr bool kAskParams = false;
 struct WR {
   uint8_t b[2][64];  // halves A, B of the 4 blocks (16 bytes each)
 };

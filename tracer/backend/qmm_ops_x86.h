@@ -95,9 +95,24 @@ inline void dequant(const uint8_t* p, const Group& g, F* w) {
 // 0.278 against 0.340 ms; M = 4 and 8 the same).
 constexpr int kFastTile = 5;
 constexpr int kFastQuads(int) { return 1; }
-// One x row: a quad's rows one after another (qmm_fast.h): side by side, its
-// 4 rows' unpacked blocks (16 registers at 4 bits, 32 at 8) do not fit in 16.
-constexpr bool kQuadSideBySide = false;
+// One x row (qmm_fast.h): a quad's 4 rows side by side (quad_sums, below:
+// a pair of blocks at a time, to fit in 16 registers) for rows of at least
+// 1 KB, each step asking for its share of the quad 128 KB ahead into L2
+// (none into L1) and the first for that quad's scales and biases; shorter
+// rows one after another. Llama-3.2-1B's shape, split, 2 threads, the
+// settings interleaved in one process with their own weight copies (ms a
+// call, one after another / side by side with 0.5.24's prefetches, 8 quads
+// ahead into L2 and 2 into L1 / side by side as now): gate/up 16384 x 2048
+// 1.06 / 1.08 / 0.91 (no params asked 0.96); down 2048 x 8192 0.79 / 0.75 /
+// 0.55 (0.59); head 128256 x 2048 8.06 / 7.72 / 7.19; SmolLM2's gate/up
+// 3072 x 576 0.064 / 0.072 / 0.074 and down 576 x 1536 0.061 / 0.073 / 0.065,
+// slower side by side, stay one row after another (side by side without
+// asking: slower at every shape; one after another asking 64-256 KB ahead:
+// no faster).
+constexpr int kSideRowBytes = 1024;
+constexpr int far_quads(size_t quad_bytes) { return std::max<int>(1, (128 << 10) / quad_bytes); }
+constexpr int kNearQuads = 0;
+constexpr bool kAskParams = true;
 inline __m256i load_pair(const uint8_t* p0, const uint8_t* p1) {
   return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1);
@@ -107,20 +122,31 @@ struct WR {
   __m256i a[2], b[2];  // halves A, B of blocks 0-1 ([0]) and 2-3 ([1]); 8 bits: their low nibbles
   __m256i a_hi[2], b_hi[2];  // 8 bits: the high nibbles
 };
+// Blocks 2 h and 2 h + 1 of a row's step, unpacked (WR's vectors [h]).
+struct WR2 {
+  __m256i a, b;        // halves A, B of the two blocks; 8 bits: their low nibbles
+  __m256i a_hi, b_hi;  // 8 bits: the high nibbles
+};
+// Blocks 2 h, 2 h + 1 of the step at p, from q = p + 8 BITS h (its bytes of them).
+template <int BITS>
+inline WR2 unpack_half(const uint8_t* q) {
+  const __m256i m = _mm256_set1_epi8(0x0f);
+  if constexpr (BITS == 4) {
+    const __m256i v = loadu256(q);
+    const __m256i z = _mm256_setzero_si256();  // no high nibbles (never read)
+    return {_mm256_and_si256(v, m), _mm256_and_si256(_mm256_srli_epi16(v, 4), m), z, z};
+  } else {
+    const __m256i a = load_pair(q, q + 32), b = load_pair(q + 16, q + 48);
+    return {_mm256_and_si256(a, m), _mm256_and_si256(b, m), _mm256_and_si256(_mm256_srli_epi16(a, 4), m),
+            _mm256_and_si256(_mm256_srli_epi16(b, 4), m)};
+  }
+}
 template <int BITS>
 inline WR unpack4(const uint8_t* p) {
-  const __m256i m = _mm256_set1_epi8(0x0f);
   WR w;
   for (int h = 0; h < 2; ++h) {
-    if constexpr (BITS == 4) {
-      const __m256i v = loadu256(p + 32 * h);
-      w.a[h] = _mm256_and_si256(v, m), w.b[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
-    } else {
-      const uint8_t* q = p + 64 * h;
-      const __m256i a = load_pair(q, q + 32), b = load_pair(q + 16, q + 48);
-      w.a[h] = _mm256_and_si256(a, m), w.b[h] = _mm256_and_si256(b, m);
-      w.a_hi[h] = _mm256_and_si256(_mm256_srli_epi16(a, 4), m), w.b_hi[h] = _mm256_and_si256(_mm256_srli_epi16(b, 4), m);
-    }
+    const WR2 u = unpack_half<BITS>(p + 8 * BITS * h);
+    w.a[h] = u.a, w.b[h] = u.b, w.a_hi[h] = u.a_hi, w.b_hi[h] = u.b_hi;
   }
   return w;
 }
@@ -253,10 +279,6 @@ inline void fq_rows(const FQ& a, float* out) {
 // as they are. Every tile (AVX2 forced, qmm.py in turns: faster at 1 and 5 rows).
 #define QMM_HALF_TAIL 1
 constexpr bool half_tail(int, int) { return true; }
-struct WR2 {
-  __m256i a, b;        // halves A, B of blocks 0-1; 8 bits: their low nibbles
-  __m256i a_hi, b_hi;  // 8 bits: the high nibbles
-};
 template <int BITS>
 inline WR2 unpack2_n(const uint8_t* p, int n) {  // n <= 2 blocks, reads only those
   const WR w = unpack4_n<BITS>(p, n);              // its vectors [1] are zeros, never read
@@ -335,10 +357,36 @@ inline WS2 unpack_s2_n(const uint8_t* p, int n) {  // n <= 2 blocks
   const WS w = unpack_s_n(p, n);
   return {{w.v[0][0], w.v[0][1], w.v[0][2], w.v[0][3]}};
 }
+// One x row's full step of a quad (qmm_fast.h's QMM_QUAD_SUMS): its 4 rows
+// side by side a pair of blocks at a time, x's vectors of the pair loaded
+// once for the 4 rows, a row's unpacked pair (2 registers at 4 bits, 4 at 8)
+// used at once, the 4 rows' partial sums transposed together: reduce_quad
+// of the 4 rows' dot(full), the same integers, in 16 registers, without
+// the partial sums of the rows one after another waiting in memory.
+#define QMM_QUAD_SUMS 1
+template <int BITS, bool SPLIT>
+inline QS quad_sums(const uint8_t* const (&w)[4], size_t at, const int8_t* x, size_t lo) {  // kStep rows
+  QS r;
+  for (int h = 0; h < 2; ++h) {
+    const auto row = [&](int i) {
+      const uint8_t* q = w[i] + at + 8 * BITS * h;
+      if constexpr (BITS == 8 && SPLIT) {
+        __m256i o[4];
+        ws_pair(load_pair(q, q + 32), load_pair(q + 16, q + 48), o);
+        return dot_pair16(o, x + h * lo);
+      } else {
+        return dotx2<BITS, SPLIT>(unpack_half<BITS>(q), x + 32 * h, lo);
+      }
+    };
+    r.v[h] = transpose_sum(row(0), row(1), row(2), row(3));
+  }
+  return r;
+}
 #include "qmm_isa.h"
 #include "qmm_fast.h"
 #undef QMM_HALF_TAIL
 #undef QMM_SPLIT16
+#undef QMM_QUAD_SUMS
 // The split contract's x (quantize_x_rows' two int8 rows an x row) relaid
 // in place for dot_s where the weights have 8 bits (4 bits: read as
 // written): each step's 256 bytes (its 128 weights' int8 part and
@@ -452,8 +500,12 @@ namespace isa_avx512_vnni {
 using namespace isa_avx512;
 constexpr int kFastTile = 8;
 constexpr int kFastQuads(int) { return 1; }
-// One x row: a quad's 4 rows side by side, a step at a time (qmm_fast.h).
-constexpr bool kQuadSideBySide = true;
+// One x row: a quad's 4 rows side by side, a step at a time, at every K
+// (qmm_fast.h), asking for the quads 8 ahead into L2 and 2 into L1 (0.5.20).
+constexpr int kSideRowBytes = 0;
+constexpr int far_quads(size_t) { return 8; }
+constexpr int kNearQuads = 2;
+constexpr bool kAskParams = false;
 struct WR {
   __m512i a, b;  // halves A and B of the 4 blocks
 };
