@@ -1,9 +1,11 @@
 """Milliseconds per call of the native quantized matmul (``qmm``, its exact
 and/or fast contract) against ``mx.quantized_matmul`` and the float32
-``x @ W.T`` that the fast BLAS serves, at SmolLM2-135M's projection shapes.
+``x @ W.T`` that the fast BLAS serves, at SmolLM2-135M's projection shapes
+(or Llama-3.2-1B's: ``--model llama-1b``).
 
     python benchmarks/qmm.py [--m 1 8 40 256] [--reps 15] [--bits 4] [--group 32]
                              [--contract exact|fast|factored|both|all] [--chain 1] [--threads N]
+                             [--model smollm2|llama-1b]
 
 Weights are random, quantized with ``mx.quantize`` (scales and biases cast
 to float16, as GGUF's and mlx-lm's are); each cell is the median of
@@ -11,7 +13,8 @@ to float16, as GGUF's and mlx-lm's are); each cell is the median of
 memory, as a decode step does (a step reads every matrix of the model once,
 far more than the caches hold): the calls rotate over enough copies of the
 weights to exceed ``--stream-mb`` of float32 (``--stream-mb 0``: one copy,
-read from the caches where it fits). ``--chain C`` evaluates C calls (on C
+read from the caches where it fits; with ``--no-reference``, which keeps
+no float32 copies, of the quantized weights as stored). ``--chain C`` evaluates C calls (on C
 copies) as one graph and reports the time per call: a decode step's nodes
 run back to back, without the few tens of microseconds one ``mx.eval``
 costs. The machine's load average is printed with the table: on a shared
@@ -30,8 +33,13 @@ import mlx_tracer  # noqa: F401  (the fast BLAS, before mlx)
 import mlx.core as mx
 from mlx_tracer.backend import kernels
 
-# (name, N, K): x [M, K] @ W.T with W [N, K]
-SHAPES = (("qkv", 960, 576), ("o", 576, 576), ("gate/up", 3072, 576), ("down", 576, 1536), ("head", 49152, 576))
+# (name, N, K): x [M, K] @ W.T with W [N, K], per model (q/k/v and gate/up fused, as the lean layers run them)
+MODELS = {
+    "smollm2": (("qkv", 960, 576), ("o", 576, 576), ("gate/up", 3072, 576), ("down", 576, 1536), ("head", 49152, 576)),
+    "llama-1b": (("qkv", 3072, 2048), ("o", 2048, 2048), ("gate/up", 16384, 2048), ("down", 2048, 8192),
+                 ("head", 128256, 2048)),
+}
+SHAPES = MODELS["smollm2"]
 
 
 def timed(fn, copies: int, reps: int, warmup: int, chain: int) -> float:
@@ -65,6 +73,7 @@ def main() -> None:
     ap.add_argument("--no-reference", action="store_true",
                     help="skip mx.quantized_matmul and fp32 x @ W.T (slow at many rows on the CPU)")
     ap.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES], help="which of " + ", ".join(s[0] for s in SHAPES))
+    ap.add_argument("--model", default="smollm2", choices=sorted(MODELS), help="whose projection shapes")
     args = ap.parse_args()
     K = kernels.load()
     if K is None:
@@ -81,17 +90,19 @@ def main() -> None:
     label = f"speed-up vs {f'qmm {contracts[0]}' if args.no_reference else 'fp32'}:"
     print(f"{'shape':>8} {'N':>6} {'K':>5} {'M':>4} | {heads} {'quantized_matmul':>16} {'fp32 x@W.T':>10} | "
           f"{label} {gains}")
-    for name, N, Kd in SHAPES:
+    for name, N, Kd in MODELS[args.model]:
         if name not in args.shapes:
             continue
-        copies = max(args.chain, math.ceil(args.stream_mb * 2**20 / (4 * N * Kd)))
+        stored = N * Kd * args.bits / 8 + 2 * 2 * N * Kd / args.group  # packed weights, float16 scales and biases
+        copies = max(args.chain, math.ceil(args.stream_mb * 2**20 / (stored if args.no_reference else 4 * N * Kd)))
         Ws, qs = [], []
         for i in range(copies):
             W = mx.random.normal((N, Kd), key=mx.random.key(i)) * 0.05
             w, s, b = mx.quantize(W, args.group, args.bits)
-            Ws.append(W)
+            if not args.no_reference:
+                Ws.append(W)
             qs.append((w, s.astype(mx.float16), b.astype(mx.float16)))
-            mx.eval(Ws[-1], qs[-1])
+            mx.eval(Ws[-1:], qs[-1])
         for M in args.m:
             x = mx.random.normal((M, Kd), key=mx.random.key(copies))
             mx.eval(x)

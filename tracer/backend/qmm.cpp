@@ -218,8 +218,9 @@ constexpr int kBlock = 32;                   // weights a kernel step: 16 bytes 
 // 40 distinct 3072x576 4-bit and 2 49152x576 8-bit ones, 3 interleaved
 // runs: 4-bit 0.17-0.22 -> 0.15-0.17, 8-bit 6.0-7.0 -> 4.3-5.0; measured
 // on a matrix the caches already held, they had made reads slower). The
-// fast and split contracts' one-row tiles on VNNI prefetch whole quads
-// instead (qmm_fast.h, kFarQuads), the row-after-row ones not at all.
+// fast and split contracts' one-row tiles that read a quad's rows side by
+// side (VNNI; AVX2 for rows of >= 1 KB) prefetch whole quads instead
+// (qmm_fast.h, far_quads), the row-after-row ones not at all.
 constexpr int kPrefetchMinM = 1;
 constexpr int kPrefetchTiles = 2;
 

@@ -95,20 +95,25 @@ inline void dequant(const uint8_t* p, const Group& g, F* w) {
 // 0.278 against 0.340 ms; M = 4 and 8 the same).
 constexpr int kFastTile = 5;
 constexpr int kFastQuads(int) { return 1; }
-// One x row (qmm_fast.h): a quad's 4 rows side by side (quad_sums, below:
-// a pair of blocks at a time, to fit in 16 registers) for rows of at least
-// 1 KB, each step asking for its share of the quad 128 KB ahead into L2
-// (none into L1) and the first for that quad's scales and biases; shorter
-// rows one after another. Llama-3.2-1B's shape, split, 2 threads, the
-// settings interleaved in one process with their own weight copies (ms a
-// call, one after another / side by side with 0.5.24's prefetches, 8 quads
-// ahead into L2 and 2 into L1 / side by side as now): gate/up 16384 x 2048
-// 1.06 / 1.08 / 0.91 (no params asked 0.96); down 2048 x 8192 0.79 / 0.75 /
-// 0.55 (0.59); head 128256 x 2048 8.06 / 7.72 / 7.19; SmolLM2's gate/up
-// 3072 x 576 0.064 / 0.072 / 0.074 and down 576 x 1536 0.061 / 0.073 / 0.065,
-// slower side by side, stay one row after another (side by side without
-// asking: slower at every shape; one after another asking 64-256 KB ahead:
-// no faster).
+// One x row (qmm_fast.h), 0.5.25: a quad's 4 rows side by side (quad_sums,
+// below: a pair of blocks at a time, to fit in 16 registers) for rows of at
+// least 1 KB, each step asking for its share of the quad 128 KB ahead into
+// L2 (none into L1) and the first for that quad's float16 scales and biases;
+// shorter rows one after another, as before. Llama-3.2-1B's shape, split, 2
+// threads, weights streamed from memory: 0.5.24's build and this one in
+// turns, three rounds (ms a call): gate/up 16384 x 2048 0.94-1.67 ->
+// 0.85-1.35, down 2048 x 8192 0.61-0.74 -> 0.49-0.52, q/k/v 3072 x 2048
+// 0.21-0.27 -> 0.19-0.23; at 8 bits gate/up 1.57-1.83 -> 1.29-1.63, down
+// 0.86-0.98 -> 0.64-0.71. Settings interleaved in one process (medians of
+// 40 rounds): side by side with VNNI's prefetches (8 quads ahead into L2,
+// 2 into L1) about as fast as a row after another (gate/up 1.08 against
+// 1.06, down 0.75 against 0.79); side by side without prefetches much
+// slower (gate/up 1.65 against 1.28, q/k/v 0.30 against 0.23); 64-96 KB
+// ahead slower than 128, 192-256 KB a little slower; asking for the scales
+// and biases too: gate/up 0.95 -> 0.91, down 0.59 -> 0.55. SmolLM2's rows
+// (K = 576, 1536) side by side, 16-128 KB ahead: gate/up 3072 x 576 slower
+// (0.079-0.083 against 0.076), down 576 x 1536 alike; a row after another
+// with these prefetches no faster at any shape.
 constexpr int kSideRowBytes = 1024;
 constexpr int far_quads(size_t quad_bytes) { return std::max<int>(1, (128 << 10) / quad_bytes); }
 constexpr int kNearQuads = 0;
