@@ -113,7 +113,10 @@ constexpr int kFastQuads(int) { return 1; }
 // and biases too: gate/up 0.95 -> 0.91, down 0.59 -> 0.55. SmolLM2's rows
 // (K = 576, 1536) side by side, 16-128 KB ahead: gate/up 3072 x 576 slower
 // (0.079-0.083 against 0.076), down 576 x 1536 alike; a row after another
-// with these prefetches no faster at any shape.
+// with these prefetches no faster at any shape. 128 KB is two of qmm.cpp's
+// 64 KB chunks: with 2 threads claiming chunks in turns, about where the
+// thread's own next chunk starts (other thread counts not measured: with
+// more, part of what is asked for may be another core's chunk).
 constexpr int kSideRowBytes = 1024;
 constexpr int far_quads(size_t quad_bytes) { return std::max<int>(1, (128 << 10) / quad_bytes); }
 constexpr int kNearQuads = 0;
