@@ -340,12 +340,11 @@ inline void ws_pair(__m256i a, __m256i b, __m256i* o) {
   o[0] = _mm256_unpacklo_epi8(a, z), o[1] = _mm256_unpackhi_epi8(a, z);
   o[2] = _mm256_unpacklo_epi8(b, z), o[3] = _mm256_unpackhi_epi8(b, z);
 }
+// Blocks 2 h, 2 h + 1 of a step (their 64 bytes at q = p + 64 h) in 16-bit lanes: WS.v[h].
+inline void ws_half(const uint8_t* q, __m256i* o) { ws_pair(load_pair(q, q + 32), load_pair(q + 16, q + 48), o); }
 inline WS unpack_s(const uint8_t* p) {
   WS w;
-  for (int h = 0; h < 2; ++h) {
-    const uint8_t* q = p + 64 * h;
-    ws_pair(load_pair(q, q + 32), load_pair(q + 16, q + 48), w.v[h]);
-  }
+  for (int h = 0; h < 2; ++h) ws_half(p + 64 * h, w.v[h]);
   return w;
 }
 // The first n < 4 blocks, zeros for the rest, reading only those (as unpack4_n).
@@ -380,7 +379,7 @@ inline QS quad_sums(const uint8_t* const (&w)[4], size_t at, const int8_t* x, si
       const uint8_t* q = w[i] + at + 8 * BITS * h;
       if constexpr (BITS == 8 && SPLIT) {
         __m256i o[4];
-        ws_pair(load_pair(q, q + 32), load_pair(q + 16, q + 48), o);
+        ws_half(q, o);
         return dot_pair16(o, x + h * lo);
       } else {
         return dotx2<BITS, SPLIT>(unpack_half<BITS>(q), x + 32 * h, lo);
