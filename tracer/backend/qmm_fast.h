@@ -324,6 +324,79 @@ template <int Q, int MT, int BITS, bool SPLIT, class T>
   fast_tile_body<Q, MT, BITS, SPLIT>(j, n, n1, m0, p);
 }
 
+// One x row over the whole quads [n, e) of rows read one after another (an
+// ISA's kPipeQuads, rows of fewer than kSideRowBytes and at most kPipeSteps
+// steps): each quad's rows are read into its partial sums while the quad
+// before has its sums scaled and added up, a chain of fused multiply-adds
+// (its steps', then its groups', into one accumulator) that fast_tile_body
+// runs with nothing else to do. The same operations in the same order a
+// quad (the first branch of fast_tile_body, its groups and its output), so
+// the same bits. 0.5.26, AVX2, SmolLM2's shapes, split contract, one
+// thread (us a call; weights in L2/L3, then streamed from memory): gate/up
+// 3072 x 576 78.2 -> 68.4 and 87.8 -> 80.0; the head's 49152 x 576 at 8
+// bits 2242 -> 2088 from memory. Two quads' partial sums in L1 (8 KB).
+constexpr int kPipeSteps = 16;
+template <int BITS, bool SPLIT, class T>
+[[gnu::noinline]] void pipelined_quads(const QmmJob& j, int n, int e, const FastParamsT<T>& p) {
+  const int B = j.K / kBlock, G = j.K / j.group, full = B / kStep;
+  const int steps = full + (full * kStep < B), nb = B - full * kStep;
+  const size_t lo = size_t(fast_blocks(j.K)) * kBlock;
+  constexpr int bb = kBlock * BITS / 8;
+  using U = Unpacked<BITS, SPLIT>;
+  using Part = P[kStep][kPipeSteps];
+  Part part[2];
+  const auto sums = [&](int q0, Part& pt) {  // the quad at row q0: its rows' partial sums
+#pragma GCC unroll 4
+    for (int i = 0; i < kStep; ++i) {
+      const uint8_t* row = packed_row(j, q0 + i);
+      for (int k = 0; k < full; ++k) pt[i][k] = U::dot(U::full(row + size_t(k) * kStep * bb), j.xq + k * kStep * kBlock, lo);
+      if (full < steps) {
+#ifdef QMM_HALF_TAIL
+        if (nb <= kStep / 2) {  // as fast_tile_body's
+          using U2 = Unpacked2<BITS, SPLIT>;
+          pt[i][full] = p_from_half(U2::dot(U2::tail(row + size_t(full) * kStep * bb, nb), j.xq + full * kStep * kBlock, lo));
+          continue;
+        }
+#endif
+        pt[i][full] = U::dot(U::tail(row + size_t(full) * kStep * bb, nb), j.xq + full * kStep * kBlock, lo);
+      }
+    }
+  };
+  const auto finish = [&](int q0, const Part& pt) {  // ... scaled, added up and stored
+    const T* s[kStep];
+    const T* b[kStep];
+    for (int i = 0; i < kStep; ++i) s[i] = p.scales(q0 + i), b[i] = p.biases(q0 + i);
+    FQ acc = fq_zero();
+    for (int k = 0; k < steps; ++k) {
+      const int kt = kStep * k;
+      const FQ sq = k < full ? fq_gather4(s[0] + kt, s[1] + kt, s[2] + kt, s[3] + kt)
+                             : fq_gather4_n(s[0] + kt, s[1] + kt, s[2] + kt, s[3] + kt, nb);
+      acc = fq_fma_sums(reduce_quad(pt[0][k], pt[1][k], pt[2][k], pt[3][k]), fq_mul(sq, fq_load(j.xd + kt * kStep)), acc);
+    }
+    for (int g = 0; g < G; g += kStep) {
+      const int ng = std::min(kStep, G - g);
+      const FQ bq = ng == kStep ? fq_gather4(b[0] + g, b[1] + g, b[2] + g, b[3] + g)
+                                : fq_gather4_n(b[0] + g, b[1] + g, b[2] + g, b[3] + g, ng);
+      acc = fq_fma(bq, fq_load(j.xg + g * kStep), acc);
+    }
+    float o[kStep];
+    fq_rows(acc, o);
+    std::memcpy(j.out + q0, o, sizeof o);
+  };
+  sums(n, part[0]);
+  int c = 0;
+  for (int q = n + kStep; q < e; q += kStep, c ^= 1) {
+    sums(q, part[c ^ 1]);
+    finish(q - kStep, part[c]);
+  }
+  finish(e - kStep, part[c]);
+}
+
+// Whether one x row over rows of K (bits each) runs pipelined_quads.
+inline bool pipelines(int K, int bits) {
+  return kPipeQuads && K * bits / 8 < kSideRowBytes && (K / kBlock + kStep - 1) / kStep <= kPipeSteps;
+}
+
 // The fast contract's x (qmm.cpp's quantize_x): plain loops the compiler
 // vectorizes for this ISA, of exact operations only (max, a multiply, rounding
 // by adding and subtracting 1.5 * 2^23; the split contract's remainder one
@@ -399,6 +472,8 @@ void quantize_x_rows(const QmmJob& j, int8_t* xq, float* xd, float* xg) {
 // shape's bucket-1 step 43.0 -> 38.5 ms, README Performance 0.5.16).
 template <int BITS, bool SPLIT>
 struct FastTile {
+  static constexpr int kBits = BITS;
+  static constexpr bool kSplit = SPLIT;
   const QmmJob& j;
   // Rows [n0, n1)'s parameters as fast_tile reads them.
   FastParams params(int n0, int n1, std::vector<float>& buffer) const {
@@ -441,6 +516,12 @@ template <class Tile, int MT, class Params>
 inline void fast_quads_mt(int n0, int n1, int m0, const Tile& t, const Params& p) {
   constexpr int Q = kFastQuads(MT);
   int n = n0;
+  if constexpr (MT == 1 && kPipeQuads) {  // the whole quads (of kParamRows rows: widened parameters)
+    if (m0 == 0 && pipelines(t.j.K, t.j.bits) && n1 - n0 >= 2 * kStep) {
+      n = n0 + (n1 - n0) / kStep * kStep;
+      pipelined_quads<Tile::kBits, Tile::kSplit>(t.j, n0, n, p);
+    }
+  }
   for (; n + kStep * Q <= n1; n += kStep * Q) t.template run<Q, MT>(n, n1, m0, p);
   for (; n < n1; n += kStep) t.template run<1, MT>(n, n1, m0, p);
 }
@@ -463,6 +544,12 @@ void fast_rows_bits(const QmmJob& j, int n0, int n1) {
   thread_local std::vector<float> buffer;
   const FastTile<BITS, SPLIT> t{j};
   const bool halves = j.scale == Scale::f16 && j.group == kBlock;
+  if (j.M == 1 && halves && pipelines(j.K, BITS)) {  // parameters read in place: the range's whole quads at once
+    const int e = n0 + (n1 - n0) / kStep * kStep;
+    if (e > n0) pipelined_quads<BITS, SPLIT>(j, n0, e, t.halves_in_place(n0));
+    if (e < n1) fast_quads_mt<FastTile<BITS, SPLIT>, 1>(e, n1, 0, t, t.halves_in_place(e));
+    return;
+  }
   for (int a = n0; a < n1; a += kParamRows) {
     const int b = std::min(n1, a + kParamRows);
     const auto tiles = [&](const auto& p) {

@@ -118,6 +118,7 @@ constexpr int kFastQuads(int) { return 1; }
 // thread's own next chunk starts (other thread counts not measured: with
 // more, part of what is asked for may be another core's chunk).
 constexpr int kSideRowBytes = 1024;
+constexpr bool kPipeQuads = true;  // shorter rows' quads pipelined (qmm_fast.h's pipelined_quads)
 constexpr int far_quads(size_t quad_bytes) { return std::max<int>(1, (128 << 10) / quad_bytes); }
 constexpr int kNearQuads = 0;
 constexpr bool kAskParams = true;
@@ -510,6 +511,7 @@ constexpr int kFastQuads(int) { return 1; }
 // One x row: a quad's 4 rows side by side, a step at a time, at every K
 // (qmm_fast.h), asking for the quads 8 ahead into L2 and 2 into L1 (0.5.20).
 constexpr int kSideRowBytes = 0;
+constexpr bool kPipeQuads = false;  // (no row read after another)
 constexpr int far_quads(size_t) { return 8; }
 constexpr int kNearQuads = 2;
 constexpr bool kAskParams = false;
