@@ -92,6 +92,14 @@ struct FastParamsT {
 };
 using FastParams = FastParamsT<float>;
 
+// Four rows' parameters at `at` (r[i] + at .. + 4) in FQ's order; where n <
+// 4, the first n of each and zeros after (reading only those).
+template <class T>
+inline FQ quad_params(const T* const (&r)[kStep], int at, int n) {
+  return n >= kStep ? fq_gather4(r[0] + at, r[1] + at, r[2] + at, r[3] + at)
+                    : fq_gather4_n(r[0] + at, r[1] + at, r[2] + at, r[3] + at, n);
+}
+
 #ifdef QMM_HALF_TAIL
 // Unpacked's half-width form (blocks 0 and 1): U::tail(p, n <= 2), U::dot.
 template <int BITS, bool SPLIT>
@@ -164,8 +172,7 @@ inline void fast_step(const uint8_t* const (&w)[Q][kStep], const T* const (&s)[Q
         for (int l = 0; l < kStep * bb; l += 64) prefetch(w[q][i] + at + ahead + l);
       }
     }
-    const FQ sq = kTail ? fq_gather4_n(s[q][0] + kt, s[q][1] + kt, s[q][2] + kt, s[q][3] + kt, nb)
-                        : fq_gather4(s[q][0] + kt, s[q][1] + kt, s[q][2] + kt, s[q][3] + kt);
+    const FQ sq = quad_params(s[q], kt, kTail ? nb : kStep);
     if constexpr (MT == 1 && !kTail) {
       acc[q][0] = fq_fma_sums(quad_sums<BITS, SPLIT>(w[q], at, xq + kt * kBlock, lo), fq_mul(sq, fq_load(xd + kt * kStep)),
                               acc[q][0]);
@@ -182,6 +189,42 @@ inline void fast_step(const uint8_t* const (&w)[Q][kStep], const T* const (&s)[Q
       acc[q][m] = fq_fma_sums(sums, fq_mul(sq, fq_load(xd + m * ldd + kt * kStep)), acc[q][m]);
     }
   }
+}
+
+// One x row: the partial sums of a weight row (packed at `row`) over steps
+// [k0, k1) into part[k - k0]: its whole steps (below `full`), then its last
+// step of nb < 4 blocks (at half width where nb <= 2: fast_half_step's
+// sums, blocks 2 and 3 zero sums as they were).
+template <int BITS, bool SPLIT>
+inline void row_partials(const uint8_t* row, int k0, int k1, int full, int nb, const int8_t* xq, size_t lo, P* part) {
+  constexpr int bb = kBlock * BITS / 8;
+  using U = Unpacked<BITS, SPLIT>;
+  const int kf = std::min(k1, full);
+  for (int k = k0; k < kf; ++k) part[k - k0] = U::dot(U::full(row + size_t(k) * kStep * bb), xq + k * kStep * kBlock, lo);
+  if (kf == k1) return;
+  const uint8_t* at = row + size_t(kf) * kStep * bb;
+  const int8_t* x = xq + kf * kStep * kBlock;
+#ifdef QMM_HALF_TAIL
+  if (nb <= kStep / 2) {
+    using U2 = Unpacked2<BITS, SPLIT>;
+    part[kf - k0] = p_from_half(U2::dot(U2::tail(at, nb), x, lo));
+    return;
+  }
+#endif
+  part[kf - k0] = U::dot(U::tail(at, nb), x, lo);
+}
+
+// A quad's steps [k0, k1) (its rows' partial sums part[i][k - k0], their
+// block scales at s[i]) scaled by x's and added to acc, a step after another.
+template <int S, class T>
+inline FQ scaled_steps(const P (&part)[kStep][S], const T* const (&s)[kStep], int k0, int k1, int full, int nb,
+                       const float* xd, FQ acc) {
+  for (int k = k0; k < k1; ++k) {
+    const int kt = kStep * k, c = k - k0;
+    acc = fq_fma_sums(reduce_quad(part[0][c], part[1][c], part[2][c], part[3][c]),
+                      fq_mul(quad_params(s, kt, k < full ? kStep : nb), fq_load(xd + kt * kStep)), acc);
+  }
+  return acc;
 }
 
 // out[m0 .. m0 + MT, n .. min(n + 4 Q, n1)) under the fast contract; rows past
@@ -218,36 +261,14 @@ template <int Q, int MT, int BITS, bool SPLIT, class T>
     // runs of 1 KB (Llama-3.2-1B's down projection, 2048 x 8192, split,
     // 2 threads on AVX2, configurations interleaved in one process: 0.644
     // against 0.680 ms a call, 128 no better; K <= 2048 unchanged).
-    constexpr int bb = kBlock * BITS / 8, kSeg = 64;
+    constexpr int kSeg = 64;
     const int steps = full + (full * kStep < B), nb = B - full * kStep;
     P part[kStep][kSeg];
-    using U = Unpacked<BITS, SPLIT>;
     for (int k0 = 0; k0 < steps; k0 += kSeg) {
-      const int k1 = std::min(steps, k0 + kSeg), kf = std::min(k1, full);
+      const int k1 = std::min(steps, k0 + kSeg);
 #pragma GCC unroll 4
-      for (int i = 0; i < kStep; ++i) {
-        for (int k = k0; k < kf; ++k) {
-          part[i][k - k0] = U::dot(U::full(w[0][i] + size_t(k) * kStep * bb), xq + k * kStep * kBlock, lo);
-        }
-        if (kf < k1) {
-#ifdef QMM_HALF_TAIL
-          if (nb <= kStep / 2) {  // at half width (fast_half_step), blocks 2 and 3 zero sums as they were
-            using U2 = Unpacked2<BITS, SPLIT>;
-            part[i][kf - k0] = p_from_half(U2::dot(U2::tail(w[0][i] + size_t(kf) * kStep * bb, nb), xq + kf * kStep * kBlock, lo));
-            continue;
-          }
-#endif
-          part[i][kf - k0] = U::dot(U::tail(w[0][i] + size_t(kf) * kStep * bb, nb), xq + kf * kStep * kBlock, lo);
-        }
-      }
-      for (int k = k0; k < k1; ++k) {
-        const int kt = kStep * k;
-        const FQ sq = k < full ? fq_gather4(s[0][0] + kt, s[0][1] + kt, s[0][2] + kt, s[0][3] + kt)
-                               : fq_gather4_n(s[0][0] + kt, s[0][1] + kt, s[0][2] + kt, s[0][3] + kt, nb);
-        const int c = k - k0;
-        acc[0][0] = fq_fma_sums(reduce_quad(part[0][c], part[1][c], part[2][c], part[3][c]),
-                                fq_mul(sq, fq_load(xd + kt * kStep)), acc[0][0]);
-      }
+      for (int i = 0; i < kStep; ++i) row_partials<BITS, SPLIT>(w[0][i], k0, k1, full, nb, xq, lo, part[i]);
+      acc[0][0] = scaled_steps(part, s[0], k0, k1, full, nb, xd, acc[0][0]);
     }
   } else {
     const size_t ahead = size_t(kPrefetchTiles) * kStep * Q * j.K * BITS / 8;  // bytes
@@ -293,11 +314,9 @@ template <int Q, int MT, int BITS, bool SPLIT, class T>
     }
   }
   for (int g = 0; g < G; g += kStep) {
-    const int ng = std::min(kStep, G - g);
 #pragma GCC unroll 4
     for (int q = 0; q < Q; ++q) {
-      const FQ bq = ng == kStep ? fq_gather4(b[q][0] + g, b[q][1] + g, b[q][2] + g, b[q][3] + g)
-                                : fq_gather4_n(b[q][0] + g, b[q][1] + g, b[q][2] + g, b[q][3] + g, ng);
+      const FQ bq = quad_params(b[q], g, G - g);
 #pragma GCC unroll 8
       for (int m = 0; m < MT; ++m) acc[q][m] = fq_fma(bq, fq_load(xg + m * ldg + g * kStep), acc[q][m]);
     }
@@ -341,44 +360,18 @@ template <int BITS, bool SPLIT, class T>
   const int B = j.K / kBlock, G = j.K / j.group, full = B / kStep;
   const int steps = full + (full * kStep < B), nb = B - full * kStep;
   const size_t lo = size_t(fast_blocks(j.K)) * kBlock;
-  constexpr int bb = kBlock * BITS / 8;
-  using U = Unpacked<BITS, SPLIT>;
   using Part = P[kStep][kPipeSteps];
   Part part[2];
   const auto sums = [&](int q0, Part& pt) {  // the quad at row q0: its rows' partial sums
 #pragma GCC unroll 4
-    for (int i = 0; i < kStep; ++i) {
-      const uint8_t* row = packed_row(j, q0 + i);
-      for (int k = 0; k < full; ++k) pt[i][k] = U::dot(U::full(row + size_t(k) * kStep * bb), j.xq + k * kStep * kBlock, lo);
-      if (full < steps) {
-#ifdef QMM_HALF_TAIL
-        if (nb <= kStep / 2) {  // as fast_tile_body's
-          using U2 = Unpacked2<BITS, SPLIT>;
-          pt[i][full] = p_from_half(U2::dot(U2::tail(row + size_t(full) * kStep * bb, nb), j.xq + full * kStep * kBlock, lo));
-          continue;
-        }
-#endif
-        pt[i][full] = U::dot(U::tail(row + size_t(full) * kStep * bb, nb), j.xq + full * kStep * kBlock, lo);
-      }
-    }
+    for (int i = 0; i < kStep; ++i) row_partials<BITS, SPLIT>(packed_row(j, q0 + i), 0, steps, full, nb, j.xq, lo, pt[i]);
   };
   const auto finish = [&](int q0, const Part& pt) {  // ... scaled, added up and stored
     const T* s[kStep];
     const T* b[kStep];
     for (int i = 0; i < kStep; ++i) s[i] = p.scales(q0 + i), b[i] = p.biases(q0 + i);
-    FQ acc = fq_zero();
-    for (int k = 0; k < steps; ++k) {
-      const int kt = kStep * k;
-      const FQ sq = k < full ? fq_gather4(s[0] + kt, s[1] + kt, s[2] + kt, s[3] + kt)
-                             : fq_gather4_n(s[0] + kt, s[1] + kt, s[2] + kt, s[3] + kt, nb);
-      acc = fq_fma_sums(reduce_quad(pt[0][k], pt[1][k], pt[2][k], pt[3][k]), fq_mul(sq, fq_load(j.xd + kt * kStep)), acc);
-    }
-    for (int g = 0; g < G; g += kStep) {
-      const int ng = std::min(kStep, G - g);
-      const FQ bq = ng == kStep ? fq_gather4(b[0] + g, b[1] + g, b[2] + g, b[3] + g)
-                                : fq_gather4_n(b[0] + g, b[1] + g, b[2] + g, b[3] + g, ng);
-      acc = fq_fma(bq, fq_load(j.xg + g * kStep), acc);
-    }
+    FQ acc = scaled_steps(pt, s, 0, steps, full, nb, j.xd, fq_zero());
+    for (int g = 0; g < G; g += kStep) acc = fq_fma(quad_params(b, g, G - g), fq_load(j.xg + g * kStep), acc);
     float o[kStep];
     fq_rows(acc, o);
     std::memcpy(j.out + q0, o, sizeof o);
