@@ -260,7 +260,9 @@ template <int Q, int MT, int BITS, bool SPLIT, class T>
     // was 16): rows of up to K = 8192 read in one run each, not 4 strided
     // runs of 1 KB (Llama-3.2-1B's down projection, 2048 x 8192, split,
     // 2 threads on AVX2, configurations interleaved in one process: 0.644
-    // against 0.680 ms a call, 128 no better; K <= 2048 unchanged).
+    // against 0.680 ms a call, 128 no better; K <= 2048 unchanged). Where
+    // the ISA pipelines such rows (kPipeQuads), only a range's last quad,
+    // cut short by its end, comes here; the others run pipelined_quads.
     constexpr int kSeg = 64;
     const int steps = full + (full * kStep < B), nb = B - full * kStep;
     P part[kStep][kSeg];
@@ -510,7 +512,7 @@ inline void fast_quads_mt(int n0, int n1, int m0, const Tile& t, const Params& p
   constexpr int Q = kFastQuads(MT);
   int n = n0;
   if constexpr (MT == 1 && kPipeQuads) {  // the whole quads (of kParamRows rows: widened parameters)
-    if (m0 == 0 && pipelines(t.j.K, t.j.bits) && n1 - n0 >= 2 * kStep) {
+    if (m0 == 0 && pipelines(t.j.K, t.j.bits) && n1 - n0 >= kStep) {
       n = n0 + (n1 - n0) / kStep * kStep;
       pipelined_quads<Tile::kBits, Tile::kSplit>(t.j, n0, n, p);
     }
