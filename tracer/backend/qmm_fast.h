@@ -67,6 +67,10 @@ struct Unpacked<8, true> {
 };
 #endif
 
+// An ISA may also run several x rows' full steps its own way (QMM_QUAD_ROWS:
+// quad_rows_for(bits, split, mt), quad_rows<BITS, SPLIT, MT>(rows, at, x, ldq,
+// lo, quad's scales, xd, ldd, acc[MT]): fast_step's MT > 1 branch, the same
+// integers and the same float operations into each accumulator lane).
 #ifndef QMM_QUAD_SUMS
 // One x row's full step of a quad's 4 rows (packed at w[i] + at): their 16
 // blocks' sums (reduce_quad's order). An ISA may define its own (QMM_QUAD_SUMS).
@@ -178,6 +182,12 @@ inline void fast_step(const uint8_t* const (&w)[Q][kStep], const T* const (&s)[Q
                               acc[q][0]);
       continue;
     }
+#ifdef QMM_QUAD_ROWS
+    if constexpr (MT > 1 && !kTail && quad_rows_for(BITS, SPLIT, MT)) {  // the ISA's own order (the same operations a lane)
+      quad_rows<BITS, SPLIT, MT>(w[q], at, xq + kt * kBlock, ldq, lo, sq, xd + kt * kStep, ldd, acc[q]);
+      continue;
+    }
+#endif
     using U = Unpacked<BITS, SPLIT>;
     typename U::T wr[kStep];
 #pragma GCC unroll 4

@@ -390,11 +390,45 @@ inline QS quad_sums(const uint8_t* const (&w)[4], size_t at, const int8_t* x, si
   }
   return r;
 }
+// Several x rows' full step of a quad (qmm_fast.h's QMM_QUAD_ROWS), where
+// quad_rows_for(BITS, SPLIT, MT): the split contract's 8-bit weights (the
+// output head of GGUF's Q4_1 files, Q8_0) at 2-4 x rows. A pair of blocks of
+// the 4 rows in 16-bit lanes (ws_half: 4 registers a row) once, then for
+// each x row its 4 rows' sums of the pair, transposed and scaled into that
+// half of its accumulator (blocks 0-1: v[0], 2-3: v[1]) — fast_step's
+// integers and its operations a lane, a pair of blocks at a time, not the
+// whole step's 4 rows at once (32 registers, which the compiler spilled).
+// 0.5.27, one thread, in L2/L3, built as the module is (-fPIC), the better
+// of 3 interleaved runs' medians, us a call: SmolLM2's head 49152 x 576 at
+// 4 rows 4413 -> 3688 (3072 x 576 at 2 / 3 / 4 rows: 150 / 192 / 258 ->
+// 141 / 189 / 220). Not at 5 rows (no faster), nor at 4 bits or in the
+// fast contract (the same order there: 2-5 rows within -5 % .. +3 %).
+#define QMM_QUAD_ROWS 1
+constexpr bool quad_rows_for(int bits, bool split, int mt) { return bits == 8 && split && mt <= 4; }
+template <int BITS, bool SPLIT, int MT>
+inline void quad_rows(const uint8_t* const (&w)[4], size_t at, const int8_t* x, size_t ldq, size_t lo, const FQ& sq,
+                      const float* xd, size_t ldd, FQ (&acc)[MT]) {
+  static_assert(quad_rows_for(BITS, SPLIT, MT));
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    __m256i u[4][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) ws_half(w[i] + at + 64 * h, u[i]);
+#pragma GCC unroll 4
+    for (int m = 0; m < MT; ++m) {
+      const int8_t* xm = x + m * ldq + h * lo;
+      const __m256i sums = transpose_sum(dot_pair16(u[0], xm), dot_pair16(u[1], xm), dot_pair16(u[2], xm), dot_pair16(u[3], xm));
+      const __m256 d = _mm256_mul_ps(sq.v[h], _mm256_loadu_ps(xd + m * ldd + 8 * h));
+      acc[m].v[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d, acc[m].v[h]);
+    }
+  }
+}
 #include "qmm_isa.h"
 #include "qmm_fast.h"
 #undef QMM_HALF_TAIL
 #undef QMM_SPLIT16
 #undef QMM_QUAD_SUMS
+#undef QMM_QUAD_ROWS
 // The split contract's x (quantize_x_rows' two int8 rows an x row) relaid
 // in place for dot_s where the weights have 8 bits (4 bits: read as
 // written): each step's 256 bytes (its 128 weights' int8 part and
