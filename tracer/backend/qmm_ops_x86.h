@@ -400,9 +400,12 @@ inline QS quad_sums(const uint8_t* const (&w)[4], size_t at, const int8_t* x, si
 // whole step's 4 rows at once (32 registers, which the compiler spilled).
 // 0.5.27, one thread, in L2/L3, built as the module is (-fPIC), the better
 // of 3 interleaved runs' medians, us a call: SmolLM2's head 49152 x 576 at
-// 4 rows 4413 -> 3688 (3072 x 576 at 2 / 3 / 4 rows: 150 / 192 / 258 ->
-// 141 / 189 / 220). Not at 5 rows (no faster), nor at 4 bits or in the
-// fast contract (the same order there: 2-5 rows within -5 % .. +3 %).
+// 4 rows 4413 -> 3688 (another run: 4452 -> 4147; 3072 x 576 at 2 / 3 / 4
+// rows: 150 / 192 / 258 -> 141 / 189 / 220). Not at 5 rows (5106 against
+// 5221), nor at 4 bits (the same order there, 2-5 rows: -5 % .. +3 %; at
+// exactly 4 rows -2 .. -6 % over SmolLM2's shapes, not checked in the
+// module), nor in the fast contract, which `auto` does not pick (8 bits:
+// 4 rows 7 % slower, 5 rows 17 % faster).
 #define QMM_QUAD_ROWS 1
 constexpr bool quad_rows_for(int bits, bool split, int mt) { return bits == 8 && split && mt <= 4; }
 template <int BITS, bool SPLIT, int MT>
