@@ -18,6 +18,12 @@ generator seeded with --seed), so it is fixed for a seed and typical of the
 model rather than a loop of greedy repeats; each position's KL is computed in
 float64 from the two float32 logit rows. Prints the mean, median, p99 and max
 KL, and how often the two argmax tokens differ.
+
+``--q6-k REF OTHER`` instead compares two ways of loading a file's Q6_K
+tensors (``MLX_TRACER_Q6_K``: ``float16``, MLX's cast, or ``int8``, the
+8-bit blocks of :func:`mlx_tracer.loading.gguf_readonly.q6_k_affine`), both
+sides in the first of --formats; ``--model`` names the GGUF file (one with
+Q6_K tensors: SmolLM2 requantized by llama.cpp's ``Q6_K`` type, say).
 """
 
 from __future__ import annotations
@@ -48,15 +54,25 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--formats", nargs=2, default=["quantized", "quantized-fast"], metavar=("REFERENCE", "OTHER"),
                     help="the two weight formats compared (KL(reference || other))")
+    ap.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
+    ap.add_argument("--q6-k", nargs=2, default=None, metavar=("REFERENCE", "OTHER"), choices=("float16", "int8"),
+                    help="compare the file's Q6_K tensors loaded these two ways ($MLX_TRACER_Q6_K)")
     args = ap.parse_args()
     K = kernels.load()
     if K is None:
         raise SystemExit(f"the native kernels are off: {kernels.status()}")
-    names = args.formats
-    ref, other = (Generator.load(weights=f) for f in names)
+    if args.q6_k:
+        names, loaded = [f"{args.formats[0]}, Q6_K {q}" for q in args.q6_k], []
+        for q in args.q6_k:
+            os.environ["MLX_TRACER_Q6_K"] = q
+            loaded.append(Generator.load(args.model, weights=args.formats[0]))
+        ref, other = loaded
+    else:
+        names = args.formats
+        ref, other = (Generator.load(args.model, weights=f) for f in names)
     for name, gen in zip(names, (ref, other)):
         lean = gen.engine.compiled.lean
-        if name != "as-is" and (lean.binding is None or lean.native_off is not None):
+        if not name.startswith("as-is") and (lean.binding is None or lean.native_off is not None):
             raise SystemExit(f"{name} does not run on the kernels here (kernels: {lean.native_off})")
     prompt = ref.tokenizer.encode(PROMPT)
     cap = len(prompt) + args.tokens + 1

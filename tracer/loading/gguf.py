@@ -3,11 +3,15 @@
 ``mx.load`` reads GGUF natively: Q4_0/Q4_1/Q8_0 tensors come back as MLX
 affine-quantized triples (``weight`` packed in uint32, ``scales``, ``biases``;
 group size 32), other tensors as plain arrays: other quantized types cast to
-float16. Q4_K tensors (most of a Q4_K_M file) are then replaced by exact
-affine 4-bit triples too (group 32, float32 scales and biases:
-:func:`.gguf_readonly.q4_k_affine`), read from the file's own bytes; Q6_K,
-Q5_K and the rest stay MLX's float16 (their 6-/5-bit values, sub-blocks of
-16 with int8 scales for Q6_K, have no exact 4-/8-bit affine form). MLX's
+float16. The k-quants of a Q4_K_M file are then replaced by affine triples
+read from the file's own bytes (group 32, float32 scales and biases): Q4_K
+by exact 4-bit ones (:func:`.gguf_readonly.q4_k_affine`), Q6_K by 8-bit ones
+(:func:`.gguf_readonly.q6_k_affine`: its sub-blocks of 16 with int8 scales
+have no exact form in MLX's groups of 32; half of each group exact, the
+other rounded to a quarter step; ``MLX_TRACER_Q6_K=float16`` keeps MLX's
+float16 cast); Q2_K stays MLX's float16. A group the lean forward fuses
+whose members then differ only in bits (q/k Q4_K beside a Q6_K v) is widened
+to 8 bits (:func:`unify_fused_groups`), values unchanged. MLX's
 reader opens the file for writing, so a file that cannot be written is read
 by :mod:`.gguf_readonly` instead, which builds the same arrays. This module
 
@@ -30,13 +34,14 @@ from typing import Dict, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from .gguf_readonly import load as readonly_load
-from .gguf_readonly import opens_for_writing, scan, with_q4_k
+from .gguf_readonly import opens_for_writing, q6_k_format, scan, with_k_quants
 
 __all__ = [
     "read_gguf", "meta_value", "build_model", "convert_weights", "mlx_name",
-    "model_args_from_metadata", "quantize_like", "unpermute_rope_rows",
+    "model_args_from_metadata", "quantize_like", "unify_fused_groups", "unpermute_rope_rows",
 ]
 
 GGUF_MAGIC = b"GGUF"
@@ -73,6 +78,7 @@ def read_gguf(path: Union[str, Path]) -> Tuple[Dict[str, mx.array], dict]:
         )
     if not p.is_file():
         raise ValueError(f"{p} is not a file; expected a .gguf model file.")
+    q6_k_format()  # a bad $MLX_TRACER_Q6_K says so before anything is read
     with open(p, "rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
@@ -83,7 +89,7 @@ def read_gguf(path: Union[str, Path]) -> Tuple[Dict[str, mx.array], dict]:
     try:
         if opens_for_writing(p):
             weights, meta = mx.load(str(p), return_metadata=True)
-            return with_q4_k(weights, p), meta  # Q4_K as 4-bit blocks, not MLX's float16
+            return with_k_quants(weights, p), meta  # Q4_K, Q6_K as 4-/8-bit blocks, not MLX's float16
         return readonly_load(p)  # MLX's reader would open it for writing (gguf_readonly)
     except Exception as e:  # MLX raises RuntimeError/ValueError on bad data
         cause = _damage(p) or str(e)
@@ -226,6 +232,49 @@ def convert_weights(weights: Dict[str, mx.array], args, path="GGUF") -> Dict[str
     return out
 
 
+_FUSED_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+
+
+def _nibbles_to_bytes(packed: mx.array) -> mx.array:
+    """A 4-bit packed matrix (MLX's order: weight ``2k`` in the low nibble of
+    byte ``k`` of its row, ``2k + 1`` in the high one) as the 8-bit packed
+    matrix of the same integers (weight ``k`` in byte ``k``)."""
+    p = np.array(packed).view(np.uint8)
+    w = np.stack([p & 0x0F, p >> 4], axis=-1).reshape(p.shape[0], -1)
+    return mx.array(np.ascontiguousarray(w).view("<u4"))
+
+
+def unify_fused_groups(weights: Dict[str, mx.array], args) -> Dict[str, mx.array]:
+    """Give the members of each group the lean forward fuses (q/k/v, gate/up)
+    one quantized format where they differ only in bits (4 and 8) or in their
+    scales' float type, by widening: 4-bit blocks become 8-bit blocks of the
+    same integers, float16 scales and biases float32, so every weight keeps
+    its value exactly. A Q4_K_M file's layers whose ``attn_v`` is Q6_K (8-bit
+    blocks, :func:`.gguf_readonly.q6_k_affine`) beside Q4_K ``attn_q`` /
+    ``attn_k`` then run one fused matmul and the native layer kernels, which
+    take one weight format per slot (their q/k weigh twice their 4-bit bytes:
+    Llama-3.2-1B's 8 such layers, 42 MB more of 1.2 GB). Changes ``weights``
+    in place and returns it."""
+    hidden = args.hidden_size
+    for i in range(args.num_hidden_layers):
+        for parent, names in _FUSED_GROUPS:
+            prefixes = [f"model.layers.{i}.{parent}.{n}" for n in names]
+            if not all(f"{p}.scales" in weights for p in prefixes):
+                continue
+            bits = [weights[f"{p}.weight"].shape[-1] * 32 // hidden for p in prefixes]
+            groups = {hidden // weights[f"{p}.scales"].shape[-1] for p in prefixes}
+            dtypes = {weights[f"{p}.scales"].dtype for p in prefixes} | {weights[f"{p}.biases"].dtype for p in prefixes}
+            if len(groups) != 1 or not set(bits) <= {4, 8} or (len(set(bits)) == 1 and len(dtypes) == 1):
+                continue
+            for p, b in zip(prefixes, bits):
+                if b == 4 and 8 in bits:
+                    weights[f"{p}.weight"] = _nibbles_to_bytes(weights[f"{p}.weight"])
+                if len(dtypes) > 1:
+                    for k in ("scales", "biases"):
+                        weights[f"{p}.{k}"] = weights[f"{p}.{k}"].astype(mx.float32)
+    return weights
+
+
 def quantize_like(model: nn.Module, weights: Dict[str, mx.array]) -> None:
     """Swap each layer that has ``scales`` in ``weights`` for a quantized one
     whose bits / group size match the packed triple."""
@@ -250,7 +299,7 @@ def build_model(weights: Dict[str, mx.array], meta: dict, path="GGUF"):
     from mlx_lm.models.llama import Model
 
     args = model_args_from_metadata(meta, weights, path)
-    converted = convert_weights(weights, args, path)
+    converted = unify_fused_groups(convert_weights(weights, args, path), args)
     model = Model(args)
     quantize_like(model, converted)
     try:

@@ -16,13 +16,19 @@ for the tensor types llama GGUF files use here:
   scale`` (its int8 weights become ``x ^ 0x80``), Q4_1 stores its bias
   (the block's min) after the scale.
 
-One type differs from ``mx.load`` on purpose: **Q4_K**, which MLX casts to
-float16, becomes an affine 4-bit triple too (:func:`q4_k_affine`: group 32,
-float32 scales and biases, exactly ggml's values), here and, through
-:func:`with_q4_k`, after ``mx.load`` (:func:`mlx_tracer.loading.gguf.read_gguf`).
+Two types differ from ``mx.load`` on purpose (both of which MLX casts to
+float16), here and, through :func:`with_k_quants`, after ``mx.load``
+(:func:`mlx_tracer.loading.gguf.read_gguf`):
 
-A file holding any other tensor type (Q6_K, Q5_K, ...) is loaded by
-``mx.load`` from a temporary copy instead, said once on stderr, its Q4_K
+* **Q4_K** becomes an affine 4-bit triple (:func:`q4_k_affine`: group 32,
+  float32 scales and biases, exactly ggml's values);
+* **Q6_K** an affine 8-bit triple (:func:`q6_k_affine`: group 32, float32
+  scales and biases; of each group's two sub-blocks of 16, the one with the
+  larger scale exactly ggml's values, the other rounded to the group's 256
+  levels), unless ``MLX_TRACER_Q6_K=float16`` asks for MLX's float16 cast.
+
+A file holding any other tensor type (Q5_K, ...) is loaded by
+``mx.load`` from a temporary copy instead, said once on stderr, its k-quant
 tensors then replaced by their triples. Metadata follows MLX too:
 scalars as 0-d arrays of their type, strings as ``str``, arrays as 1-d
 arrays or lists of ``str``; float64 values become float32, as MLX's code
@@ -53,7 +59,8 @@ _BLOCKS = {Q4_0: (18, 4), Q4_1: (20, 4), Q8_0: (34, 8)}  # bytes per block of 32
 GROUP = 32
 QK_K = 256  # weights per k-quant superblock
 _SUPER = {10: 84, 11: 110, Q4_K: 144, 13: 176, Q6_K: 210}  # bytes per superblock (Q2_K..Q6_K): sizes, bounds
-_BUILT = {Q4_K}  # the k-quants built here (the others: mx.load's float16, or MLX cannot read them)
+ENV_Q6_K = "MLX_TRACER_Q6_K"  # "float16": Q6_K tensors as MLX's float16 cast, not 8-bit triples
+Q6_K_FORMATS = ("int8", "float16")
 TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
               11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 30: "BF16"}
 
@@ -226,6 +233,75 @@ def q4_k_affine(raw: np.ndarray, shape: tuple) -> Tuple[np.ndarray, np.ndarray, 
     return weight, scales.reshape(groups), biases.reshape(groups)
 
 
+def q6_k_format() -> str:
+    """How Q6_K tensors load: ``"int8"`` (:func:`q6_k_affine`, the default)
+    or ``"float16"`` (MLX's cast), from ``$MLX_TRACER_Q6_K``."""
+    v = os.environ.get(ENV_Q6_K, "").strip().lower() or Q6_K_FORMATS[0]
+    if v not in Q6_K_FORMATS:
+        raise ValueError(f"{ENV_Q6_K}={v!r}: expected one of {', '.join(Q6_K_FORMATS)} (int8: 8-bit blocks the "
+                         "quantized kernels run; float16: MLX's float16 cast of the file's values)")
+    return v
+
+
+def q6_k_affine(raw: np.ndarray, shape: tuple) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """MLX affine 8-bit triple (packed uint32, float32 scales, float32 biases;
+    group 32) of one Q6_K tensor's bytes ``raw``.
+
+    A Q6_K superblock (210 bytes, 256 weights): 128 bytes of low nibbles
+    ``ql``, 64 bytes of high 2-bit pairs ``qh``, 16 int8 scales ``sc`` of
+    sub-blocks of 16, fp16 ``d``; weight ``d*sc[j] * (q - 32)``, ``q`` in
+    0..63 (ggml's ``dequantize_row_q6_K``: in each half of 128 weights, weight
+    ``32 k + l`` takes its low 4 bits from nibble ``k // 2`` of ``ql[l + 32 *
+    (k % 2)]`` and its high 2 from bits ``2 k`` of ``qh[l]``).
+
+    MLX's groups have one scale per 32 weights (no groups of 16), so each group
+    of two sub-blocks takes its step from the one whose scale ``s`` is larger in
+    magnitude (the first on a tie): ``scale = s / 4``, ``bias = -32 s``, whose
+    weights are then ``4 q`` exactly, the same values as ggml's (``(s/4) * 4q``
+    and its sum with the bias are exact in float32: an fp16 times an int8 is 18
+    bits, times 6 more bits of q). The other sub-block's weights (scale ``s'``,
+    ``|s'| <= |s|``) are rounded to the nearest of those 256 levels: an error
+    of at most ``|s| / 8`` (a quarter of a Q6_K step of the coarser sub-block
+    halved; ``|s| / 4`` for the one level past the top when ``s' = -s`` and
+    ``q = 0``); none where ``4 s' / s`` is a whole number (equal scales, or
+    one half or a quarter of the other). 10 bits a weight (Q6_K: 6.56; MLX's
+    float16 cast: 16).
+    """
+    if not shape or shape[-1] % QK_K:
+        raise ValueError(f"a Q6_K tensor's rows must be whole superblocks of {QK_K} weights, not {shape[-1] if shape else 0}")
+    b = np.asarray(raw, dtype=np.uint8).reshape(-1, _SUPER[Q6_K])  # (n superblocks, 210)
+    n = b.shape[0]
+    ql = b[:, :128].reshape(n, 2, 2, 32)  # half, low/high 32 bytes of the half's 64, l
+    qh = b[:, 128:192].reshape(n, 2, 1, 32)
+    sc = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)  # (n, 16)
+    d = np.ascontiguousarray(b[:, 208:210]).view("<f2").astype(np.float32)  # (n, 1)
+    low = np.concatenate([ql & 0x0F, ql >> 4], axis=2)  # (n, 2, 4, 32): k = 0, 1 low nibbles; 2, 3 high ones
+    high = (qh >> (2 * np.arange(4, dtype=np.uint8))[None, None, :, None]) & 3  # bits 2k, 2k+1 of qh[l]
+    q = (low | (high << 4)).reshape(n, 8, 2, 16).astype(np.float32)  # group, its two sub-blocks, weight
+    s = (d * sc).reshape(n, 8, 2)  # each sub-block's scale: exact (fp16 times int8)
+    first = np.abs(s[:, :, 0]) >= np.abs(s[:, :, 1])
+    big = np.where(first, s[:, :, 0], s[:, :, 1])  # (n, 8): the group's step is a quarter of this
+    # levels in the group's step: 4 s / big (exactly 4 on the sub-block it comes from) times q - 32
+    ratio = np.divide(np.float32(4) * s, big[:, :, None], out=np.zeros(s.shape, np.float32), where=big[:, :, None] != 0)
+    levels = np.rint(ratio[..., None] * (q - np.float32(32)))
+    levels += 128
+    packed = np.clip(levels, 0, 255, out=levels).astype(np.uint8).reshape(n, QK_K)
+    groups = tuple(shape[:-1]) + (shape[-1] // GROUP,)
+    weight = np.ascontiguousarray(packed).view("<u4").reshape(tuple(shape[:-1]) + (shape[-1] // 4,))
+    scales = (big / np.float32(4)).astype(np.float32)
+    biases = (big * np.float32(-32)).astype(np.float32)
+    return weight, scales.reshape(groups), biases.reshape(groups)
+
+
+def _built(ttype: int):
+    """The triple builder of a k-quant type this module builds (None: mx.load's cast stands)."""
+    if ttype == Q4_K:
+        return q4_k_affine
+    if ttype == Q6_K and q6_k_format() == "int8":
+        return q6_k_affine
+    return None
+
+
 def _put_triple(weights: dict, name: str, triple) -> None:
     prefix = name[: -len(".weight")]  # as MLX: the name less 7 characters
     for key, value in zip((name, f"{prefix}.scales", f"{prefix}.biases"), triple):
@@ -234,32 +310,35 @@ def _put_triple(weights: dict, name: str, triple) -> None:
         weights[key] = mx.array(value)
 
 
-def with_q4_k(weights: Dict[str, mx.array], path: Path) -> Dict[str, mx.array]:
+def with_k_quants(weights: Dict[str, mx.array], path: Path) -> Dict[str, mx.array]:
     """``mx.load``'s ``weights`` of ``path`` with each Q4_K tensor (float16
-    there) replaced by its exact affine triple (:func:`q4_k_affine`). Changes
-    ``weights`` in place and returns it."""
+    there) replaced by its exact affine triple (:func:`q4_k_affine`), and each
+    Q6_K tensor by its 8-bit one (:func:`q6_k_affine`, unless
+    ``$MLX_TRACER_Q6_K`` is ``float16``). Changes ``weights`` in place and
+    returns it."""
     if not any(v.dtype == mx.float16 for v in weights.values()):
-        return weights  # MLX returns Q4_K tensors as float16: none here
+        return weights  # MLX returns k-quant tensors as float16: none here
     buf = np.memmap(path, dtype=np.uint8, mode="r")
     for name, shape, ttype, start, size in scan(buf)[1]:
-        if ttype != Q4_K:
+        build = _built(ttype)
+        if build is None:
             continue
         if name not in weights or weights[name].dtype != mx.float16:
-            raise ValueError(f"tensor {name} (Q4_K) is not among MLX's float16 tensors of the file")
+            raise ValueError(f"tensor {name} ({TYPE_NAMES[ttype]}) is not among MLX's float16 tensors of the file")
         del weights[name]
-        _put_triple(weights, name, q4_k_affine(buf[start:start + size], shape))
+        _put_triple(weights, name, build(buf[start:start + size], shape))
     return weights
 
 
 def read(path: Path) -> Tuple[Dict[str, mx.array], dict]:
     """``(weights, metadata)`` as ``mx.load`` gives them, the file opened
-    read-only, but Q4_K tensors as their affine triples (:func:`q4_k_affine`).
+    read-only, but k-quant tensors as their affine triples (:func:`with_k_quants`).
     Raises :class:`UnsupportedTypes` for tensor types not covered,
     ``ValueError`` for a damaged file."""
     buf = np.memmap(path, dtype=np.uint8, mode="r")
     meta, tensors = scan(buf)
     other = sorted({TYPE_NAMES.get(t, str(t)) for _, _, t, _, _ in tensors
-                    if t not in _FLOATS and t not in _BLOCKS and t not in _BUILT})
+                    if t not in _FLOATS and t not in _BLOCKS and _built(t) is None})
     if other:
         raise UnsupportedTypes(other)
     weights = {}
@@ -273,8 +352,8 @@ def read(path: Path) -> Tuple[Dict[str, mx.array], dict]:
         raw = buf[start:start + size]
         if ttype in _FLOATS:
             put(name, mx.array(raw.view(_FLOATS[ttype]).reshape(shape)))
-        elif ttype == Q4_K:
-            _put_triple(weights, name, q4_k_affine(raw, shape))
+        elif _built(ttype) is not None:
+            _put_triple(weights, name, _built(ttype)(raw, shape))
         else:
             weight, scales, biases = _quantized(raw, shape, ttype)
             put(name, weight)
@@ -286,8 +365,8 @@ def read(path: Path) -> Tuple[Dict[str, mx.array], dict]:
 
 def load(path: Path) -> Tuple[Dict[str, mx.array], dict]:
     """:func:`read`, or, for a file with other tensor types, ``mx.load`` of a
-    temporary copy (said once on stderr) with its Q4_K tensors as triples
-    (:func:`with_q4_k`)."""
+    temporary copy (said once on stderr) with its k-quant tensors as triples
+    (:func:`with_k_quants`)."""
     try:
         return read(path)
     except UnsupportedTypes as e:
@@ -300,4 +379,4 @@ def load(path: Path) -> Tuple[Dict[str, mx.array], dict]:
         copy = Path(tmp) / path.name
         shutil.copyfile(path, copy)
         weights, meta = mx.load(str(copy), return_metadata=True)
-    return with_q4_k(weights, path), meta
+    return with_k_quants(weights, path), meta
