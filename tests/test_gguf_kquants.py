@@ -81,6 +81,42 @@ def ref_q6_k(data: bytes, shape) -> np.ndarray:
     return np.concatenate(out).reshape(shape)
 
 
+def loading_paths(path):
+    """The file read every way the loader can: read_gguf (a writable file with
+    k-quants: the module's own reader), read_gguf made to take MLX's reader
+    and replace its float16 k-quants (:func:`gguf_readonly.with_k_quants`),
+    and the read-only reader."""
+    yield gguf.read_gguf(path)
+    real = gguf.builds_k_quants
+    gguf.builds_k_quants = lambda p: False
+    try:
+        yield gguf.read_gguf(path)
+    finally:
+        gguf.builds_k_quants = real
+    yield gguf_readonly.read(path)
+
+
+def test_tensor_types_walks_past_the_metadata_as_scan_does(tmp_path, kquant_file):
+    """The quick walk over a file's metadata (which picks the reader) finds
+    the tensor types scan finds; on a file it cannot follow, none."""
+    mixed = tmp_path / "mixed.gguf"
+    tiny_kquant_llama(mixed, seed=1, mixed=True)
+    files = [kquant_file, mixed]
+    from mlx_tracer.loading.store import default_model_path
+
+    if default_model_path().exists():  # the default model: a vocabulary of 49152 strings, merges
+        files.append(default_model_path())
+    for f in files:
+        want = {t for _, _, t, _, _ in gguf_readonly.scan(np.memmap(f, dtype=np.uint8, mode="r"))[1]}
+        assert gguf_readonly.tensor_types(f) == want, f
+    assert gguf_readonly.builds_k_quants(mixed) and gguf_readonly.tensor_types(mixed) == {0, Q4_K, Q6_K}
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(mixed.read_bytes()[:200])
+    assert gguf_readonly.tensor_types(cut) == set()
+    with pytest.raises(ValueError, match="truncated"):
+        gguf.read_gguf(cut)
+
+
 def dequantized(w, s, b) -> np.ndarray:
     return np.array(mx.dequantize(w, s, b, group_size=32, bits=4))
 
@@ -104,8 +140,7 @@ def test_q4_k_triples_equal_the_ggml_reference_exactly(tmp_path, ranges):
     assert (w.dtype, w.shape, s.dtype, s.shape, b.dtype, b.shape) == (
         mx.uint32, (5, 96), mx.float32, (5, 24), mx.float32, (5, 24))
     np.testing.assert_array_equal(dequantized(w, s, b), want)
-    # both loading paths give those triples: mx.load then replaced, and the read-only reader
-    for weights, _ in (gguf.read_gguf(path), gguf_readonly.read(path)):
+    for weights, _ in loading_paths(path):
         assert sorted(weights) == ["a.biases", "a.scales", "a.weight"]
         for k, v in (("a.weight", w), ("a.scales", s), ("a.biases", b)):
             assert weights[k].dtype == v.dtype and np.array_equal(np.array(weights[k]), np.array(v)), k
@@ -168,8 +203,7 @@ def test_q6_k_loads_as_8_bit_blocks_within_its_contract(tmp_path, ranges):
         np.uint32, (5, 192), np.float32, (5, 24), np.float32, (5, 24))
     got = check_q6_k_contract(data, shape, w, s, b)
     assert 0.4 < (got == ref_q6_k(data, shape)).mean() < 0.75  # half of them, and the other's lucky ones
-    # both loading paths give those triples: mx.load then replaced, and the read-only reader
-    for weights, _ in (gguf.read_gguf(path), gguf_readonly.read(path)):
+    for weights, _ in loading_paths(path):
         assert sorted(weights) == ["a.biases", "a.scales", "a.weight"]
         for k, v in (("a.weight", w), ("a.scales", s), ("a.biases", b)):
             assert weights[k].dtype == mx.array(v).dtype and np.array_equal(np.array(weights[k]), v), k

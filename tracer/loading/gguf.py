@@ -37,7 +37,8 @@ import mlx.nn as nn
 import numpy as np
 
 from .gguf_readonly import load as readonly_load
-from .gguf_readonly import opens_for_writing, q6_k_format, scan, with_k_quants
+from .gguf_readonly import UnsupportedTypes, builds_k_quants, opens_for_writing, q6_k_format, scan, with_k_quants
+from .gguf_readonly import read as read_own
 
 __all__ = [
     "read_gguf", "meta_value", "build_model", "convert_weights", "mlx_name",
@@ -87,10 +88,17 @@ def read_gguf(path: Union[str, Path]) -> Tuple[Dict[str, mx.array], dict]:
             f"Pass a .gguf model file, or an mlx-lm model folder to mlx-lm's loader."
         )
     try:
-        if opens_for_writing(p):
-            weights, meta = mx.load(str(p), return_metadata=True)
-            return with_k_quants(weights, p), meta  # Q4_K, Q6_K as 4-/8-bit blocks, not MLX's float16
-        return readonly_load(p)  # MLX's reader would open it for writing (gguf_readonly)
+        if not opens_for_writing(p):
+            return readonly_load(p)  # MLX's reader would open it for writing (gguf_readonly)
+        if builds_k_quants(p):
+            # built from the file's bytes: MLX's reader would first cast each k-quant tensor to float16
+            # (Llama-3.2-1B's Q4_K_M: 10 of 20 s, and a float16 copy of the model in memory) to be replaced
+            try:
+                return read_own(p)
+            except UnsupportedTypes:  # types only MLX converts (Q2_K): its reader, then the triples
+                pass
+        weights, meta = mx.load(str(p), return_metadata=True)
+        return with_k_quants(weights, p), meta  # Q4_K, Q6_K as 4-/8-bit blocks, not MLX's float16
     except Exception as e:  # MLX raises RuntimeError/ValueError on bad data
         cause = _damage(p) or str(e)
         raise ValueError(
