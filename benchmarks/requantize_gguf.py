@@ -22,7 +22,7 @@ import argparse
 import ctypes
 import sys
 
-TYPES = ("Q4_K_M", "Q4_K_S", "Q6_K", "Q8_0", "Q4_0", "Q4_1")
+TYPES = ("Q4_K_M", "Q4_K_S", "Q5_K_M", "Q5_K_S", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 """Small GGUF files written byte by byte, with the tensor types ``mx.save_gguf``
-cannot write (Q4_0, Q4_1, Q8_0; the k-quants Q4_K and Q6_K), for the
-read-only reader's and the k-quant tests."""
+cannot write (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; the k-quants Q4_K, Q5_K and
+Q6_K), for the read-only reader's and the k-quant tests."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import struct
 
 import numpy as np
 
-F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, I8 = 0, 1, 2, 3, 8, 12, 14, 24
-_BLOCK = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, I8 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 24
+_BLOCK = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34}
 QK_K = 256
-_SUPER = {Q4_K: 144, Q6_K: 210}  # bytes per superblock of 256 weights
+_SUPER = {Q4_K: 144, Q5_K: 176, Q6_K: 210}  # bytes per superblock of 256 weights
 
 
 def _string(s: str) -> bytes:
@@ -39,27 +39,27 @@ def _value(v) -> bytes:
 
 def random_blocks(ttype: int, shape, rng) -> bytes:
     """Valid random data of a quantized tensor: finite float16 scales (and
-    Q4_1 mins), random weight bytes."""
+    Q4_1 / Q5_1 mins), random weight bytes."""
     n = int(np.prod(shape)) // 32
     blocks = rng.integers(0, 256, size=(n, _BLOCK[ttype]), dtype=np.uint8)
     blocks[:, :2] = rng.uniform(0.001, 0.05, n).astype("<f2").view(np.uint8).reshape(n, 2)
-    if ttype == Q4_1:
+    if ttype in (Q4_1, Q5_1):
         blocks[:, 2:4] = rng.uniform(-0.2, 0.0, n).astype("<f2").view(np.uint8).reshape(n, 2)
     return blocks.tobytes()
 
 
 def random_superblocks(ttype: int, shape, rng, d=None, dmin=(1.5e-3, 4.5e-3)) -> bytes:
-    """Valid random data of a Q4_K or Q6_K tensor (last dimension a multiple
+    """Valid random data of a Q4_K, Q5_K or Q6_K tensor (last dimension a multiple
     of 256): random scale and quant bytes, finite float16 super-scales drawn
-    from ``d`` (Q4_K: ``d`` at bytes 0-1, ``dmin`` at 2-3; Q6_K: ``d`` at its
+    from ``d`` (Q4_K, Q5_K: ``d`` at bytes 0-1, ``dmin`` at 2-3; Q6_K: ``d`` at its
     last two bytes, after 128 + 64 quant bytes and 16 int8 scales). The
     default ranges give weights of mean about 0 and magnitude about 0.1."""
-    d = d or ((2e-4, 6e-4) if ttype == Q4_K else (3e-5, 9e-5))
+    d = d or ((2e-4, 6e-4) if ttype == Q4_K else (1e-4, 3e-4) if ttype == Q5_K else (3e-5, 9e-5))
     assert shape[-1] % QK_K == 0, shape
     n = int(np.prod(shape)) // QK_K
     blocks = rng.integers(0, 256, size=(n, _SUPER[ttype]), dtype=np.uint8)
     half = lambda lo_hi: rng.uniform(*lo_hi, n).astype("<f2").view(np.uint8).reshape(n, 2)  # noqa: E731
-    if ttype == Q4_K:
+    if ttype in (Q4_K, Q5_K):
         blocks[:, 0:2], blocks[:, 2:4] = half(d), half(dmin)
     else:
         blocks[:, 208:210] = half(d)
@@ -122,11 +122,13 @@ def tiny_quantized_llama(path, seed: int = 0) -> None:
     write_gguf(path, tensors, meta, alignment=64)
 
 
-def tiny_kquant_llama(path, seed: int = 0, mixed: bool = False) -> None:
+def tiny_kquant_llama(path, seed: int = 0, mixed: bool = False, five: bool = False) -> None:
     """A 2-layer llama (hidden 256, ffn 512: rows of whole superblocks) whose
     linears and embedding are Q4_K, norms F32. ``mixed``: as a Q4_K_M file
     mixes them, layer 0's ``attn_v`` and ``ffn_down`` and the output head
-    are Q6_K (so layer 0's q/k/v group mixes Q4_K and Q6_K), layer 1's Q4_K."""
+    are Q6_K (so layer 0's q/k/v group mixes Q4_K and Q6_K), layer 1's Q4_K.
+    ``five``: Q5_K instead of Q4_K (a Q5_K_M file with ``mixed``), and layer
+    1's ``attn_output`` Q5_0, its ``ffn_up`` Q5_1."""
     rng = np.random.default_rng(seed)
     V, D, F, H, KV, L = 96, 256, 512, 4, 2, 2
     hd = D // H
@@ -135,7 +137,9 @@ def tiny_kquant_llama(path, seed: int = 0, mixed: bool = False) -> None:
         return (1 + 0.1 * rng.standard_normal(shape)).astype("<f4").tobytes()
 
     def tensor(t, shape):
-        return (t, shape, random_superblocks(t, shape, rng))
+        if t == Q4_K and five:
+            t = Q5_K
+        return (t, shape, random_blocks(t, shape, rng) if t in _BLOCK else random_superblocks(t, shape, rng))
 
     tensors = {"token_embd.weight": tensor(Q4_K, (V, D)), "output_norm.weight": (F32, (D,), floats(D)),
                "output.weight": tensor(Q6_K if mixed else Q4_K, (V, D))}
@@ -144,6 +148,8 @@ def tiny_kquant_llama(path, seed: int = 0, mixed: bool = False) -> None:
     for i in range(L):
         for part, shape in shapes.items():
             t = Q6_K if mixed and i == 0 and part in ("attn_v", "ffn_down") else Q4_K
+            if five and i == 1 and part in ("attn_output", "ffn_up"):
+                t = Q5_0 if part == "attn_output" else Q5_1
             tensors[f"blk.{i}.{part}.weight"] = tensor(t, shape)
         tensors[f"blk.{i}.attn_norm.weight"] = (F32, (D,), floats(D))
         tensors[f"blk.{i}.ffn_norm.weight"] = (F32, (D,), floats(D))

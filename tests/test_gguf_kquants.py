@@ -28,7 +28,7 @@ from mlx_tracer.backend import kernels
 from mlx_tracer.loading import gguf, gguf_readonly
 from mlx_tracer.loading.weights import apply_format
 
-from .gguf_files import Q4_K, Q6_K, random_superblocks, tiny_kquant_llama, write_gguf
+from .gguf_files import Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, random_blocks, random_superblocks, tiny_kquant_llama, write_gguf
 from .helpers import IdTokenizer, solo_tokens
 
 PROMPT = [1, 5, 9, 17, 33, 65]
@@ -96,6 +96,54 @@ def loading_paths(path):
     yield gguf_readonly.read(path)
 
 
+@pytest.mark.parametrize("ttype", [Q5_0, Q5_1, Q5_K])
+def test_5_bit_types_load_as_8_bit_blocks_of_ggml_values_exactly(tmp_path, ttype):
+    """Q5_0, Q5_1, Q5_K (which MLX's reader cannot read): 8-bit blocks of the
+    same integers, float32 scales and biases, exactly ggml's values, from
+    both readers (a writable file: read_gguf takes the module's own)."""
+    shape = (5, 768)
+    path = tmp_path / "a.gguf"
+    rng = np.random.default_rng(int(ttype))
+    data = random_superblocks(ttype, shape, rng) if ttype == Q5_K else random_blocks(ttype, shape, rng)
+    write_gguf(path, {"a.weight": (ttype, shape, data)}, {"general.architecture": "llama"})
+    want = ref_q5_k(data, shape) if ttype == Q5_K else ref_q5(data, shape, ttype)
+    for weights, _ in (gguf.read_gguf(path), gguf_readonly.read(path)):
+        assert sorted(weights) == ["a.biases", "a.scales", "a.weight"]
+        w, s, b = (weights[f"a.{k}"] for k in ("weight", "scales", "biases"))
+        assert (w.dtype, w.shape, s.dtype, s.shape, b.dtype) == (mx.uint32, (5, 192), mx.float32, (5, 24), mx.float32)
+        got = np.array(mx.dequantize(w, s, b, group_size=32, bits=8))
+        np.testing.assert_array_equal(got, want)
+        assert int(np.array(w).view(np.uint8).max()) <= 31  # 5-bit integers
+
+
+def test_a_q5_k_model_decodes_as_its_float_reference_on_the_kernels(tmp_path):
+    """A Q5_K file with Q5_0 and Q5_1 layers: every linear 8-bit blocks, the
+    logits those of ggml's values as float32 layers up to summation order,
+    every layer on the native kernels, greedy tokens equal."""
+    path = tmp_path / "q5.gguf"
+    tiny_kquant_llama(path, seed=2, five=True)
+    weights, meta = gguf.read_gguf(path)
+    model = gguf.build_model(weights, meta)
+    mods = [m for _, m in model.named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear, nn.Embedding,
+                                                                   nn.QuantizedEmbedding))]
+    assert len(mods) == 2 * 7 + 2 and all(
+        isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and (m.bits, m.group_size) == (8, 32) for m in mods)
+    exact = _float_model(_reference_weights(path), meta, np.float32)
+    ids = mx.array([PROMPT + [3, 7, 11, 90]])
+    np.testing.assert_allclose(np.array(model(ids)), np.array(exact(ids)), rtol=0, atol=2e-4)
+    want = eager_greedy(exact, PROMPT, STEPS)
+    assert _margins(exact, PROMPT, want).min() > 0.05
+    assert eager_greedy(model, PROMPT, STEPS) == want
+    assert why_not(model) is None
+    from mlx_tracer.runtime.step import CompiledModel
+
+    lean = CompiledModel(model, fuse=True)
+    if lean.lean.native is not None:
+        assert lean.lean.native_off is None and lean.lean.ops_at == {}, lean.lean.ops_at
+    assert solo_tokens(model, PROMPT, STEPS) == want
+    assert solo_tokens(apply_format(model, "quantized-split"), PROMPT, STEPS) == want
+
+
 def test_tensor_types_walks_past_the_metadata_as_scan_does(tmp_path, kquant_file):
     """The quick walk over a file's metadata (which picks the reader) finds
     the tensor types scan finds; on a file it cannot follow, none."""
@@ -115,6 +163,54 @@ def test_tensor_types_walks_past_the_metadata_as_scan_does(tmp_path, kquant_file
     assert gguf_readonly.tensor_types(cut) == set()
     with pytest.raises(ValueError, match="truncated"):
         gguf.read_gguf(cut)
+
+
+def ref_q5(data: bytes, shape, ttype) -> np.ndarray:
+    """float32 weights of a Q5_0 / Q5_1 tensor, one block of 32 at a time
+    (ggml's ``dequantize_row_q5_0`` / ``_q5_1``)."""
+    raw = np.frombuffer(data, np.uint8)
+    size = 22 if ttype == Q5_0 else 24
+    out = []
+    for blk in raw.reshape(-1, size):
+        d = _f16(blk[0:2])
+        at = 2 if ttype == Q5_0 else 4
+        qh = int.from_bytes(bytes(blk[at:at + 4]), "little")
+        qs = blk[at + 4:at + 20]
+        y = np.empty(32, np.float32)
+        for j in range(16):
+            x0 = (int(qs[j]) & 0xF) | (((qh >> j) << 4) & 0x10)
+            x1 = (int(qs[j]) >> 4) | ((qh >> (j + 12)) & 0x10)
+            if ttype == Q5_0:
+                y[j], y[j + 16] = np.float32(x0 - 16) * d, np.float32(x1 - 16) * d
+            else:
+                m = _f16(blk[2:4])
+                y[j], y[j + 16] = np.float32(x0) * d + m, np.float32(x1) * d + m
+        out.append(y)
+    return np.concatenate(out).reshape(shape)
+
+
+def ref_q5_k(data: bytes, shape) -> np.ndarray:
+    """float32 weights of a Q5_K tensor (fp16 d, dmin; Q4_K's 12 scale bytes;
+    32 bytes of fifth bits; 128 of nibbles), as ``dequantize_row_q5_K``."""
+    raw = np.frombuffer(data, np.uint8)
+    out = []
+    for blk in raw.reshape(-1, 176):
+        d, dmin, s, qh, ql = _f16(blk[0:2]), _f16(blk[2:4]), [int(x) for x in blk[4:16]], blk[16:48], blk[48:]
+
+        def scale_min(j):
+            if j < 4:
+                return s[j] & 63, s[j + 4] & 63
+            return (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4)
+
+        y = []
+        for c in range(4):
+            q = ql[32 * c: 32 * c + 32].astype(np.int32)
+            for j, nib, bit in ((2 * c, q & 0xF, 2 * c), (2 * c + 1, q >> 4, 2 * c + 1)):
+                sc, m = scale_min(j)
+                five = nib + 16 * ((qh.astype(np.int32) >> bit) & 1)
+                y.append(d * np.float32(sc) * five.astype(np.float32) - dmin * np.float32(m))
+        out.append(np.concatenate(y))
+    return np.concatenate(out).reshape(shape)
 
 
 def dequantized(w, s, b) -> np.ndarray:
@@ -280,10 +376,10 @@ def test_unify_fused_groups_widens_to_one_format_with_the_same_values():
 
 def test_a_type_mlx_cannot_load_is_named(tmp_path):
     path = tmp_path / "a.gguf"
-    data = np.random.default_rng(0).integers(0, 256, (2, 176), dtype=np.uint8)
-    data[:, :4] = 0  # d, dmin: finite
-    write_gguf(path, {"a.weight": (13, (2, 256), data.tobytes())}, {"general.architecture": "llama"})  # Q5_K
-    with pytest.raises(ValueError, match="Q5_K tensors, which MLX's GGUF reader cannot load"):
+    data = np.random.default_rng(0).integers(0, 256, (2, 110), dtype=np.uint8)
+    data[:, -2:] = 0  # d: finite
+    write_gguf(path, {"a.weight": (11, (2, 256), data.tobytes())}, {"general.architecture": "llama"})  # Q3_K
+    with pytest.raises(ValueError, match="Q3_K tensors, which MLX's GGUF reader cannot load"):
         gguf.read_gguf(path)
 
 
@@ -309,6 +405,10 @@ def _reference_weights(path):
             out[name] = ref_q4_k(raw, shape)
         elif ttype == Q6_K:
             out[name] = ref_q6_k(raw, shape)
+        elif ttype == Q5_K:
+            out[name] = ref_q5_k(raw, shape)
+        elif ttype in (Q5_0, Q5_1):
+            out[name] = ref_q5(raw, shape, ttype)
         else:
             out[name] = np.frombuffer(raw, "<f4").reshape(shape)
     return out

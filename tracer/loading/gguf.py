@@ -108,8 +108,8 @@ def read_gguf(path: Union[str, Path]) -> Tuple[Dict[str, mx.array], dict]:
         ) from e
 
 
-# tensor types MLX 0.32's GGUF reader cannot convert ("gguf_tensor_to_f16 failed")
-_MLX_CANNOT = {6: "Q5_0", 7: "Q5_1", 11: "Q3_K", 13: "Q5_K"}
+# tensor types MLX 0.32's GGUF reader cannot convert ("gguf_tensor_to_f16 failed") and this package does not build
+_MLX_CANNOT = {11: "Q3_K"}  # (Q5_0, Q5_1, Q5_K: built by gguf_readonly)
 
 
 def _damage(p: Path):
@@ -123,7 +123,8 @@ def _damage(p: Path):
     cannot = sorted({_MLX_CANNOT[t] for _, _, t, _, _ in tensors if t in _MLX_CANNOT})
     if cannot:
         return (f"it holds {', '.join(cannot)} tensors, which MLX's GGUF reader cannot load; a file "
-                f"quantized to Q4_0, Q4_1, Q8_0, Q4_K (with Q6_K), Q2_K or float loads")
+                f"quantized to Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K (Q4_K_M, Q5_K_M, ...), Q2_K or float "
+                f"loads")
     return None
 
 

@@ -54,9 +54,10 @@ STRING, ARRAY = 8, 9
 # metadata value type -> numpy type of its bytes
 _VALUES = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "<u1", 10: "<u8", 11: "<i8", 12: "<f8"}
 BOOL, FLOAT64 = 7, 12
-F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q6_K = 0, 1, 2, 3, 8, 12, 14
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14
 _FLOATS = {F32: "<f4", F16: "<f2"}
 _BLOCKS = {Q4_0: (18, 4), Q4_1: (20, 4), Q8_0: (34, 8)}  # bytes per block of 32 weights, bits
+_BLOCKS5 = {Q5_0: 22, Q5_1: 24}  # bytes per block of 32 weights: the 5-bit types MLX cannot read, built here
 GROUP = 32
 QK_K = 256  # weights per k-quant superblock
 _SUPER = {10: 84, 11: 110, Q4_K: 144, 13: 176, Q6_K: 210}  # bytes per superblock (Q2_K..Q6_K): sizes, bounds
@@ -157,10 +158,10 @@ def scan(buf: np.ndarray) -> Tuple[dict, List[tuple]]:
     tensors = []
     for name, shape, ttype, offset in infos:
         count = int(np.prod(shape, dtype=np.uint64))
-        if ttype in _BLOCKS:
+        if ttype in _BLOCKS or ttype in _BLOCKS5:
             if shape[-1] % GROUP:
                 raise ValueError(f"tensor {name}: last dimension {shape[-1]} is not a multiple of {GROUP}")
-            size = count // GROUP * _BLOCKS[ttype][0]
+            size = count // GROUP * (_BLOCKS[ttype][0] if ttype in _BLOCKS else _BLOCKS5[ttype])
         elif ttype in _SUPER:
             if not shape or shape[-1] % QK_K:
                 raise ValueError(f"tensor {name} ({TYPE_NAMES[ttype]}): its rows ({shape[-1] if shape else 0} "
@@ -169,7 +170,7 @@ def scan(buf: np.ndarray) -> Tuple[dict, List[tuple]]:
         else:
             size = count * np.dtype(_FLOATS.get(ttype, "u1")).itemsize  # other types: checked by the caller
         start = data + offset
-        if ttype in _FLOATS or ttype in _BLOCKS or ttype in _SUPER:
+        if ttype in _FLOATS or ttype in _BLOCKS or ttype in _BLOCKS5 or ttype in _SUPER:
             if start + size > buf.size:
                 raise ValueError(f"tensor {name} ends at byte {start + size}, past the end of the file "
                                  f"({buf.size} bytes): it is truncated")
@@ -279,9 +280,7 @@ def q4_k_affine(raw: np.ndarray, shape: tuple) -> Tuple[np.ndarray, np.ndarray, 
     n = b.shape[0]
     d = np.ascontiguousarray(b[:, 0:2]).view("<f2").astype(np.float32)  # (n, 1)
     dmin = np.ascontiguousarray(b[:, 2:4]).view("<f2").astype(np.float32)
-    lo, mid, hi = b[:, 4:8], b[:, 8:12], b[:, 12:16]  # scale bytes 0-3, 4-7, 8-11
-    sc = np.concatenate([lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)], axis=1)  # (n, 8) sub-block scales
-    m = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=1)  # (n, 8) sub-block mins
+    sc, m = _k_scales(b[:, 4:16])  # (n, 8) sub-block scales and mins
     scales = d * sc.astype(np.float32)
     biases = -(dmin * m.astype(np.float32))
     qs = b[:, 16:].reshape(n, 4, 16, 2)  # chunk, pair of bytes
@@ -354,10 +353,82 @@ def q6_k_affine(raw: np.ndarray, shape: tuple) -> Tuple[np.ndarray, np.ndarray, 
     return weight, scales.reshape(groups), biases.reshape(groups)
 
 
+def _as_bytes(levels: np.ndarray, shape: tuple) -> np.ndarray:
+    """Integers 0..255 a weight, in row order, as MLX's 8-bit packed uint32 words."""
+    return np.ascontiguousarray(levels, dtype=np.uint8).view("<u4").reshape(tuple(shape[:-1]) + (shape[-1] // 4,))
+
+
+def q5_affine(raw: np.ndarray, shape: tuple, ttype: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """MLX affine 8-bit triple (group 32, float32 scales and biases) of one
+    Q5_0 or Q5_1 tensor, exactly ggml's values. A block of 32 weights is fp16
+    ``d`` (Q5_1: then fp16 ``m``), 4 bytes ``qh`` (bit ``j`` of that
+    little-endian word: weight ``j``'s fifth bit), 16 bytes of nibbles (byte
+    ``j``: weight ``j`` low, ``j + 16`` high); weight ``d * (q - 16)``
+    (Q5_0) or ``d * q + m`` (Q5_1), q in 0..31 — MLX's ``scale * q + bias``
+    with ``scale = d`` and ``bias = -16 d`` or ``m``, exact in float32. MLX
+    has no 5-bit type the kernels take (and its GGUF reader cannot read
+    these), so the integers sit in 8-bit blocks: 10 bits a weight (the
+    file's 5.5 / 6)."""
+    size = _BLOCKS5[ttype]
+    b = np.asarray(raw, dtype=np.uint8).reshape(-1, size)
+    d = np.ascontiguousarray(b[:, 0:2]).view("<f2").astype(np.float32)[:, 0]
+    at = 2 if ttype == Q5_0 else 4
+    bias = np.float32(-16) * d if ttype == Q5_0 else np.ascontiguousarray(b[:, 2:4]).view("<f2").astype(np.float32)[:, 0]
+    high = np.ascontiguousarray(b[:, at:at + 4]).view("<u4")  # (n, 1)
+    fifth = ((high >> np.arange(32, dtype=np.uint32)[None, :]) & 1).astype(np.uint8) << 4
+    nib = b[:, at + 4:at + 20]
+    q = np.concatenate([nib & 0x0F, nib >> 4], axis=1) | fifth
+    groups = tuple(shape[:-1]) + (shape[-1] // GROUP,)
+    return _as_bytes(q, shape), d.reshape(groups), bias.astype(np.float32).reshape(groups)
+
+
+def _k_scales(sb: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit scales and mins of a Q4_K / Q5_K superblock's 12 bytes
+    (ggml's ``get_scale_min_k4``), each (n, 8)."""
+    lo, mid, hi = sb[:, 0:4], sb[:, 4:8], sb[:, 8:12]
+    sc = np.concatenate([lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)], axis=1)
+    m = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=1)
+    return sc, m
+
+
+def q5_k_affine(raw: np.ndarray, shape: tuple) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """MLX affine 8-bit triple (group 32, float32 scales and biases) of one
+    Q5_K tensor, exactly ggml's values. A superblock (176 bytes, 256 weights)
+    is fp16 ``d``, fp16 ``dmin``, Q4_K's 12 bytes of 6-bit scales and mins of
+    8 sub-blocks of 32, 32 bytes ``qh``, 128 bytes of nibbles: each 32-byte
+    chunk ``c`` holds sub-block ``2c`` in its low nibbles and ``2c + 1`` in
+    its high ones, their fifth bits in bits ``2c`` / ``2c + 1`` of ``qh[l]``
+    (ggml's ``dequantize_row_q5_K``). Weight ``d*sc * q - dmin*m`` as in
+    :func:`q4_k_affine`, q in 0..31, in 8-bit blocks: 10 bits a weight (the
+    file's 5.5)."""
+    if not shape or shape[-1] % QK_K:
+        raise ValueError(f"a Q5_K tensor's rows must be whole superblocks of {QK_K} weights, not {shape[-1] if shape else 0}")
+    b = np.asarray(raw, dtype=np.uint8).reshape(-1, _SUPER[Q5_K])
+    n = b.shape[0]
+    d = np.ascontiguousarray(b[:, 0:2]).view("<f2").astype(np.float32)
+    dmin = np.ascontiguousarray(b[:, 2:4]).view("<f2").astype(np.float32)
+    sc, m = _k_scales(b[:, 4:16])
+    qh = b[:, 16:48][:, None, None, :]  # (n, 1, 1, 32)
+    qs = b[:, 48:176].reshape(n, 4, 1, 32)  # chunk, l
+    low = np.concatenate([qs & 0x0F, qs >> 4], axis=2)  # (n, 4, 2, 32): sub-blocks 2c, 2c + 1
+    bit = 2 * np.arange(4, dtype=np.uint8)[None, :, None, None] + np.arange(2, dtype=np.uint8)[None, None, :, None]
+    q = low | (((qh >> bit) & 1) << 4)
+    groups = tuple(shape[:-1]) + (shape[-1] // GROUP,)
+    scales = (d * sc.astype(np.float32)).reshape(groups)
+    biases = (-(dmin * m.astype(np.float32))).reshape(groups)
+    return _as_bytes(q.reshape(n, QK_K), shape), scales, biases
+
+
 def _built(ttype: int):
-    """The triple builder of a k-quant type this module builds (None: mx.load's cast stands)."""
+    """The triple builder of a type this module builds instead of ``mx.load``
+    (which casts Q4_K / Q6_K to float16 and cannot read the 5-bit types), or
+    None: mx.load's arrays stand."""
     if ttype == Q4_K:
         return q4_k_affine
+    if ttype == Q5_K:
+        return q5_k_affine
+    if ttype in _BLOCKS5:
+        return lambda raw, shape: q5_affine(raw, shape, ttype)
     if ttype == Q6_K and q6_k_format() == "int8":
         return q6_k_affine
     return None
