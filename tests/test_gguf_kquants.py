@@ -381,6 +381,11 @@ def test_a_type_mlx_cannot_load_is_named(tmp_path):
     write_gguf(path, {"a.weight": (11, (2, 256), data.tobytes())}, {"general.architecture": "llama"})  # Q3_K
     with pytest.raises(ValueError, match="Q3_K tensors, which MLX's GGUF reader cannot load"):
         gguf.read_gguf(path)
+    data = np.random.default_rng(1).integers(0, 256, (2, 136), dtype=np.uint8)
+    data[:, :2] = 0  # d: finite
+    write_gguf(path, {"a.weight": (23, (2, 256), data.tobytes())}, {"general.architecture": "llama"})  # IQ4_XS
+    with pytest.raises(ValueError, match="IQ4_XS tensors, which MLX's GGUF reader cannot load"):
+        gguf.read_gguf(path)
 
 
 def test_a_q4_k_row_that_is_not_whole_superblocks_is_refused(tmp_path):

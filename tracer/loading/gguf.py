@@ -109,7 +109,8 @@ def read_gguf(path: Union[str, Path]) -> Tuple[Dict[str, mx.array], dict]:
 
 
 # tensor types MLX 0.32's GGUF reader cannot convert ("gguf_tensor_to_f16 failed") and this package does not build
-_MLX_CANNOT = {11: "Q3_K"}  # (Q5_0, Q5_1, Q5_K: built by gguf_readonly)
+_MLX_CANNOT = {11: "Q3_K", 16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S",
+               22: "IQ2_S", 23: "IQ4_XS", 29: "IQ1_M"}  # (Q5_0, Q5_1, Q5_K: built by gguf_readonly)
 
 
 def _damage(p: Path):
