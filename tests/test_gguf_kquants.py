@@ -128,11 +128,7 @@ def test_a_q5_k_model_decodes_as_its_float_reference_on_the_kernels(tmp_path):
                                                                    nn.QuantizedEmbedding))]
     assert len(mods) == 2 * 7 + 2 and all(
         isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and (m.bits, m.group_size) == (8, 32) for m in mods)
-    exact = _float_model(_reference_weights(path), meta, np.float32)
-    ids = mx.array([PROMPT + [3, 7, 11, 90]])
-    np.testing.assert_allclose(np.array(model(ids)), np.array(exact(ids)), rtol=0, atol=2e-4)
-    want = eager_greedy(exact, PROMPT, STEPS)
-    assert _margins(exact, PROMPT, want).min() > 0.05
+    want = _reference_tokens(model, path, meta, atol=2e-4)  # ggml's values exactly: summation order only
     assert eager_greedy(model, PROMPT, STEPS) == want
     assert why_not(model) is None
     from mlx_tracer.runtime.step import CompiledModel
@@ -487,6 +483,26 @@ def test_a_q4_k_model_is_4_bit_blocks_and_decodes_as_its_float_reference(kquant_
     assert solo_tokens(apply_format(model, "quantized"), PROMPT, STEPS) == want
 
 
+def _reread_read_only(path, weights, monkeypatch):
+    """read_gguf as if the file could not be written: the same arrays as ``weights``."""
+    monkeypatch.setattr(gguf, "opens_for_writing", lambda p: False)
+    again, _ = gguf.read_gguf(path)
+    assert sorted(again) == sorted(weights)
+    assert all(again[k].dtype == weights[k].dtype and np.array_equal(np.array(again[k]), np.array(weights[k]))
+               for k in weights)
+
+
+def _reference_tokens(model, path, meta, atol):
+    """The greedy tokens of ggml's values as float32 layers, ``model``'s
+    logits checked within ``atol`` of theirs first."""
+    exact = _float_model(_reference_weights(path), meta, np.float32)
+    ids = mx.array([PROMPT + [3, 7, 11, 90]])
+    np.testing.assert_allclose(np.array(model(ids)), np.array(exact(ids)), rtol=0, atol=atol)
+    want = eager_greedy(exact, PROMPT, STEPS)
+    assert _margins(exact, PROMPT, want).min() > 0.05  # so that rounding cannot flip a token
+    return want
+
+
 def test_a_file_mixing_q4_k_and_q6_k_runs_every_layer_on_the_kernels(tmp_path, monkeypatch):
     """(d) As a Q4_K_M file: layer 0's attn_v and ffn_down and the head are
     Q6_K, the rest Q4_K. Q6_K loads as 8-bit blocks (q6_k_affine), layer 0's
@@ -505,20 +521,10 @@ def test_a_file_mixing_q4_k_and_q6_k_runs_every_layer_on_the_kernels(tmp_path, m
                              model.lm_head)] == [eight] * 5
     assert [fmt(m) for m in (l0.mlp.gate_proj, l1.self_attn.q_proj, l1.self_attn.v_proj, l1.mlp.down_proj)] == [four] * 4
     assert why_not(model) is None
-    # the read-only reader builds the same arrays (Q6_K too, no temporary copy)
-    monkeypatch.setattr(gguf, "opens_for_writing", lambda p: False)
-    again, _ = gguf.read_gguf(path)
-    assert sorted(again) == sorted(weights)
-    assert all(again[k].dtype == weights[k].dtype and np.array_equal(np.array(again[k]), np.array(weights[k]))
-               for k in weights)
-
-    exact = _float_model(_reference_weights(path), meta, np.float32)
-    ids = mx.array([PROMPT + [3, 7, 11, 90]])
+    _reread_read_only(path, weights, monkeypatch)  # the read-only reader: Q6_K too, no temporary copy
     # the Q6_K layers' rounding (q6_k_affine's contract): measured max |diff| 0.044 on logits of std 1.3 (the
     # file's int8 scales are uniformly random, so a sub-block's neighbour is often far coarser: the worst case)
-    np.testing.assert_allclose(np.array(model(ids)), np.array(exact(ids)), rtol=0, atol=0.08)
-    want = eager_greedy(exact, PROMPT, STEPS)
-    assert _margins(exact, PROMPT, want).min() > 0.05
+    want = _reference_tokens(model, path, meta, atol=0.08)
     assert eager_greedy(model, PROMPT, STEPS) == want
     assert solo_tokens(model, PROMPT, STEPS) == want
 
@@ -563,18 +569,10 @@ def test_a_file_mixing_q4_k_and_q6_k_with_q6_k_as_float16(tmp_path, monkeypatch,
                for m in (l0.self_attn.q_proj, l0.self_attn.k_proj, l1.self_attn.v_proj, l1.mlp.down_proj))
     assert why_not(model) is None
     # read-only: Q6_K is not read there, so mx.load of a temporary copy, then the same Q4_K triples
-    monkeypatch.setattr(gguf, "opens_for_writing", lambda p: False)
-    again, _ = gguf.read_gguf(path)
+    _reread_read_only(path, weights, monkeypatch)
     assert "loading a temporary copy" in capsys.readouterr().err
-    assert sorted(again) == sorted(weights)
-    assert all(again[k].dtype == weights[k].dtype and np.array_equal(np.array(again[k]), np.array(weights[k]))
-               for k in weights)
-
-    exact = _float_model(_reference_weights(path), meta, np.float32)
-    ids = mx.array([PROMPT + [3, 7, 11, 90]])
     # the Q6_K layers' float16 rounding: measured max |diff| 0.0018 on logits of std 1.3
-    np.testing.assert_allclose(np.array(model(ids)), np.array(exact(ids)), rtol=0, atol=0.02)
-    want = eager_greedy(exact, PROMPT, STEPS)
+    want = _reference_tokens(model, path, meta, atol=0.02)
     assert eager_greedy(model, PROMPT, STEPS) == want  # float16 Q6_K layers: within the margins
     assert solo_tokens(model, PROMPT, STEPS) == want
 
