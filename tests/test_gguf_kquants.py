@@ -593,3 +593,26 @@ def test_a_file_mixing_q4_k_and_q6_k_with_q6_k_as_float16(tmp_path, monkeypatch,
     for a, b in zip(got, ref):
         np.testing.assert_allclose(np.array(a), np.array(b), rtol=0, atol=1e-4)
     assert solo_tokens(apply_format(model, "quantized"), PROMPT, STEPS) == want  # Q6_K as float32 Linears
+
+
+def test_load_model_says_how_q6_k_loads_and_checks_the_setting_first(tmp_path, monkeypatch):
+    """load_model logs that a file's Q6_K tensors are 8-bit blocks (nothing
+    for a file without them); a bad MLX_TRACER_Q6_K is refused before the
+    path is even looked at."""
+    from mlx_tracer.loading.load import load_model
+
+    mixed, plain = tmp_path / "mixed.gguf", tmp_path / "plain.gguf"
+    tiny_kquant_llama(mixed, seed=1, mixed=True)
+    tiny_kquant_llama(plain, seed=1)
+    monkeypatch.setattr("mlx_tracer.loading.load.load_gguf", lambda p: (gguf.build_model(*gguf.read_gguf(p)), None))
+    for path, says in ((mixed, True), (plain, False)):
+        lines = []
+        load_model(path, progress=False, weights="as-is", log=lines.append)
+        assert any("Q6_K tensors are 8-bit blocks" in line for line in lines) == says, lines
+    monkeypatch.setenv("MLX_TRACER_Q6_K", "float16")
+    lines = []
+    model, _ = load_model(mixed, progress=False, weights="as-is", log=lines.append)
+    assert not lines and type(model.lm_head) is nn.Linear
+    monkeypatch.setenv("MLX_TRACER_Q6_K", "bf16")
+    with pytest.raises(ValueError, match="MLX_TRACER_Q6_K='bf16'"):
+        load_model(tmp_path / "missing.gguf", progress=False, weights="as-is")

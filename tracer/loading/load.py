@@ -43,9 +43,11 @@ def load_model(path: Optional[Union[str, Path]] = None, progress: bool = True, w
 
     from ..backend.jit import check_compiler
     from . import store
+    from .gguf_readonly import Q6_K, q6_k_format, tensor_types
     from .weights import apply_format, check_format, choose_format
 
     check_format(weights)
+    q6_k_format()  # a bad $MLX_TRACER_Q6_K says so before anything is fetched or read
     check_compiler()
     if path is None and not os.environ.get(store.ENV_MODEL):
         target = store.default_model_path()
@@ -61,6 +63,9 @@ def load_model(path: Optional[Union[str, Path]] = None, progress: bool = True, w
         return load_gguf(target)
 
     model, tokenizer = read()
+    if not target.is_dir() and q6_k_format() == "int8" and Q6_K in tensor_types(target):
+        log("its Q6_K tensors are 8-bit blocks: in each group of 32, one sub-block of 16 exactly the file's "
+            "values, the other within a quarter step (MLX_TRACER_Q6_K=float16: MLX's float16 cast)")
     file_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))  # the weights as the file holds them
     if weights == "auto":
         model, weights, _ = choose_format(model, target, lambda: read()[0], log)
