@@ -5,7 +5,8 @@ affine-quantized triples (``weight`` packed in uint32, ``scales``, ``biases``;
 group size 32), other tensors as plain arrays: other quantized types cast to
 float16. The k-quants of a Q4_K_M file are then replaced by affine triples
 read from the file's own bytes (group 32, float32 scales and biases): Q4_K
-by exact 4-bit ones (:func:`.gguf_readonly.q4_k_affine`), Q6_K by 8-bit ones
+by exact 4-bit ones (:func:`.gguf_readonly.q4_k_affine`), Q5_0/Q5_1/Q5_K
+(which MLX cannot read) by exact 8-bit ones, Q6_K by 8-bit ones
 (:func:`.gguf_readonly.q6_k_affine`: its sub-blocks of 16 with int8 scales
 have no exact form in MLX's groups of 32; half of each group exact, the
 other rounded to a quarter step; ``MLX_TRACER_Q6_K=float16`` keeps MLX's

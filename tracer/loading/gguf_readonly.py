@@ -16,18 +16,22 @@ for the tensor types llama GGUF files use here:
   scale`` (its int8 weights become ``x ^ 0x80``), Q4_1 stores its bias
   (the block's min) after the scale.
 
-Two types differ from ``mx.load`` on purpose (both of which MLX casts to
-float16), here and, through :func:`with_k_quants`, after ``mx.load``
-(:func:`mlx_tracer.loading.gguf.read_gguf`):
+Other types differ from ``mx.load`` on purpose, here and, through
+:func:`with_k_quants`, after ``mx.load`` (:func:`mlx_tracer.loading.gguf.read_gguf`):
 
-* **Q4_K** becomes an affine 4-bit triple (:func:`q4_k_affine`: group 32,
-  float32 scales and biases, exactly ggml's values);
-* **Q6_K** an affine 8-bit triple (:func:`q6_k_affine`: group 32, float32
-  scales and biases; of each group's two sub-blocks of 16, the one with the
-  larger scale exactly ggml's values, the other rounded to the group's 256
-  levels), unless ``MLX_TRACER_Q6_K=float16`` asks for MLX's float16 cast.
+* **Q4_K** (MLX casts it to float16) becomes an affine 4-bit triple
+  (:func:`q4_k_affine`: group 32, float32 scales and biases, exactly
+  ggml's values);
+* **Q5_0**, **Q5_1**, **Q5_K** (MLX cannot read them) affine 8-bit triples
+  of their 5-bit integers (:func:`q5_affine`, :func:`q5_k_affine`: exactly
+  ggml's values);
+* **Q6_K** (MLX casts it to float16) an affine 8-bit triple
+  (:func:`q6_k_affine`: group 32, float32 scales and biases; of each
+  group's two sub-blocks of 16, the one with the larger scale exactly
+  ggml's values, the other rounded to the group's 256 levels), unless
+  ``MLX_TRACER_Q6_K=float16`` asks for MLX's float16 cast.
 
-A file holding any other tensor type (Q5_K, ...) is loaded by
+A file holding any other tensor type (Q2_K, ...) is loaded by
 ``mx.load`` from a temporary copy instead, said once on stderr, its k-quant
 tensors then replaced by their triples. Metadata follows MLX too:
 scalars as 0-d arrays of their type, strings as ``str``, arrays as 1-d
@@ -38,6 +42,7 @@ means them to (MLX 0.32 itself crashes on them).
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import shutil
 import struct
@@ -187,11 +192,8 @@ def tensor_types(path: Path) -> set:
     milliseconds, where :func:`scan` takes ~0.4 s); an empty set for a
     file this walk cannot follow (:func:`scan` then names what is wrong)."""
     try:
-        with open(path, "rb") as f:
-            import mmap
-
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-                return _walk_types(m)
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            return _walk_types(m)
     except (OSError, ValueError, struct.error, KeyError):
         return set()
 
