@@ -140,9 +140,10 @@ def test_a_q5_k_model_decodes_as_its_float_reference_on_the_kernels(tmp_path):
     assert solo_tokens(apply_format(model, "quantized-split"), PROMPT, STEPS) == want
 
 
-def test_tensor_types_walks_past_the_metadata_as_scan_does(tmp_path, kquant_file):
+def test_tensor_types_walks_past_the_metadata_as_scan_does(tmp_path, kquant_file, monkeypatch):
     """The quick walk over a file's metadata (which picks the reader) finds
-    the tensor types scan finds; on a file it cannot follow, none."""
+    the tensor types scan finds, and a writable file with k-quants is read
+    without MLX's reader; on a file it cannot follow, no types."""
     mixed = tmp_path / "mixed.gguf"
     tiny_kquant_llama(mixed, seed=1, mixed=True)
     files = [kquant_file, mixed]
@@ -154,6 +155,11 @@ def test_tensor_types_walks_past_the_metadata_as_scan_does(tmp_path, kquant_file
         want = {t for _, _, t, _, _ in gguf_readonly.scan(np.memmap(f, dtype=np.uint8, mode="r"))[1]}
         assert gguf_readonly.tensor_types(f) == want, f
     assert gguf_readonly.builds_k_quants(mixed) and gguf_readonly.tensor_types(mixed) == {0, Q4_K, Q6_K}
+    # a writable file with k-quants is read by the module's own reader: MLX's is not called
+    with monkeypatch.context() as patch:
+        patch.setattr(mx, "load", lambda *a, **k: pytest.fail("mx.load read a file with k-quants the loader builds"))
+        weights, _ = gguf.read_gguf(mixed)
+    assert weights["output.weight"].dtype == mx.uint32
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(mixed.read_bytes()[:200])
     assert gguf_readonly.tensor_types(cut) == set()

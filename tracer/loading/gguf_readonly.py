@@ -349,10 +349,9 @@ def q6_k_affine(raw: np.ndarray, shape: tuple) -> Tuple[np.ndarray, np.ndarray, 
     levels += 128
     packed = np.clip(levels, 0, 255, out=levels).astype(np.uint8).reshape(n, QK_K)
     groups = tuple(shape[:-1]) + (shape[-1] // GROUP,)
-    weight = np.ascontiguousarray(packed).view("<u4").reshape(tuple(shape[:-1]) + (shape[-1] // 4,))
     scales = (big / np.float32(4)).astype(np.float32)
     biases = (big * np.float32(-32)).astype(np.float32)
-    return weight, scales.reshape(groups), biases.reshape(groups)
+    return _as_bytes(packed, shape), scales.reshape(groups), biases.reshape(groups)
 
 
 def _as_bytes(levels: np.ndarray, shape: tuple) -> np.ndarray:
@@ -486,8 +485,8 @@ def read(path: Path) -> Tuple[Dict[str, mx.array], dict]:
         raw = buf[start:start + size]
         if ttype in _FLOATS:
             put(name, mx.array(raw.view(_FLOATS[ttype]).reshape(shape)))
-        elif _built(ttype) is not None:
-            _put_triple(weights, name, _built(ttype)(raw, shape))
+        elif (build := _built(ttype)) is not None:
+            _put_triple(weights, name, build(raw, shape))
         else:
             weight, scales, biases = _quantized(raw, shape, ttype)
             put(name, weight)
