@@ -42,6 +42,7 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import scales as superblock
 from .qualify import ARRAYS, SUMMED, runs, table_rope
 
 
@@ -82,7 +83,7 @@ def widen_rows(e: nn.QuantizedEmbedding) -> nn.QuantizedEmbedding:
 QUANTIZED = (nn.QuantizedLinear, nn.QuantizedEmbedding, Float32RowsEmbedding, nn.QuantizedAllToShardedLinear,
              nn.QuantizedShardedToAllLinear)
 QMM_BITS, QMM_GROUPS = (4, 8), (32, 64, 128)
-QMM_SCALES = (mx.float16, mx.bfloat16, mx.float32)
+QMM_SCALES = (mx.float16, mx.bfloat16, mx.float32, mx.uint8)  # uint8: superblock scales (scales.py)
 CONTRACT_ATTR = "mlx_tracer_qmm_contract"  # a model attribute: qmm's contract (absent: "exact")
 QMM_CONTRACTS = ("exact", "factored", "fast", "split")
 
@@ -108,7 +109,7 @@ class LinearGroup:
         self.reduce = m0.group if type(m0) in SUMMED else None
         self.keys = [k for k in ARRAYS if k in m0]
         self.runs = [self]  # the matmuls of the group: this one
-        self.p = self._build()
+        self.p = self._build(qmm is not None)
         self.kernel = qmm if qmm is not None and self._qmm_takes() else None
 
     def _qmm_takes(self) -> bool:
@@ -118,19 +119,49 @@ class LinearGroup:
         return (mode == "affine" and bits in QMM_BITS and group_size in QMM_GROUPS
                 and self.p["scales"].dtype in QMM_SCALES and self.p["biases"].dtype == self.p["scales"].dtype)
 
-    def _build(self) -> Dict[str, mx.array]:
+    def _superblocks(self, kernel: bool) -> Optional[List[tuple]]:
+        """Each member's scales and biases in superblock form (:mod:`.scales`:
+        the k-quants' float32 ones at 0.75 bits a weight instead of 2, the
+        same values), where the native matmul will read them and every
+        member has them; else None."""
+        if not kernel or self.quant is None or self.quant[0] != 32 or self.quant[2] != "affine" or not superblock.enabled():
+            return None
+        if any(type(m) is not nn.QuantizedLinear for m in self.mods):
+            return None
+        found = []
+        for m in self.mods:
+            sb = superblock.of_module(m)
+            if sb is None:
+                return None
+            found.append(sb)
+        return found
+
+    def _build(self, kernel: bool) -> Dict[str, mx.array]:
+        sb = self._superblocks(kernel)
+        keys = [k for k in self.keys if sb is None or k not in ("scales", "biases")]
         if len(self.mods) > 1:
-            fused = {k: mx.concatenate([m[k] for m in self.mods], axis=0) for k in self.keys}
+            fused = {k: mx.concatenate([m[k] for m in self.mods], axis=0) for k in keys}
             mx.eval(fused)
             start = 0
             for m in self.mods:  # the modules hold views of the fused buffer from now on
                 n = m["weight"].shape[0]
-                for k in self.keys:
+                for k in keys:
                     m[k] = fused[k][start : start + n]
                 start += n
-            mx.eval([m[k] for m in self.mods for k in self.keys])
+            mx.eval([m[k] for m in self.mods for k in keys])
         else:
-            fused = {k: self.mods[0][k] for k in self.keys}
+            fused = {k: self.mods[0][k] for k in keys}
+        if sb is not None:  # the members' rows of one scales and one biases buffer, the modules lazy float32 of them
+            both = [mx.concatenate(part, axis=0) if len(part) > 1 else part[0] for part in zip(*sb)]
+            mx.eval(both)
+            fused["scales"], fused["biases"] = both
+            start = 0
+            for m, (s, _) in zip(self.mods, sb):
+                n = s.shape[0]
+                rows = [a[start : start + n] for a in both]
+                mx.eval(rows)
+                superblock.hold(m, *rows)
+                start += n
         if self.quant is None:
             fused["wt"] = fused.pop("weight").T
         mx.eval(fused)

@@ -1410,7 +1410,7 @@ void swiglu_rows(const float* gu, size_t M, int F, float* out) {
 struct Slot {
   const char* name;
   bool required;
-  char kind;  // 'f': float32; 'b': bool; 'w': a weight (float32 or packed); 'q': a packed weight's scales or biases;
+  char kind;  // 'f': float32; 'b': bool; 'w': a weight (float32 or packed); 'q': a packed weight's scales or biases (superblock ones too);
               // 'k': cached keys or values (float32, float16, bfloat16, or packed with float32 scales and biases)
 };
 
@@ -1499,13 +1499,13 @@ class Inputs {
                         : kind == 'b' ? t == mx::bool_
                         : kind == 'w' ? t == mx::float32 || t == mx::uint32
                         : kind == 'k' ? t == mx::float32 || t == mx::float16 || t == mx::bfloat16 || t == mx::uint32
-                                      : t == mx::float32 || t == mx::float16 || t == mx::bfloat16;
+                                      : t == mx::float32 || t == mx::float16 || t == mx::bfloat16 || t == mx::uint8;
         need(ok, std::string(kernel) + ": input '" + slots[s].name + "' must be " +
                      (kind == 'f'   ? "float32"
                       : kind == 'b' ? "bool"
                       : kind == 'w' ? "float32 (a matrix) or uint32 (packed blocks)"
                       : kind == 'k' ? "float32, float16, bfloat16 or uint32 (packed blocks)"
-                                    : "float32, float16 or bfloat16"));
+                                    : "float32, float16, bfloat16 or uint8 (superblock scales)"));
         at_[s] = int(out.size());
         out.push_back(*it->second);
       }
@@ -1521,6 +1521,12 @@ class Inputs {
  private:
   std::vector<int> at_;
 };
+
+// The groups a row of scales [N, ...] holds: its columns, or for superblock
+// scales (uint8: G int8 multipliers, then G / 8 float32 steps) two thirds of its bytes.
+int groups_of(const array& scales) {
+  return scales.dtype() == mx::uint8 ? scales.shape(1) * 2 / 3 : scales.shape(1);
+}
 
 // ------------------------------------------------------------- primitives
 class Kernel : public mx::Primitive {
@@ -1613,8 +1619,9 @@ class Kernel : public mx::Primitive {
       array q = dense(a), sc = dense(at(in, scales)), bi = dense(at(in, biases));
       const auto t = sc.dtype() == mx::float16    ? tracer_qmm::ScaleType::f16
                      : sc.dtype() == mx::bfloat16 ? tracer_qmm::ScaleType::bf16
+                     : sc.dtype() == mx::uint8    ? tracer_qmm::ScaleType::sb
                                                   : tracer_qmm::ScaleType::f32;
-      v.packed = {q.data<uint32_t>(), sc.data<void>(), bi.data<void>(), t, q.shape(0), K, K / sc.shape(1),
+      v.packed = {q.data<uint32_t>(), sc.data<void>(), bi.data<void>(), t, q.shape(0), K, K / groups_of(sc),
                   q.shape(1) * 32 / K};
       v.contract = contract;
       return v;
@@ -2003,9 +2010,11 @@ int need_weight(const Inputs& at, const std::vector<array>& in, int w, int scale
   need(a.dtype() == mx::uint32 && (bits == 4 || bits == 8) && a.shape(1) * 32 == bits * K && (N < 0 || a.shape(0) == N),
        what + " with scales must be packed uint32 [N, " + k + " bits / 32] with 4 or 8 bits, got " + shape_of(a));
   const array &sc = at(in, scales), &bi = at(in, biases);
-  const int G = sc.ndim() == 2 ? sc.shape(1) : 0;
-  need(G > 0 && sc.shape(0) == a.shape(0) && K % G == 0 && (K / G == 32 || K / G == 64 || K / G == 128),
-       what + "_scales must be [N, " + k + " / group] with a group of 32, 64 or 128, got " + shape_of(sc));
+  const int G = sc.ndim() == 2 ? groups_of(sc) : 0;
+  need(G > 0 && sc.shape(0) == a.shape(0) && K % G == 0 && (K / G == 32 || K / G == 64 || K / G == 128) &&
+           (sc.dtype() != mx::uint8 || (G % 8 == 0 && sc.shape(1) == G * 3 / 2)),
+       what + "_scales must be [N, " + k + " / group] with a group of 32, 64 or 128 (superblock scales: uint8 [N, " +
+           k + " / group * 3 / 2], " + k + " / group a multiple of 8), got " + shape_of(sc));
   need(bi.shape() == sc.shape() && bi.dtype() == sc.dtype(), what + "_biases must match " + what + "_scales");
   return a.shape(0);
 }

@@ -136,7 +136,14 @@ using mx::array;
 
 // What the units share across their boundary (named: one type in every unit).
 namespace tracer_qmm_unit {
-enum class Scale { f32, f16, bf16 };
+// sb: superblock scales (qmm_api.h's ScaleType::sb): a row's G groups as G
+// int8 multipliers, then G / kSbGroups float32 steps, in one byte row.
+enum class Scale { f32, f16, bf16, sb };
+constexpr int kSbGroups = 8;  // groups a superblock step serves (GGUF's k-quants: 256 weights of groups of 32)
+// Bytes a row of G scales (or biases) takes in memory.
+constexpr size_t scale_row_bytes(Scale t, int G) {
+  return t == Scale::f32 ? 4 * size_t(G) : t == Scale::sb ? size_t(G) + 4 * size_t(G / kSbGroups) : 2 * size_t(G);
+}
 using Contract = tracer_qmm::Contract;  // qmm_api.h
 
 // One qmm call as its task sees it: pointers, no array references.
@@ -275,27 +282,65 @@ void halves_f16c(const uint16_t* h, int G, float* out) {
 #pragma GCC pop_options
 #endif
 
-// out [G] = G scales or biases from p + at, in float32.
-void widen(const void* p, Scale t, size_t at, int G, float* out, Halves halves) {
+// out [G] = row's superblock scales (G int8 multipliers, then G / kSbGroups
+// float32 steps) in float32: each step * multiplier, rounded once.
+using Steps = void (*)(const uint8_t* row, int G, float* out);
+
+void steps_portable(const uint8_t* row, int G, float* out) {
+  const int8_t* m = reinterpret_cast<const int8_t*>(row);
+  for (int b = 0; b < G / kSbGroups; ++b, m += kSbGroups, out += kSbGroups) {
+    float step;
+    std::memcpy(&step, row + G + sizeof(float) * b, sizeof(float));
+    for (int g = 0; g < kSbGroups; ++g) out[g] = step * float(m[g]);
+  }
+}
+
+#if defined(__x86_64__)
+#pragma GCC push_options
+#pragma GCC target("avx2")
+void steps_avx2(const uint8_t* row, int G, float* out) {
+  static_assert(kSbGroups == 8);
+  for (int b = 0; b < G / kSbGroups; ++b) {
+    float step;
+    std::memcpy(&step, row + G + sizeof(float) * b, sizeof(float));
+    const __m128i m = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + b * kSbGroups));
+    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(m));
+    _mm256_storeu_ps(out + b * kSbGroups, _mm256_mul_ps(_mm256_set1_ps(step), q));
+  }
+}
+#pragma GCC pop_options
+#endif
+
+// out [count] = count scales or biases from p + at (at and count in scales;
+// rows of G), in float32. Superblock ones: each the product of its step and
+// multiplier, rounded once (what the factoring checked reproduces the
+// float32 scale it replaced, bit for bit); whole rows only.
+void widen(const void* p, Scale t, size_t at, int count, float* out, Halves halves, Steps steps, int G) {
   const uint16_t* h = static_cast<const uint16_t*>(p) + at;
   switch (t) {
     case Scale::f32:
-      std::memcpy(out, static_cast<const float*>(p) + at, sizeof(float) * G);
+      std::memcpy(out, static_cast<const float*>(p) + at, sizeof(float) * count);
       break;
     case Scale::f16:
-      halves(h, G, out);
+      halves(h, count, out);
       break;
     case Scale::bf16:
-      for (int g = 0; g < G; ++g) out[g] = std::bit_cast<float>(uint32_t(h[g]) << 16);
+      for (int g = 0; g < count; ++g) out[g] = std::bit_cast<float>(uint32_t(h[g]) << 16);
       break;
+    case Scale::sb: {
+      const size_t rb = scale_row_bytes(t, G);
+      const uint8_t* row = static_cast<const uint8_t*>(p) + at / G * rb;
+      for (int r = 0; r < count / G; ++r) steps(row + r * rb, G, out + size_t(r) * G);
+      break;
+    }
   }
 }
 
 // s, b [K / group] = row n's scales and biases in float32.
-void row_params(const QmmJob& j, int n, float* s, float* b, Halves halves) {
+void row_params(const QmmJob& j, int n, float* s, float* b, Halves halves, Steps steps) {
   const int G = j.K / j.group;
-  widen(j.scales, j.scale, size_t(n) * G, G, s, halves);
-  widen(j.biases, j.scale, size_t(n) * G, G, b, halves);
+  widen(j.scales, j.scale, size_t(n) * G, G, s, halves, steps, G);
+  widen(j.biases, j.scale, size_t(n) * G, G, b, halves, steps, G);
 }
 
 // x of a 4-bit block in the order most paths' dequant gives its weights: the
@@ -538,6 +583,10 @@ const bool g_qmm_profile = [] {
 std::atomic<uint64_t> g_qmm_ns{0}, g_qmm_calls{0};
 
 // ------------------------------------------------------------ primitive
+Scale scale_of(mx::Dtype t) {
+  return t == mx::float16 ? Scale::f16 : t == mx::bfloat16 ? Scale::bf16 : t == mx::uint8 ? Scale::sb : Scale::f32;
+}
+
 void need(bool ok, const std::string& what) {
   if (!ok) throw std::invalid_argument("mlx_tracer qmm: " + what);
 }
@@ -563,7 +612,7 @@ class Qmm : public mx::Primitive {
     array x = rows_ok ? x0 : dense(x0), w = dense(in[1]), s = dense(in[2]), b = dense(in[3]);
     array& out = outputs[0];
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    const Scale scale = s.dtype() == mx::float16 ? Scale::f16 : s.dtype() == mx::bfloat16 ? Scale::bf16 : Scale::f32;
+    const Scale scale = scale_of(s.dtype());
     const QmmJob j{x.data<float>(), x.shape(0) == 1 ? size_t(x.shape(1)) : size_t(x.strides()[0]), w.data<uint32_t>(),
                    s.data<void>(), b.data<void>(), scale, x.shape(0), w.shape(0), x.shape(1), group_, bits_,
                    out.data<float>()};
@@ -609,7 +658,7 @@ class Qmm : public mx::Primitive {
         }
       });
     };
-    a.itemsize() == 2 ? copy(uint16_t{}) : copy(uint32_t{});
+    a.itemsize() == 1 ? copy(uint8_t{}) : a.itemsize() == 2 ? copy(uint16_t{}) : copy(uint32_t{});
     enc.add_temporary(out);  // alive until the tasks that read it ran
     return out;
   }
@@ -631,14 +680,19 @@ array qmm(const array& x, const array& w, const array& scales, const array& bias
        "w must be uint32 [N, K * bits / 32] = [N, " + std::to_string(K * bits / 32) + "] as mx.quantize packs it, got " +
            describe(w));
   const int N = w.shape(0);
-  const mx::Shape groups{N, K / group_size};
+  const int G = K / group_size;
   const mx::Dtype t = scales.dtype();
-  need(t == mx::float16 || t == mx::bfloat16 || t == mx::float32,
-       "scales must be float16, bfloat16 or float32, got " + describe(scales));
+  need(t == mx::float16 || t == mx::bfloat16 || t == mx::float32 || t == mx::uint8,
+       "scales must be float16, bfloat16, float32 or uint8 (superblock scales), got " + describe(scales));
   need(biases.dtype() == t, "biases must have the scales' dtype, got " + describe(biases) + " and " + describe(scales));
-  need(scales.shape() == groups && biases.shape() == groups, "scales and biases must be [N, K / group_size] = [" +
-                                                                 std::to_string(N) + ", " + std::to_string(K / group_size) +
-                                                                 "], got " + describe(scales) + " and " + describe(biases));
+  need(t != mx::uint8 || G % kSbGroups == 0, "superblock scales need K / group_size a multiple of " +
+                                                 std::to_string(kSbGroups) + ", got " + std::to_string(G));
+  const int width = t == mx::uint8 ? int(scale_row_bytes(Scale::sb, G)) : G;
+  const mx::Shape groups{N, width};
+  need(scales.shape() == groups && biases.shape() == groups,
+       std::string(t == mx::uint8 ? "superblock " : "") + "scales and biases must be [N, " +
+           (t == mx::uint8 ? "K / group_size * 3 / 2" : "K / group_size") + "] = [" + std::to_string(N) + ", " +
+           std::to_string(width) + "], got " + describe(scales) + " and " + describe(biases));
   auto prim = std::make_shared<Qmm>(mx::default_stream(mx::Device::cpu), group_size, bits, c);
   return array({M, N}, mx::float32, std::move(prim), {x, w, scales, biases});
 }
@@ -661,7 +715,10 @@ tracer_qmm::Contract tracer_qmm::contract_named(const std::string& name) {
 }
 
 void tracer_qmm::matmul(const float* x, size_t ldx, int M, const Packed& w, float* out, Contract contract) {
-  const Scale scale = w.scale == ScaleType::f16 ? Scale::f16 : w.scale == ScaleType::bf16 ? Scale::bf16 : Scale::f32;
+  const Scale scale = w.scale == ScaleType::f16    ? Scale::f16
+                      : w.scale == ScaleType::bf16 ? Scale::bf16
+                      : w.scale == ScaleType::sb   ? Scale::sb
+                                                   : Scale::f32;
   run(QmmJob{x, ldx, w.w, w.scales, w.biases, scale, M, w.N, w.K, w.group, w.bits, out}, contract);
 }
 

@@ -10,10 +10,17 @@
 
 namespace tracer_qmm {
 
-enum class ScaleType { f32, f16, bf16 };
+// sb: superblock scales: each row's G = K / group scales (or biases) as G
+// int8 multipliers m, then G / 8 float32 steps d (bytes, little-endian), one
+// uint8 row of G * 3 / 2 bytes; scale g = d[g / 8] * m[g] in float32, what
+// adapters/lean/scales.py factored out of float32 scales, bit for bit (GGUF's
+// k-quants: an fp16 step a superblock of 256 weights, 6-/8-bit integers a
+// group of 32). 0.75 bits a weight at group 32, against float32's 2.
+enum class ScaleType { f32, f16, bf16, sb };
 
 // A matrix [N, K] in MLX's affine quantization, as mx.quantize packs it:
-// w [N, K * bits / 32] uint32, scales and biases [N, K / group] of `scale`.
+// w [N, K * bits / 32] uint32, scales and biases [N, K / group] of `scale`
+// (sb: [N, K / group * 3 / 2] bytes).
 struct Packed {
   const uint32_t* w;
   const void* scales;

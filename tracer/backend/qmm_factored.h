@@ -94,8 +94,7 @@ struct FactoredTile {
 
 template <int BITS>
 void factored_rows_bits(const QmmJob& j, int n0, int n1) {
-  j.scale == Scale::f32 ? over_tiles(j, n0, n1, FactoredTile<BITS, float>{{j}})
-                        : over_tiles(j, n0, n1, FactoredTile<BITS, uint16_t>{{j}});
+  with_scales<FactoredTile, BITS>(j, [&](const auto& t) { over_tiles(j, n0, n1, t); });
 }
 
 // out[:, n0 .. n1) in the factored contract (j.M <= kSmallMaxM).

@@ -491,8 +491,8 @@ struct FastTile {
     buffer.resize(rows * (2 * G + (per > 1 ? B : 0)));
     float* ws = buffer.data();  // the rows' scales, then biases, as widened
     float* wb = ws + rows * G;
-    widen(j.scales, j.scale, size_t(n0) * G, rows * G, ws, halves);
-    widen(j.biases, j.scale, size_t(n0) * G, rows * G, wb, halves);
+    widen(j.scales, j.scale, size_t(n0) * G, rows * G, ws, halves, steps, G);
+    widen(j.biases, j.scale, size_t(n0) * G, rows * G, wb, halves, steps, G);
     if (per == 1) return {ws, wb, G, G, n0};
     float* s = wb + rows * G;
     const int shift = per == 2 ? 1 : 2;

@@ -6,6 +6,7 @@
 //   kRows(mt), kAcc(mt)  weight rows a tile of mt x rows takes at once, and the
 //                 accumulators each (row, x row) pair has (enough independent chains);
 //   halves        float16 scales to float32;
+//   steps         a row of superblock scales to float32 (qmm.cpp's widen);
 //   splat, loadu, storeu, add, fmadd (a * b + c), hsum (lanes in a fixed order);
 //   Group, group<BITS, X>(scale, bias)  what dequant needs of a group;
 //   dequant<BITS, X>(p, group, w)  the 32 weights of the packed block at p, each
@@ -128,7 +129,9 @@ void over_tiles(const QmmJob& j, int n0, int n1, const Tile& t) {
 // float32 ones (S = float) read where they lie; float16 or bfloat16 ones
 // (S = uint16_t) widened kParamRows rows at a time, just before their tiles,
 // and dequantized with one fused multiply-add (dequant's X: exact products);
-// the next kParamRows rows' halves are prefetched then (0.5.7: a pipelined
+// superblock ones (S = int8_t) widened alike, then dequantized as float32
+// ones (their products need up to 18 bits: not exact with q's); the next
+// kParamRows rows' parameters are prefetched then (0.5.7: a pipelined
 // bucket-1 SmolLM2 decode 9.59 -> 9.28 and 9.73 -> 9.57 ms a token, the two
 // codes taking turns every 0.25 s in one process).
 // 0.5.5 widened a whole chunk's in a pass before its tiles (SmolLM2's 120
@@ -148,12 +151,13 @@ struct ExactTile {
       const size_t n = (n1 - n0) * G;  // the rows' scales, then their biases, in float32
       thread_local std::vector<float> rows;
       if (rows.size() < 2 * n) rows.resize(2 * n);
-      widen(j.scales, j.scale, n0 * G, int(n), rows.data(), halves);
-      widen(j.biases, j.scale, n0 * G, int(n), rows.data() + n, halves);
-      // the next rows' halves, which the hardware prefetchers do not fetch in
+      widen(j.scales, j.scale, n0 * G, int(n), rows.data(), halves, steps, int(G));
+      widen(j.biases, j.scale, n0 * G, int(n), rows.data() + n, halves, steps, int(G));
+      // the next rows' parameters, which the hardware prefetchers do not fetch in
       // time (perf: half of widen's samples on its loads' first use)
-      const size_t end = std::min<size_t>(j.N, n1 + kParamRows) * G * sizeof(uint16_t);
-      for (size_t at = n1 * G * sizeof(uint16_t); at < end; at += 64) {
+      const size_t rb = scale_row_bytes(j.scale, int(G));
+      const size_t end = std::min<size_t>(j.N, n1 + kParamRows) * rb;
+      for (size_t at = n1 * rb; at < end; at += 64) {
         prefetch(static_cast<const char*>(j.scales) + at), prefetch(static_cast<const char*>(j.biases) + at);
       }
       return {rows.data(), rows.data() + n, int(G), int(G), n0};
@@ -165,10 +169,17 @@ struct ExactTile {
   }
 };
 
+// fn(tile type) for the job's scales: in place (float32), widened halves, widened superblock ones.
+template <template <int, class> class Tile, int BITS, class Fn>
+inline void with_scales(const QmmJob& j, Fn fn) {
+  j.scale == Scale::f32  ? fn(Tile<BITS, float>{j})
+  : j.scale == Scale::sb ? fn(Tile<BITS, int8_t>{j})
+                         : fn(Tile<BITS, uint16_t>{j});
+}
+
 template <int BITS>
 void rows_small_bits(const QmmJob& j, int n0, int n1) {
-  j.scale == Scale::f32 ? over_tiles(j, n0, n1, ExactTile<BITS, float>{j})
-                        : over_tiles(j, n0, n1, ExactTile<BITS, uint16_t>{j});
+  with_scales<ExactTile, BITS>(j, [&](const auto& t) { over_tiles(j, n0, n1, t); });
 }
 
 // out[:, n0 .. n1) for few rows of x, straight from the packed weights.
@@ -181,7 +192,7 @@ void dequant_rows_bits(const QmmJob& j, int n0, int n1, float* panel) {
   const int G = j.K / j.group;
   std::vector<float> params(2 * size_t(G));
   for (int n = n0; n < n1; ++n) {
-    row_params(j, n, params.data(), params.data() + G, halves);
+    row_params(j, n, params.data(), params.data() + G, halves, steps);
     const uint8_t* wr = packed_row(j, n);
     float* row = panel + size_t(n - n0) * j.K;
     for (int k = 0; k < j.K; k += kBlock) {
@@ -195,7 +206,7 @@ void dequant_rows_bits(const QmmJob& j, int n0, int n1, float* panel) {
 
 // panel [n1 - n0, K] = weight rows [n0, n1) dequantized, each block in block order.
 void dequant_rows(const QmmJob& j, int n0, int n1, float* panel) {
-  const bool x = j.scale != Scale::f32;  // widened halves: exact products (dequant)
+  const bool x = j.scale == Scale::f16 || j.scale == Scale::bf16;  // widened halves: exact products (dequant)
   j.bits == 4 ? (x ? dequant_rows_bits<4, true>(j, n0, n1, panel) : dequant_rows_bits<4, false>(j, n0, n1, panel))
               : (x ? dequant_rows_bits<8, true>(j, n0, n1, panel) : dequant_rows_bits<8, false>(j, n0, n1, panel));
 }

@@ -9,6 +9,7 @@ constexpr int L = 8, kTile = 4;
 constexpr int kRows(int) { return 1; }
 constexpr int kAcc(int) { return 4; }  // at every tile size: the same sums at every M
 constexpr Halves halves = halves_portable;
+constexpr Steps steps = steps_portable;
 struct F {
   float v[L];
 };

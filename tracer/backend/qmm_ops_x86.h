@@ -10,6 +10,7 @@
 #define QMM_X86_OPS(V, P)                                              \
   using F = V;                                                         \
   constexpr Halves halves = halves_f16c;                               \
+  constexpr Steps steps = steps_avx2;                                  \
   inline F splat(float a) { return P##_set1_ps(a); }                   \
   inline F loadu(const float* p) { return P##_loadu_ps(p); }           \
   inline void storeu(float* p, F a) { P##_storeu_ps(p, a); }           \

@@ -1,0 +1,159 @@
+"""Superblock scales: float32 scales (or biases) held as a float32 step per
+8 groups times an int8 multiplier per group, the same values bit for bit.
+
+GGUF's k-quants load as MLX affine blocks of group 32 whose float32 scales
+are products of one fp16 step per 256 weights and a 6-bit (Q4_K, Q5_K) or
+int8 (Q6_K) integer per group (:mod:`tracer.loading.gguf_readonly`):
+``d * sc`` and ``-(dmin * m)`` for Q4_K / Q5_K, ``(d / 4) * sc`` and
+``(-32 d) * sc`` for Q6_K's 8-bit blocks. As float32 they take 2 bits a
+weight for scales and biases together; as steps and multipliers 0.75, the
+file's own bytes give or take. The native quantized matmul (``qmm``, and the
+layer kernels through it) reads them in that form (``qmm_api.h``'s
+``ScaleType::sb``) and forms each scale as ``step * multiplier`` in float32,
+the one rounding :func:`factor` checked reproduces the original's bits.
+
+The form is a uint8 array ``[N, G * 3 / 2]``: each row's G int8 multipliers,
+then its ``G / 8`` float32 steps as little-endian bytes.
+
+:func:`factor` finds the form from the float32 values alone (no hint from
+the loader, so it holds whatever the loading did to the rows: the rotary
+permutation of q/k, the widening of fused groups), or says there is none:
+a step per superblock is tried as the superblock's largest value over a
+multiplier k (63 first: the k-quants' scales and mins reach it in every
+superblock; then 127, 128, then every k), kept where every value of the
+superblock is ``step * m`` for an integer ``|m| <= 127`` (-128 too), its bits
+(signed zeros included) equal. :func:`expand` is the inverse, with MLX's ops.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import os
+
+import mlx.core as mx
+import numpy as np
+
+SUPER = 8  # groups a step serves (qmm.cpp's kSbGroups)
+ENV = "MLX_TRACER_SUPERBLOCKS"  # "0": keep float32 scales (the form before 0.5.29; A/B and a way out)
+FIRST = (63, 127, 128)  # the multipliers k-quant superblocks' largest values have
+
+
+def width(groups: int) -> int:
+    """Bytes a row of ``groups`` superblock scales takes."""
+    return groups + 4 * (groups // SUPER)
+
+
+def _factor_rows(x: np.ndarray) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+    """``x [n, SUPER]`` float32 as (steps [n], multipliers [n, SUPER]) packed
+    per superblock as in the form (the multipliers, then the step's bytes),
+    or None where some superblock has none."""
+    n = x.shape[0]
+    bits = x.view(np.uint32)
+    top = x[np.arange(n), np.abs(x).argmax(axis=1)]
+    step = np.zeros(n, np.float32)
+    mult = np.zeros((n, SUPER), np.int8)
+    todo = np.arange(n)
+    for k in FIRST + tuple(k for k in range(128, 0, -1) if k not in FIRST):
+        for sign in (1, -1):
+            if todo.size == 0:
+                break
+            rows = x[todo] if todo.size < n else x
+            d = (top[todo] / np.float32(sign * k)).astype(np.float32)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                q = np.rint(rows / d[:, None])
+            q[~np.isfinite(q)] = 0
+            ok = ((q >= -128) & (q <= 127)).all(axis=1)
+            q = np.clip(q, -128, 127).astype(np.int8)  # what is stored (no -0: its product's sign is the step's)
+            back = d[:, None] * q.astype(np.float32)
+            ok &= (back.view(np.uint32) == (bits[todo] if todo.size < n else bits)).all(axis=1)
+            done = todo[ok]
+            step[done], mult[done] = d[ok], q[ok]
+            todo = todo[~ok]
+        if todo.size == 0:
+            return step, mult
+    return None
+
+
+def factor(a: mx.array) -> Optional[mx.array]:
+    """The superblock form (uint8 ``[N, G * 3 / 2]``) of float32 ``a [N, G]``
+    (``G`` a multiple of 8), or None where it has none."""
+    if a.dtype != mx.float32 or a.ndim != 2 or a.shape[1] % SUPER or a.size == 0:
+        return None
+    N, G = a.shape
+    found = _factor_rows(np.array(a, copy=False).reshape(-1, SUPER))
+    if found is None:
+        return None
+    step, mult = found
+    out = np.concatenate([mult.reshape(N, G).view(np.uint8), step.reshape(N, G // SUPER).view(np.uint8)], axis=1)
+    return mx.array(np.ascontiguousarray(out))
+
+
+def expand(sb: mx.array) -> mx.array:
+    """The float32 ``[N, G]`` values of superblock scales ``sb``, with MLX's
+    ops: ``step * multiplier``, one rounding, as the kernels compute them."""
+    N, G = sb.shape[0], sb.shape[1] * 2 // 3
+    mult = mx.view(sb[:, :G], mx.int8).astype(mx.float32).reshape(N, G // SUPER, SUPER)
+    step = mx.view(mx.contiguous(sb[:, G:]), mx.float32).reshape(N, G // SUPER, 1)
+    return (step * mult).reshape(N, G)
+
+
+def is_superblock(a: mx.array) -> bool:
+    """Whether ``a`` is superblock scales (the uint8 form)."""
+    return a.dtype == mx.uint8
+
+
+ATTR = "_mlx_tracer_superblocks"  # a module attribute (not a parameter): its Held
+
+
+class Held:
+    """A linear's superblock scales and biases (its rows of a fused group's),
+    and the float32 arrays the module itself holds in their place: lazy
+    :func:`expand` s of them, computed only if something runs the module's
+    own forward (then held as float32 from there on, as before)."""
+
+    __slots__ = ("scales", "biases", "of")
+
+    def __init__(self, scales: mx.array, biases: mx.array, of: Tuple[mx.array, mx.array]):
+        self.scales, self.biases, self.of = scales, biases, of
+
+
+def enabled() -> bool:
+    """Whether linears take superblock scales (``$MLX_TRACER_SUPERBLOCKS``:
+    unset or "1" yes, "0" no; anything else is an error saying so)."""
+    v = os.environ.get(ENV, "").strip() or "1"
+    if v not in ("0", "1"):
+        raise ValueError(f"{ENV}={v!r}: expected 1 (superblock scales where float32 ones factor) or 0 (float32 scales)")
+    return v == "1"
+
+
+def of_module(m) -> Optional[Tuple[mx.array, mx.array]]:
+    """``m``'s scales and biases in superblock form: what it holds (while its
+    arrays are the ones :func:`hold` gave it), else factored from its float32
+    ones; None where they have none."""
+    held = getattr(m, ATTR, None)
+    if held is not None and held.of[0] is m.get("scales") and held.of[1] is m.get("biases"):
+        return held.scales, held.biases
+    if "biases" not in m:
+        return None
+    s = factor(m["scales"])
+    b = factor(m["biases"]) if s is not None else None
+    return (s, b) if b is not None else None
+
+
+def hold(m, scales: mx.array, biases: mx.array) -> None:
+    """Give ``m`` lazy float32 expansions of superblock ``scales`` / ``biases``
+    in place of its own (which it then no longer keeps alive) and remember them."""
+    of = (expand(scales), expand(biases))
+    m["scales"], m["biases"] = of
+    object.__setattr__(m, ATTR, Held(scales, biases, of))
+
+
+def stored_bytes(m, key: str) -> Optional[int]:
+    """Bytes ``m[key]`` takes where it is a lazy stand-in of superblock scales
+    (``"scales"`` / ``"biases"`` of a module :func:`hold` served), else None."""
+    held = getattr(m, ATTR, None)
+    if held is None or key not in ("scales", "biases"):
+        return None
+    i = 0 if key == "scales" else 1
+    return (held.scales, held.biases)[i].nbytes if held.of[i] is m.get(key) else None
