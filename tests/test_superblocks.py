@@ -79,6 +79,26 @@ def test_values_with_no_superblock_form_are_left_as_they_are():
     assert scales.factor(mx.array(zeros)) is None
 
 
+@needs_kernels
+@pytest.mark.parametrize("kind", ["q4_k", "q6_k", "tiny", "normal"])
+def test_the_native_search_finds_what_numpys_finds(kind):
+    """kernels.superblocks (C++, what bind uses) and scales.factor's numpy
+    search: the same form where there is one, and None alike where not."""
+    rng = np.random.default_rng(5)
+    arrays = (rng.standard_normal((6, 32)).astype(np.float32),) if kind == "normal" else k_scales(rng, 29, 32, kind)
+    for a in arrays:
+        mine, native = scales.factor(mx.array(a)), scales.factor(mx.array(a), K.superblocks)
+        assert (mine is None) == (native is None) == (kind == "normal")
+        if mine is not None:
+            assert np.array_equal(np.array(mine), np.array(native))
+    with pytest.raises(ValueError, match="float32"):
+        K.superblocks(mx.zeros((2, 8), mx.float16))
+    if kind == "q4_k":  # a strided view reads as its copy
+        a = mx.array(arrays[0])
+        assert np.array_equal(np.array(K.superblocks(a.T.T[:, :16])), np.array(K.superblocks(mx.array(arrays[0][:, :16]))))
+        assert np.array_equal(np.array(K.superblocks(mx.array(arrays[0]).T.T)), np.array(K.superblocks(a)))
+
+
 def test_the_setting_is_checked(monkeypatch):
     monkeypatch.setenv(scales.ENV, "0")
     assert not scales.enabled()
@@ -171,3 +191,33 @@ def test_the_lean_forward_holds_k_quant_scales_as_superblocks(tmp_path, monkeypa
 def _scale_arrays(model):
     return {f"{n}.{k}": m[k] for n, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)
             for k in ("scales", "biases")}
+
+
+@needs_kernels
+def test_a_tied_head_reads_superblocks_and_its_lookups_gather_their_rows(tmp_path, monkeypatch):
+    """Without an output tensor the Q4_K embedding is the head too: the head
+    group holds superblock scales, and the embedding's lookups (the lean
+    forward's and the model's own) widen the gathered rows' superblocks: the
+    same tokens and logits as the float32 scales."""
+    from mlx_tracer.loading.weights import apply_format
+    from mlx_tracer.runtime.step import CompiledModel
+
+    from .test_lean import compiled_logits
+
+    path = tmp_path / "tied.gguf"
+    tiny_kquant_llama(path, seed=2)
+    weights, meta = gguf.read_gguf(path)
+    for k in [k for k in weights if k.startswith("output.")]:
+        weights.pop(k)
+    model = apply_format(gguf.build_model(weights, meta), "quantized-split")
+    assert model.args.tie_word_embeddings
+    eager = model(mx.array([PROMPT]))
+    monkeypatch.setenv(scales.ENV, "0")
+    want = compiled_logits(CompiledModel(model, fuse=True), PROMPT, 8)
+    monkeypatch.delenv(scales.ENV)
+    lean = CompiledModel(model, fuse=True)
+    assert lean.lean.buffers["head"]["scales"].dtype == mx.uint8
+    assert scales.held_by(model.model.embed_tokens) is not None
+    got = compiled_logits(lean, PROMPT, 8)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+    assert mx.array_equal(model(mx.array([PROMPT])), eager).item()

@@ -61,6 +61,11 @@ class Float32RowsEmbedding(nn.QuantizedEmbedding):
     in place."""
 
     def __call__(self, x):
+        held = superblock.held_by(self)
+        if held is not None:  # the tied head's superblock scales (scales.py): the rows' own, widened
+            return mx.dequantize(self["weight"][x], scales=superblock.expand(held.scales[x]),
+                                 biases=superblock.expand(held.biases[x]), group_size=self.group_size, bits=self.bits,
+                                 mode=self.mode)
         biases = self.get("biases")
         return mx.dequantize(self["weight"][x], scales=self["scales"][x].astype(mx.float32),
                              biases=biases[x].astype(mx.float32) if biases is not None else None,
@@ -98,10 +103,11 @@ class LinearGroup:
     ``qmm``: the native quantized matmul, used where it takes the group's
     quantization (:attr:`kernel`), else ``mx.quantized_matmul``; under
     ``contract`` (one of :data:`QMM_CONTRACTS`). ``reduce``: the group a sharded-to-all
-    linear all-sums its matmul over (None: no all-sum).
+    linear all-sums its matmul over (None: no all-sum). ``factor``: the
+    kernels' ``superblocks`` (:func:`.scales.factor`; None: numpy's).
     """
 
-    def __init__(self, mods, qmm=None, contract: str = "exact"):
+    def __init__(self, mods, qmm=None, contract: str = "exact", factor=None):
         self.mods = list(mods)
         self.contract = contract
         m0 = self.mods[0]
@@ -109,7 +115,7 @@ class LinearGroup:
         self.reduce = m0.group if type(m0) in SUMMED else None
         self.keys = [k for k in ARRAYS if k in m0]
         self.runs = [self]  # the matmuls of the group: this one
-        self.p = self._build(qmm is not None)
+        self.p = self._build(qmm is not None, factor)
         self.kernel = qmm if qmm is not None and self._qmm_takes() else None
 
     def _qmm_takes(self) -> bool:
@@ -119,25 +125,25 @@ class LinearGroup:
         return (mode == "affine" and bits in QMM_BITS and group_size in QMM_GROUPS
                 and self.p["scales"].dtype in QMM_SCALES and self.p["biases"].dtype == self.p["scales"].dtype)
 
-    def _superblocks(self, kernel: bool) -> Optional[List[tuple]]:
+    def _superblocks(self, kernel: bool, factor) -> Optional[List[tuple]]:
         """Each member's scales and biases in superblock form (:mod:`.scales`:
         the k-quants' float32 ones at 0.75 bits a weight instead of 2, the
         same values), where the native matmul will read them and every
         member has them; else None."""
         if not kernel or self.quant is None or self.quant[0] != 32 or self.quant[2] != "affine" or not superblock.enabled():
             return None
-        if any(type(m) is not nn.QuantizedLinear for m in self.mods):
-            return None
+        if any(type(m) not in (nn.QuantizedLinear, Float32RowsEmbedding) for m in self.mods):
+            return None  # (sharded linears: their own arrays; a plain QuantizedEmbedding's lookups read its scales)
         found = []
         for m in self.mods:
-            sb = superblock.of_module(m)
+            sb = superblock.of_module(m, factor)
             if sb is None:
                 return None
             found.append(sb)
         return found
 
-    def _build(self, kernel: bool) -> Dict[str, mx.array]:
-        sb = self._superblocks(kernel)
+    def _build(self, kernel: bool, factor=None) -> Dict[str, mx.array]:
+        sb = self._superblocks(kernel, factor)
         keys = [k for k in self.keys if sb is None or k not in ("scales", "biases")]
         if len(self.mods) > 1:
             fused = {k: mx.concatenate([m[k] for m in self.mods], axis=0) for k in keys}
@@ -212,8 +218,8 @@ class SplitGroup:
     reduce = None
     kernel = None
 
-    def __init__(self, parts, qmm=None, contract: str = "exact"):
-        self.runs = [LinearGroup(run, qmm, contract) for run in parts]
+    def __init__(self, parts, qmm=None, contract: str = "exact", factor=None):
+        self.runs = [LinearGroup(run, qmm, contract, factor) for run in parts]
         self.mods = [m for g in self.runs for m in g.mods]
         self.contract = contract
 
@@ -242,11 +248,11 @@ def _format(g: LinearGroup) -> str:
     return str(g.p["wt"].dtype).replace("mlx.core.", "")
 
 
-def linear_group(mods, qmm=None, contract: str = "exact"):
+def linear_group(mods, qmm=None, contract: str = "exact", factor=None):
     """The group of ``mods`` (in order): a :class:`LinearGroup` where they share
     one matmul, else a :class:`SplitGroup` of the runs that do."""
     parts = runs(list(mods))
-    return LinearGroup(parts[0], qmm, contract) if len(parts) == 1 else SplitGroup(parts, qmm, contract)
+    return LinearGroup(parts[0], qmm, contract, factor) if len(parts) == 1 else SplitGroup(parts, qmm, contract, factor)
 
 
 @dataclass
@@ -335,10 +341,11 @@ def _embedding_dtype(e):
     return e.scales.dtype if isinstance(e, nn.QuantizedEmbedding) else e.weight.dtype
 
 
-def bind(model, qmm=None) -> Binding:
+def bind(model, qmm=None, factor=None) -> Binding:
     """The binding of a qualifying model (:func:`~.qualify.why_not` is None).
     ``qmm``: the native quantized matmul (float32 activations only), under
-    the model's ``CONTRACT_ATTR`` ("exact" if it has none)."""
+    the model's ``CONTRACT_ATTR`` ("exact" if it has none); ``factor``: the
+    kernels' ``superblocks`` (:func:`.scales.factor`)."""
     contract = getattr(model, CONTRACT_ATTR, "exact")
     if contract not in QMM_CONTRACTS:
         raise ValueError(f"{CONTRACT_ATTR} must be one of {QMM_CONTRACTS}, got {contract!r}")
@@ -355,7 +362,7 @@ def bind(model, qmm=None) -> Binding:
         groups = {}
         for name, parent, keys in (("qkv", attn, ("q_proj", "k_proj", "v_proj")), ("o", attn, ("o_proj",)),
                                    ("gu", mlp, ("gate_proj", "up_proj")), ("down", mlp, ("down_proj",))):
-            group = groups[name] = linear_group([parent[k] for k in keys], qmm, contract)
+            group = groups[name] = linear_group([parent[k] for k in keys], qmm, contract, factor)
             watch += [(parent, k, m) for k, m in zip(keys, group.mods)] + group.watch()
         nq, nk = attn.n_heads, attn.n_kv_heads
         qk = (attn.q_norm, attn.k_norm) if "q_norm" in attn else None
@@ -367,7 +374,7 @@ def bind(model, qmm=None) -> Binding:
     head_module = inner.embed_tokens if tied else model.lm_head
     head_types = (nn.Linear, nn.Embedding) + ((nn.QuantizedLinear, nn.QuantizedEmbedding, Float32RowsEmbedding)
                                               if qmm is not None else ())
-    head = LinearGroup([head_module], qmm, contract) if type(head_module) in head_types else None
+    head = LinearGroup([head_module], qmm, contract, factor) if type(head_module) in head_types else None
     if isinstance(head_module, Float32RowsEmbedding) and head is not None and head.kernel is None:
         head = None  # a format qmm does not take: the module's own float32 arithmetic (as_linear)
     watch += [(inner, "embed_tokens", inner.embed_tokens), (inner, "norm", inner.norm)]

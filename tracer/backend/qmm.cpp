@@ -757,6 +757,58 @@ void tracer_qmm::parallel_for(int count, void (*fn)(const void* ctx, int i), con
   Pool::the().run(count, fn, ctx, count < 2);
 }
 
+// a [N, G] float32 as superblock scales (qmm_api.h's ScaleType::sb), or
+// nothing where some superblock has no step and int8 multipliers whose
+// products give back its values bit for bit (adapters/lean/scales.py states
+// the search: the largest value over k = 63, 127, 128, then every k, either sign).
+std::optional<array> superblocks(const array& given) {
+  need(given.dtype() == mx::float32 && given.ndim() == 2, "superblocks: a must be float32 [N, G], got " + describe(given));
+  const int N = given.shape(0), G = given.shape(1);
+  if (N == 0 || G == 0 || G % kSbGroups != 0) return std::nullopt;
+  array a = given;
+  a.eval();
+  const float* x = a.data<float>();
+  const int64_t s0 = a.strides()[0], s1 = a.strides()[1];
+  static const std::vector<int> order = [] {
+    std::vector<int> o{63, 127, 128};
+    for (int k = 128; k >= 1; --k) {
+      if (k != 63 && k != 127 && k != 128) o.push_back(k);
+    }
+    return o;
+  }();
+  const size_t rb = scale_row_bytes(Scale::sb, G);
+  std::vector<uint8_t> out(size_t(N) * rb);
+  auto fits = [](const float* v, float d, int8_t* m) {
+    for (int i = 0; i < kSbGroups; ++i) {
+      const float q = d != 0.0f ? std::nearbyint(v[i] / d) : 0.0f;  // ties to even, as np.rint
+      if (!(q >= -128.0f && q <= 127.0f)) return false;
+      m[i] = int8_t(q);
+      if (std::bit_cast<uint32_t>(d * float(m[i])) != std::bit_cast<uint32_t>(v[i])) return false;
+    }
+    return true;
+  };
+  for (int r = 0; r < N; ++r) {
+    uint8_t* row = out.data() + size_t(r) * rb;
+    for (int b = 0; b < G / kSbGroups; ++b) {
+      float v[kSbGroups];
+      for (int i = 0; i < kSbGroups; ++i) v[i] = x[r * s0 + (b * kSbGroups + i) * s1];
+      float top = v[0];
+      for (int i = 1; i < kSbGroups; ++i) top = std::fabs(v[i]) > std::fabs(top) ? v[i] : top;
+      int8_t m[kSbGroups];
+      bool found = false;
+      float step = 0.0f;
+      for (size_t c = 0; c < 2 * order.size() && !found; ++c) {
+        step = top / float(c % 2 ? -order[c / 2] : order[c / 2]);
+        found = fits(v, step, m);
+      }
+      if (!found) return std::nullopt;
+      std::memcpy(row + b * kSbGroups, m, kSbGroups);
+      std::memcpy(row + G + sizeof(float) * b, &step, sizeof(float));
+    }
+  }
+  return array(out.begin(), mx::Shape{N, int(rb)}, mx::uint8);
+}
+
 void register_qmm(nb::module_& m) {
   m.def("qmm", &qmm, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"),
         nb::arg("bits"), nb::arg("contract") = "exact",
@@ -764,6 +816,9 @@ void register_qmm(nb::module_& m) {
         "'exact' (each weight dequantized in float32, float32 sums), 'factored' (per group, scale * sum(q x) + "
         "bias * sum(x) in float32), 'fast' (x in int8 per 32-block, integer dot products) or 'split' (x as int8 "
         "plus an int8 remainder per 32-block, the fast contract's products of both added)");
+  m.def("superblocks", &superblocks, nb::arg("a"),
+        "a [N, G] float32 as superblock scales (uint8 [N, G * 3 / 2]: G int8 multipliers, then G / 8 float32 "
+        "steps), or None where they do not give back every value bit for bit");
   m.def("vector_math", [](const std::string& name, std::vector<float> a, std::vector<float> b, float shift) {
         need(name == "exp" || name == "swiglu", "vector_math: name must be 'exp' or 'swiglu'");
         need(name == "exp" || b.size() == a.size(), "vector_math: swiglu takes a and b of one length");
