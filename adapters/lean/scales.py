@@ -85,7 +85,7 @@ def factor(a: mx.array, native=None) -> Optional[mx.array]:
     if native is not None:
         return native(a)
     N, G = a.shape
-    found = _factor_rows(np.array(a, copy=False).reshape(-1, SUPER))
+    found = _factor_rows(np.asarray(a, dtype=np.float32).reshape(-1, SUPER))
     if found is None:
         return None
     step, mult = found
