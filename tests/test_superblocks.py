@@ -99,12 +99,19 @@ def test_the_native_search_finds_what_numpys_finds(kind):
         assert np.array_equal(np.array(K.superblocks(mx.array(arrays[0]).T.T)), np.array(K.superblocks(a)))
 
 
-def test_the_setting_is_checked(monkeypatch):
+def test_the_setting_is_checked_and_info_says_which(monkeypatch):
     monkeypatch.setenv(scales.ENV, "0")
     assert not scales.enabled()
+    if K is not None:
+        assert "k-quant scales float32 (MLX_TRACER_SUPERBLOCKS=0)" in kernels.status()
     monkeypatch.setenv(scales.ENV, "yes")
-    with pytest.raises(ValueError, match="MLX_TRACER_SUPERBLOCKS"):
+    with pytest.raises(ValueError, match="MLX_TRACER_SUPERBLOCKS='yes': expected 1"):
         scales.enabled()
+    if K is not None:
+        assert "MLX_TRACER_SUPERBLOCKS='yes': expected 1" in kernels.status()
+    monkeypatch.delenv(scales.ENV)
+    if K is not None:
+        assert "k-quant scales as superblocks (MLX_TRACER_SUPERBLOCKS=0: float32)" in kernels.status()
 
 
 @needs_kernels
@@ -221,3 +228,19 @@ def test_a_tied_head_reads_superblocks_and_its_lookups_gather_their_rows(tmp_pat
     got = compiled_logits(lean, PROMPT, 8)
     assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
     assert mx.array_equal(model(mx.array([PROMPT])), eager).item()
+
+
+def test_load_model_checks_the_setting_before_the_path(tmp_path, monkeypatch):
+    """A bad MLX_TRACER_SUPERBLOCKS is refused before the model is looked at
+    (the file here does not exist), and by the CLI with exit status 2."""
+    import subprocess
+    import sys
+
+    from mlx_tracer.loading.load import load_model
+
+    monkeypatch.setenv(scales.ENV, "2")
+    with pytest.raises(ValueError, match="MLX_TRACER_SUPERBLOCKS='2': expected 1"):
+        load_model(tmp_path / "missing.gguf", progress=False, weights="as-is")
+    run = subprocess.run([sys.executable, "-m", "mlx_tracer", "generate", "hi", "--model", str(tmp_path / "missing.gguf")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "MLX_TRACER_SUPERBLOCKS='2'" in run.stderr, (run.returncode, run.stderr[-500:])
