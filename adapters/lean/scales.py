@@ -133,6 +133,15 @@ def enabled() -> bool:
     return v == "1"
 
 
+def describe() -> str:
+    """How k-quant scales are held (``mlx-tracer info``), or what is wrong with the setting."""
+    try:
+        on = enabled()
+    except ValueError as e:
+        return str(e)
+    return f"k-quant scales as superblocks ({ENV}=0: float32)" if on else f"k-quant scales float32 ({ENV}=0)"
+
+
 def held_by(m) -> Optional[Held]:
     """What :func:`hold` gave ``m``, while its scales and biases are still those stand-ins."""
     held = getattr(m, ATTR, None)

@@ -283,24 +283,12 @@ def _packed_isa(module) -> str:
     return f" (the keys' products in integers: {module.qmm_int8_isa()})"
 
 
-def _scales() -> str:
-    """How k-quant scales are held (adapters/lean/scales.py), or what is wrong with the setting."""
-    from ..adapters.lean import scales
-
-    try:
-        on = scales.enabled()
-    except ValueError as e:
-        return str(e)
-    return (f"k-quant scales as superblocks ({scales.ENV}=0: float32)" if on
-            else f"k-quant scales float32 ({scales.ENV}=0)")
-
-
 def status() -> str:
     """One line for ``mlx-tracer info``."""
     module = load()
     if module is not None:
         return (f"active: the lean layers on the CPU, decode and windows (4 graph nodes a decode layer; float32 or "
-                f"packed 4-/8-bit projections; {_scales()}); quantized matmul {module.qmm_isa()} (integer products: "
+                f"packed 4-/8-bit projections); quantized matmul {module.qmm_isa()} (integer products: "
                 f"{module.qmm_int8_isa()}), {module.qmm_threads()} threads; "
                 f"decode attention {_ATTENTION[module.attention_mode()]}, {_PACKED[module.packed_attention()]}"
                 f"{_packed_isa(module)} "
