@@ -241,3 +241,23 @@ def test_load_model_checks_the_setting_before_the_path(tmp_path, monkeypatch):
     run = subprocess.run([sys.executable, "-m", "mlx_tracer", "generate", "hi", "--model", str(tmp_path / "missing.gguf")],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "MLX_TRACER_SUPERBLOCKS='2'" in run.stderr, (run.returncode, run.stderr[-500:])
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits,group", [(6, 32), (4, 64)])
+def test_a_format_qmm_does_not_take_keeps_its_float32_scales(bits, group):
+    """Factorable float32 scales on a linear the kernels do not run (6 bits, or
+    group 64: one superblock step would serve 512 weights) stay float32:
+    mx.quantized_matmul reads them."""
+    from mlx_tracer.adapters.lean.weights import LinearGroup
+
+    rng = np.random.default_rng(7)
+    lin = nn.QuantizedLinear(512, 64, bias=False, group_size=group, bits=bits)
+    s, b = k_scales(rng, 64, 512 // group, "q4_k")
+    lin.scales, lin.biases = mx.array(s), mx.array(b)
+    x = mx.random.normal((2, 512), key=mx.random.key(0))
+    want = lin(x)
+    g = LinearGroup([lin], K.qmm)
+    assert g.p["scales"].dtype == mx.float32 and scales.held_by(lin) is None
+    assert (g.kernel is None) == (bits == 6)
+    np.testing.assert_allclose(np.array(g(x)), np.array(want), rtol=1e-5, atol=1e-4)  # (qmm: sums in its order)

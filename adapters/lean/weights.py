@@ -130,8 +130,11 @@ class LinearGroup:
         the k-quants' float32 ones at 0.75 bits a weight instead of 2, the
         same values), where the native matmul will read them and every
         member has them; else None."""
-        if not kernel or self.quant is None or self.quant[0] != 32 or self.quant[2] != "affine" or not superblock.enabled():
+        if not kernel or self.quant is None or not superblock.enabled():
             return None
+        group_size, bits, mode = self.quant
+        if group_size != 32 or bits not in QMM_BITS or mode != "affine":
+            return None  # (a format qmm does not take keeps its scales: mx.quantized_matmul reads them)
         if any(type(m) not in (nn.QuantizedLinear, Float32RowsEmbedding) for m in self.mods):
             return None  # (sharded linears: their own arrays; a plain QuantizedEmbedding's lookups read its scales)
         found = []
