@@ -2,7 +2,8 @@
 k-quant's float32 scales and biases held as a float32 step per 8 groups
 times an int8 multiplier per group, 0.75 bits a weight instead of 2.
 
-The contract is *same bits*: :func:`scales.factor` keeps a form only where
+The contract is *same bits*: the search (``kernels.superblocks``, checked
+against :func:`reference_form`, a numpy version of it) keeps a form only where
 ``step * multiplier`` rounds back to every original float32 (signed zeros
 included); qmm reads it on every ISA path and contract to the same bits as
 the float32 scales it replaced; the lean forward gives its quantized groups
@@ -31,6 +32,35 @@ def bits_of(a) -> np.ndarray:
     return np.array(a, np.float32).view(np.uint32)
 
 
+def reference_form(a: np.ndarray):
+    """The superblock form of float32 ``a [N, G]`` by the search scales.py
+    states, in numpy (the native one's reference), or None."""
+    N, G = a.shape
+    x = np.ascontiguousarray(a, np.float32).reshape(-1, scales.SUPER)
+    n, bits = x.shape[0], x.reshape(-1, scales.SUPER).view(np.uint32)
+    top = x[np.arange(n), np.abs(x).argmax(axis=1)]
+    step, mult, todo = np.zeros(n, np.float32), np.zeros((n, scales.SUPER), np.int8), np.arange(n)
+    for k in (63, 127, 128) + tuple(k for k in range(128, 0, -1) if k not in (63, 127, 128)):
+        for sign in (1, -1):
+            d = (top[todo] / np.float32(sign * k)).astype(np.float32)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                q = np.rint(x[todo] / d[:, None])
+            q[~np.isfinite(q)] = 0
+            ok = ((q >= -128) & (q <= 127)).all(axis=1)
+            q = np.clip(q, -128, 127).astype(np.int8)  # as stored: no -0, the product's sign is the step's
+            ok &= ((d[:, None] * q.astype(np.float32)).view(np.uint32) == bits[todo]).all(axis=1)
+            step[todo[ok]], mult[todo[ok]] = d[ok], q[ok]
+            todo = todo[~ok]
+    if todo.size:
+        return None
+    return np.concatenate([mult.reshape(N, G).view(np.uint8), step.reshape(N, G // scales.SUPER).view(np.uint8)], axis=1)
+
+
+def form(a):
+    """The native search's form of float32 ``a`` (numpy or mx), through scales.factor as bind calls it."""
+    return scales.factor(mx.array(a) if isinstance(a, np.ndarray) else a, K.superblocks)
+
+
 def k_scales(rng, N, G, kind):
     """float32 scales and biases [N, G] as the k-quant loaders build them (gguf_readonly)."""
     shape = (N, G // 8, 8)
@@ -51,52 +81,54 @@ def k_scales(rng, N, G, kind):
     raise ValueError(kind)
 
 
+@needs_kernels
 @pytest.mark.parametrize("kind", ["q4_k", "q6_k", "tiny"])
 def test_factor_and_expand_give_back_every_bit(kind):
     s, b = k_scales(np.random.default_rng(0), 37, 64, kind)
     for a in (s, b):
-        sb = scales.factor(mx.array(a))
+        sb = form(a)
         assert sb is not None and sb.dtype == mx.uint8 and sb.shape == (37, 64 * 3 // 2)
         assert np.array_equal(bits_of(scales.expand(sb)), a.view(np.uint32))
     if kind == "q4_k":
         assert (b.view(np.uint32) == 0x80000000).any()  # -0.0 biases were there to keep
+    assert scales.factor(mx.array(s), None) is None  # no kernels: nothing would read the form
 
 
+@needs_kernels
 def test_values_with_no_superblock_form_are_left_as_they_are():
     rng = np.random.default_rng(1)
-    assert scales.factor(mx.array(rng.standard_normal((4, 64)).astype(np.float32))) is None
+    assert form(rng.standard_normal((4, 64)).astype(np.float32)) is None
     s, _ = k_scales(rng, 4, 64, "q4_k")
-    assert scales.factor(mx.array(s[:, :60])) is None  # G not a multiple of 8
-    assert scales.factor(mx.array(s).astype(mx.float16)) is None  # float16 scales stay (already 0.5 bits)
+    assert form(s[:, :60]) is None  # G not a multiple of 8
+    assert form(mx.array(s).astype(mx.float16)) is None  # float16 scales stay (already 0.5 bits)
     mixed = s.copy()
     mixed[2, 9] = np.float32(0.1234567)  # one value off its superblock's steps
-    assert scales.factor(mx.array(mixed)) is None
+    assert form(mixed) is None and reference_form(mixed) is None
     zeros = np.zeros((2, 16), np.float32)
     zeros[1] = -0.0  # a superblock of +0.0 and one of -0.0: a step of that sign each
-    got = scales.factor(mx.array(zeros))
+    got = form(zeros)
     assert got is not None and np.array_equal(bits_of(scales.expand(got)), zeros.view(np.uint32))
     zeros[1, 3] = 0.0  # +0.0 among -0.0: no one step gives both
-    assert scales.factor(mx.array(zeros)) is None
+    assert form(zeros) is None and reference_form(zeros) is None
 
 
 @needs_kernels
 @pytest.mark.parametrize("kind", ["q4_k", "q6_k", "tiny", "normal"])
-def test_the_native_search_finds_what_numpys_finds(kind):
-    """kernels.superblocks (C++, what bind uses) and scales.factor's numpy
-    search: the same form where there is one, and None alike where not."""
+def test_the_native_search_finds_what_the_reference_finds(kind):
+    """kernels.superblocks (C++, what bind uses) and the numpy reference: the
+    same form where there is one, and None alike where not."""
     rng = np.random.default_rng(5)
     arrays = (rng.standard_normal((6, 32)).astype(np.float32),) if kind == "normal" else k_scales(rng, 29, 32, kind)
     for a in arrays:
-        mine, native = scales.factor(mx.array(a)), scales.factor(mx.array(a), K.superblocks)
+        mine, native = reference_form(a), form(a)
         assert (mine is None) == (native is None) == (kind == "normal")
         if mine is not None:
-            assert np.array_equal(np.array(mine), np.array(native))
+            assert np.array_equal(mine, np.array(native))
     with pytest.raises(ValueError, match="float32"):
         K.superblocks(mx.zeros((2, 8), mx.float16))
     if kind == "q4_k":  # a strided view reads as its copy
         a = mx.array(arrays[0])
-        assert np.array_equal(np.array(K.superblocks(a.T.T[:, :16])), np.array(K.superblocks(mx.array(arrays[0][:, :16]))))
-        assert np.array_equal(np.array(K.superblocks(mx.array(arrays[0]).T.T)), np.array(K.superblocks(a)))
+        assert np.array_equal(np.array(K.superblocks(a[:, :16])), np.array(K.superblocks(mx.array(arrays[0][:, :16]))))
 
 
 def test_the_setting_is_checked_and_info_says_which(monkeypatch):
@@ -122,7 +154,7 @@ def test_qmm_reads_superblock_scales_to_the_bits_of_float32_ones(isa, contract, 
     N = 301
     s, b = (mx.array(a) for a in k_scales(rng, N, Kd // 32, kind))
     w = mx.array(rng.integers(0, 2 ** 32, (N, Kd * bits // 32), dtype=np.uint64).astype(np.uint32))
-    ss, bb = scales.factor(s), scales.factor(b)
+    ss, bb = form(s), form(b)
     with forced_isa(K, isa):
         for M in (1, 2, 3, 9, 70):
             x = mx.random.normal((M, Kd), key=mx.random.key(M))
@@ -135,7 +167,7 @@ def test_qmm_refuses_superblock_scales_of_the_wrong_shape():
     rng = np.random.default_rng(3)
     s, b = (mx.array(a) for a in k_scales(rng, 8, 16, "q4_k"))
     w = mx.zeros((8, 512 * 4 // 32), mx.uint32)
-    ss, bb = scales.factor(s), scales.factor(b)
+    ss, bb = form(s), form(b)
     x = mx.zeros((1, 512))
     with pytest.raises(ValueError, match=r"superblock scales and biases must be \[N, K / group_size \* 3 / 2\]"):
         K.qmm(x, w, ss[:, :-4], bb[:, :-4], 32, 4)
@@ -257,7 +289,7 @@ def test_a_format_qmm_does_not_take_keeps_its_float32_scales(bits, group):
     lin.scales, lin.biases = mx.array(s), mx.array(b)
     x = mx.random.normal((2, 512), key=mx.random.key(0))
     want = lin(x)
-    g = LinearGroup([lin], K.qmm)
+    g = LinearGroup([lin], K.qmm, factor=K.superblocks)
     assert g.p["scales"].dtype == mx.float32 and scales.held_by(lin) is None
     assert (g.kernel is None) == (bits == 6)
     np.testing.assert_allclose(np.array(g(x)), np.array(want), rtol=1e-5, atol=1e-4)  # (qmm: sums in its order)

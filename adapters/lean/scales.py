@@ -17,80 +17,37 @@ then its ``G / 8`` float32 steps as little-endian bytes.
 
 :func:`factor` finds the form from the float32 values alone (no hint from
 the loader, so it holds whatever the loading did to the rows: the rotary
-permutation of q/k, the widening of fused groups), or says there is none:
-a step per superblock is tried as the superblock's largest value over a
-multiplier k (63 first: the k-quants' scales and mins reach it in every
-superblock; then 127, 128, then every k), kept where every value of the
-superblock is ``step * m`` for an integer ``|m| <= 127`` (-128 too), its bits
-(signed zeros included) equal. :func:`expand` is the inverse, with MLX's ops.
+permutation of q/k, the widening of fused groups), or says there is none,
+with the native kernels' ``superblocks`` (qmm.cpp; the tests hold a numpy
+reference of the same search): a step per superblock is tried as the
+superblock's largest value over a multiplier k (63 first: the k-quants'
+scales and mins reach it in every superblock; then 127, 128, then every k,
+either sign), kept where every value of the superblock is ``step * m`` for
+an integer ``-128 <= m <= 127``, its bits (signed zeros included) equal.
+:func:`expand` is the inverse, with MLX's ops.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
-import os
-
 import mlx.core as mx
-import numpy as np
 
 SUPER = 8  # groups a step serves (qmm.cpp's kSbGroups)
 ENV = "MLX_TRACER_SUPERBLOCKS"  # "0": keep float32 scales (the form before 0.5.29; A/B and a way out)
 FIRST = (63, 127, 128)  # the multipliers k-quant superblocks' largest values have
 
 
-def width(groups: int) -> int:
-    """Bytes a row of ``groups`` superblock scales takes."""
-    return groups + 4 * (groups // SUPER)
-
-
-def _factor_rows(x: np.ndarray) -> Optional[Tuple[np.ndarray, np.ndarray]]:
-    """``x [n, SUPER]`` float32 as (steps [n], multipliers [n, SUPER]) packed
-    per superblock as in the form (the multipliers, then the step's bytes),
-    or None where some superblock has none."""
-    n = x.shape[0]
-    bits = x.view(np.uint32)
-    top = x[np.arange(n), np.abs(x).argmax(axis=1)]
-    step = np.zeros(n, np.float32)
-    mult = np.zeros((n, SUPER), np.int8)
-    todo = np.arange(n)
-    for k in FIRST + tuple(k for k in range(128, 0, -1) if k not in FIRST):
-        for sign in (1, -1):
-            if todo.size == 0:
-                break
-            rows = x[todo] if todo.size < n else x
-            d = (top[todo] / np.float32(sign * k)).astype(np.float32)
-            with np.errstate(divide="ignore", invalid="ignore"):
-                q = np.rint(rows / d[:, None])
-            q[~np.isfinite(q)] = 0
-            ok = ((q >= -128) & (q <= 127)).all(axis=1)
-            q = np.clip(q, -128, 127).astype(np.int8)  # what is stored (no -0: its product's sign is the step's)
-            back = d[:, None] * q.astype(np.float32)
-            ok &= (back.view(np.uint32) == (bits[todo] if todo.size < n else bits)).all(axis=1)
-            done = todo[ok]
-            step[done], mult[done] = d[ok], q[ok]
-            todo = todo[~ok]
-        if todo.size == 0:
-            return step, mult
-    return None
-
-
 def factor(a: mx.array, native=None) -> Optional[mx.array]:
     """The superblock form (uint8 ``[N, G * 3 / 2]``) of float32 ``a [N, G]``
-    (``G`` a multiple of 8), or None where it has none. ``native``: the
-    kernels module's ``superblocks`` (the same search in C++, ~20x faster:
-    Llama-3.2-1B's 67M scales and biases in ~0.1 s), else this numpy one."""
-    if a.dtype != mx.float32 or a.ndim != 2 or a.shape[1] % SUPER or a.size == 0:
+    (``G`` a multiple of 8) found by ``native`` (the kernels module's
+    ``superblocks``: Llama-3.2-1B's 67M scales and biases in ~0.1 s), or
+    None where it has none or there is no ``native`` (no kernels: nothing
+    would read the form)."""
+    if native is None or a.dtype != mx.float32 or a.ndim != 2 or a.shape[1] % SUPER or a.size == 0:
         return None
-    if native is not None:
-        return native(a)
-    N, G = a.shape
-    found = _factor_rows(np.asarray(a, dtype=np.float32).reshape(-1, SUPER))
-    if found is None:
-        return None
-    step, mult = found
-    out = np.concatenate([mult.reshape(N, G).view(np.uint8), step.reshape(N, G // SUPER).view(np.uint8)], axis=1)
-    return mx.array(np.ascontiguousarray(out))
+    return native(a)
 
 
 def expand(sb: mx.array) -> mx.array:
@@ -102,11 +59,6 @@ def expand(sb: mx.array) -> mx.array:
     mult = mx.view(rows[:, :G], mx.int8).astype(mx.float32).reshape(N, G // SUPER, SUPER)
     step = mx.view(mx.contiguous(rows[:, G:]), mx.float32).reshape(N, G // SUPER, 1)
     return (step * mult).reshape(*lead, G)
-
-
-def is_superblock(a: mx.array) -> bool:
-    """Whether ``a`` is superblock scales (the uint8 form)."""
-    return a.dtype == mx.uint8
 
 
 ATTR = "_mlx_tracer_superblocks"  # a module attribute (not a parameter): its Held

@@ -104,7 +104,7 @@ class LinearGroup:
     quantization (:attr:`kernel`), else ``mx.quantized_matmul``; under
     ``contract`` (one of :data:`QMM_CONTRACTS`). ``reduce``: the group a sharded-to-all
     linear all-sums its matmul over (None: no all-sum). ``factor``: the
-    kernels' ``superblocks`` (:func:`.scales.factor`; None: numpy's).
+    kernels' ``superblocks`` (:func:`.scales.factor`; None: float32 scales stay).
     """
 
     def __init__(self, mods, qmm=None, contract: str = "exact", factor=None):
