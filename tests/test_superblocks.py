@@ -202,9 +202,15 @@ def test_the_lean_forward_holds_k_quant_scales_as_superblocks(tmp_path, monkeypa
     plain = CompiledModel(model, fuse=True)
     assert all(a.dtype == mx.float32 for p in plain.lean.buffers.values() for k, a in p.items() if k in ("scales", "biases"))
     want = compiled_logits(plain, PROMPT, 8)
+    from mlx_tracer.bench.machine import model_costs
+
+    f32_bytes = model_costs(model, plain.layout)["weight_bytes"]
     monkeypatch.setenv(scales.ENV, "1")
     lean = CompiledModel(model, fuse=True)
     bufs = lean.lean.buffers
+    # the bench's weight bytes: the held superblocks at their own bytes (G * 3/2 a row, not float32's G * 4)
+    saved = sum(a.size // 3 * 2 * 4 - a.nbytes for p in bufs.values() for k, a in p.items() if k in ("scales", "biases"))
+    assert saved > 0 and model_costs(model, lean.layout)["weight_bytes"] == f32_bytes - saved
     assert set(bufs) >= {"qkv0", "gu0", "down0", "o1", "head"}
     assert all(p["scales"].dtype == mx.uint8 and p["biases"].dtype == mx.uint8 for p in bufs.values()), \
         {k: p["scales"].dtype for k, p in bufs.items()}
