@@ -353,6 +353,23 @@ inline void order4_even_odd(const float* from, float* to) {
 // MLX packs weight i of a row at bits 4 (i % 8) of little-endian word i / 8
 // (8 (i % 4) of i / 4 at 8 bits): byte i of a 4-bit block holds weights 2i
 // (low nibble) and 2i + 1.
+// 5 bits are qmm's own layout (qmm_api.h's Packed; mx.quantize's 5-bit one
+// is not read): a block of 32 weights in 20 bytes, bytes 0-15 their low 4
+// bits as a 4-bit block holds them, bytes 16-19 their fifth bits: byte 16 +
+// f, bit l weight 8 l + 2 f + 1's, bit 4 + l weight 8 l + 2 f's (f, l < 4).
+// The kernels unpack such a block into the 4-bit block's two halves (the
+// even-numbered weights, the odd ones), each byte's fifth bit put in place
+// by one shift a 32-bit lane of the word (qmm_ops_x86.h's fifth_bits), and
+// multiply them as 4-bit ones (integers below 32: maddubs' pairs cannot
+// saturate); the exact and factored contracts in the natural order, as 8 bits.
+inline int fifth_bit(const uint8_t* block, int k) {
+  const int i = k >> 1, l = i >> 2, f = i & 3;
+  return (block[16 + f] >> (l + ((k & 1) ? 0 : 4))) & 1;
+}
+inline uint8_t q5_at(const uint8_t* block, int k) {  // weight k (< 32) of a 5-bit block
+  const int nibble = (k & 1) ? block[k >> 1] >> 4 : block[k >> 1] & 15;
+  return uint8_t(nibble | fifth_bit(block, k) << 4);
+}
 #if TRACER_QMM_UNIT == 0
 #include "qmm_ops_portable.h"
 #endif
@@ -530,7 +547,12 @@ void factored_order(const float* from, int K, float* to) {
 // (Path::order4), which changes only the order of summation. The
 // few-row kernels read x from an aligned copy.
 void run(QmmJob j, Contract contract) {
+#if defined(__x86_64__)
+  // 5-bit blocks on AVX-512 CPUs: AVX2's kernels (the AVX-512 ones take 4 and 8 bits; the same bits either way)
+  const Path& p = j.bits == 5 && &path() == &kPathAvx512 ? kPathAvx2 : path();
+#else
   const Path& p = path();
+#endif
   if (contract == Contract::fast || contract == Contract::split) {
     j.split = contract == Contract::split;
     thread_local std::vector<int8_t> xq;
@@ -564,7 +586,7 @@ void run(QmmJob j, Contract contract) {
     for (int m = 0; m < j.M; ++m) {
       const float* from = j.x + size_t(m) * j.ldx;
       float* to = xa + size_t(m) * j.K;
-      if (j.bits == 8) {
+      if (j.bits != 4) {  // 5 and 8 bits: the natural order
         std::memcpy(to, from, sizeof(float) * j.K);
         continue;
       }
@@ -670,14 +692,14 @@ class Qmm : public mx::Primitive {
 array qmm(const array& x, const array& w, const array& scales, const array& biases, int group_size, int bits,
           const std::string& contract) {
   const Contract c = tracer_qmm::contract_named(contract);
-  need(bits == 4 || bits == 8, "bits must be 4 or 8, got " + std::to_string(bits));
+  need(bits == 4 || bits == 5 || bits == 8, "bits must be 4, 5 (qmm's own layout: qmm_api.h) or 8, got " + std::to_string(bits));
   need(group_size == 32 || group_size == 64 || group_size == 128,
        "group_size must be 32, 64 or 128, got " + std::to_string(group_size));
   need(x.dtype() == mx::float32 && x.ndim() == 2 && x.shape(0) >= 1, "x must be float32 [M, K], got " + describe(x));
   const int M = x.shape(0), K = x.shape(1);
   need(K % group_size == 0, "K = " + std::to_string(K) + " is not a multiple of group_size " + std::to_string(group_size));
   need(w.dtype() == mx::uint32 && w.ndim() == 2 && w.shape(1) == K * bits / 32,
-       "w must be uint32 [N, K * bits / 32] = [N, " + std::to_string(K * bits / 32) + "] as mx.quantize packs it, got " +
+       "w must be uint32 [N, K * bits / 32] = [N, " + std::to_string(K * bits / 32) + "] as mx.quantize packs it (5 bits: as narrow5 does), got " +
            describe(w));
   const int N = w.shape(0);
   const int G = K / group_size;
@@ -809,6 +831,40 @@ std::optional<array> superblocks(const array& given) {
   return array(out.begin(), mx::Shape{N, int(rb)}, mx::uint8);
 }
 
+// w [N, K / 4] uint32, 8-bit blocks (mx.quantize's layout), as qmm's 5-bit
+// blocks [N, K * 5 / 32] (the layout above, before the kernels), or nothing
+// where a weight's integer is 32 or more (or K is not a multiple of 32).
+std::optional<array> narrow5(const array& given) {
+  need(given.dtype() == mx::uint32 && given.ndim() == 2,
+       "narrow5: w must be uint32 [N, K / 4] (8-bit blocks), got " + describe(given));
+  const int N = given.shape(0), K = given.shape(1) * 4;
+  if (N == 0 || K % kBlock != 0) return std::nullopt;
+  array a = given;
+  a.eval();
+  need(a.strides()[1] == 1, "narrow5: w's rows must be contiguous");
+  const int64_t s0 = a.strides()[0];
+  constexpr int kBytes = kBlock * 5 / 8;
+  std::vector<uint32_t> words(size_t(N) * K * 5 / 32);
+  uint8_t* out = reinterpret_cast<uint8_t*>(words.data());
+  for (int r = 0; r < N; ++r) {
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(a.data<uint32_t>() + r * s0);
+    uint8_t any = 0;
+    for (int k = 0; k < K; ++k) any |= row[k];
+    if (any >= 32) return std::nullopt;
+    for (int blk = 0; blk < K / kBlock; ++blk) {
+      const uint8_t* q = row + blk * kBlock;
+      uint8_t* o = out + (size_t(r) * (K / kBlock) + blk) * kBytes;
+      for (int i = 0; i < 16; ++i) o[i] = uint8_t((q[2 * i] & 15) | (q[2 * i + 1] & 15) << 4);
+      for (int f = 0; f < 4; ++f) {
+        int b = 0;
+        for (int l = 0; l < 4; ++l) b |= (q[8 * l + 2 * f + 1] >> 4) << l | (q[8 * l + 2 * f] >> 4) << (4 + l);
+        o[16 + f] = uint8_t(b);
+      }
+    }
+  }
+  return array(words.begin(), mx::Shape{N, K * 5 / 32}, mx::uint32);
+}
+
 void register_qmm(nb::module_& m) {
   m.def("qmm", &qmm, nb::arg("x"), nb::arg("w"), nb::arg("scales"), nb::arg("biases"), nb::arg("group_size"),
         nb::arg("bits"), nb::arg("contract") = "exact",
@@ -819,6 +875,9 @@ void register_qmm(nb::module_& m) {
   m.def("superblocks", &superblocks, nb::arg("a"),
         "a [N, G] float32 as superblock scales (uint8 [N, G * 3 / 2]: G int8 multipliers, then G / 8 float32 "
         "steps), or None where they do not give back every value bit for bit");
+  m.def("narrow5", &narrow5, nb::arg("w"),
+        "w [N, K / 4] uint32 (8-bit blocks) as qmm's 5-bit blocks [N, K * 5 / 32] (the same integers: qmm_api.h "
+        "states the layout), or None where some integer is 32 or more");
   m.def("vector_math", [](const std::string& name, std::vector<float> a, std::vector<float> b, float shift) {
         need(name == "exp" || name == "swiglu", "vector_math: name must be 'exp' or 'swiglu'");
         need(name == "exp" || b.size() == a.size(), "vector_math: swiglu takes a and b of one length");

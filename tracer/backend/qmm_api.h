@@ -20,7 +20,13 @@ enum class ScaleType { f32, f16, bf16, sb };
 
 // A matrix [N, K] in MLX's affine quantization, as mx.quantize packs it:
 // w [N, K * bits / 32] uint32, scales and biases [N, K / group] of `scale`
-// (sb: [N, K / group * 3 / 2] bytes).
+// (sb: [N, K / group * 3 / 2] bytes). bits 4 or 8; or 5, qmm's own layout
+// (not mx.quantize's): each block of 32 weights in 20 bytes, bytes 0-15
+// their low 4 bits as a 4-bit block (byte i: weight 2 i in bits 0-3, 2 i + 1
+// in bits 4-7), bytes 16-19 their fifth bits (byte 16 + f, bit l: weight
+// 8 l + 2 f + 1's; bit 4 + l: weight 8 l + 2 f's; f, l < 4). GGUF's Q5_K,
+// Q5_0 and Q5_1 integers (below 32), which load as 8-bit blocks, take 5
+// bits a weight there instead of 8 (qmm.cpp's narrow5).
 struct Packed {
   const uint32_t* w;
   const void* scales;

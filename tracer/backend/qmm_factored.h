@@ -99,5 +99,5 @@ void factored_rows_bits(const QmmJob& j, int n0, int n1) {
 
 // out[:, n0 .. n1) in the factored contract (j.M <= kSmallMaxM).
 void factored_rows(const QmmJob& j, int n0, int n1) {
-  j.bits == 4 ? factored_rows_bits<4>(j, n0, n1) : factored_rows_bits<8>(j, n0, n1);
+  with_bits(j.bits, [&](auto bits) { factored_rows_bits<decltype(bits)::value>(j, n0, n1); });
 }

@@ -1,6 +1,6 @@
 // qmm's *fast* contract for one instruction set, included by qmm_ops_*.h once per
 // ISA after qmm_isa.h. A kernel step takes a quad: 4 weight rows times 4
-// blocks of 32 (a step), each block in two halves (4 bits: its even-numbered
+// blocks of 32 (a step), each block in two halves (4 and 5 bits: its even-numbered
 // weights, then the odd ones; 8 bits: its first 16 weights, then the last 16);
 // x is quantized into the same layout (qmm.cpp's quantize_x: a step's 128
 // bytes are half A of its 4 blocks, 16 bytes each, then half B of them). The
@@ -423,7 +423,7 @@ void quantize_x_rows(const QmmJob& j, int8_t* xq, float* xd, float* xg) {
   const auto put = [&](size_t row, int blk, const int32_t* qi) {
     int8_t* q = xq + row * ldq + blk / kStep * (kStep * kBlock) + blk % kStep * 16;
     for (int i = 0; i < kBlock / 2; ++i) {
-      if (j.bits == 4) {
+      if (j.bits != 8) {  // 4 and 5 bits: the even-numbered weights, then the odd ones
         q[i] = int8_t(qi[2 * i]), q[64 + i] = int8_t(qi[2 * i + 1]);
       } else {
         q[i] = int8_t(qi[i]), q[64 + i] = int8_t(qi[16 + i]);
@@ -571,9 +571,8 @@ void fast_rows_bits(const QmmJob& j, int n0, int n1) {
 
 // out[:, n0 .. n1) under the fast or split contract (x quantized in j.xq, j.xd, j.xg), any M.
 void fast_rows(const QmmJob& j, int n0, int n1) {
-  if (j.split) {
-    j.bits == 4 ? fast_rows_bits<4, true>(j, n0, n1) : fast_rows_bits<8, true>(j, n0, n1);
-  } else {
-    j.bits == 4 ? fast_rows_bits<4, false>(j, n0, n1) : fast_rows_bits<8, false>(j, n0, n1);
-  }
+  with_bits(j.bits, [&](auto bits) {
+    constexpr int B = decltype(bits)::value;
+    j.split ? fast_rows_bits<B, true>(j, n0, n1) : fast_rows_bits<B, false>(j, n0, n1);
+  });
 }

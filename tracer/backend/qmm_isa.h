@@ -22,6 +22,17 @@
 
 constexpr int kVecs = kBlock / L;
 
+// fn(std::integral_constant<int, BITS>{}) for a job's bits: 4, 8, and 5
+// where the ISA's kernels take qmm.cpp's 5-bit blocks (kFiveBits; AVX-512
+// CPUs run AVX2's for them: qmm.cpp's run).
+template <class Fn>
+inline void with_bits(int bits, Fn fn) {
+  if constexpr (kFiveBits) {
+    if (bits == 5) return fn(std::integral_constant<int, 5>{});
+  }
+  bits == 4 ? fn(std::integral_constant<int, 4>{}) : fn(std::integral_constant<int, 8>{});
+}
+
 // out[m0 .. m0 + MT, n .. n + R) = x[m0 .. m0 + MT] . (weight rows n .. n + R): each
 // block of each row dequantized once in registers and multiplied into MT rows
 // of x. s, b [R][G]: the rows' scales and biases in float32. A row's
@@ -184,7 +195,7 @@ void rows_small_bits(const QmmJob& j, int n0, int n1) {
 
 // out[:, n0 .. n1) for few rows of x, straight from the packed weights.
 void rows_small(const QmmJob& j, int n0, int n1) {
-  j.bits == 4 ? rows_small_bits<4>(j, n0, n1) : rows_small_bits<8>(j, n0, n1);
+  with_bits(j.bits, [&](auto bits) { rows_small_bits<decltype(bits)::value>(j, n0, n1); });
 }
 
 template <int BITS, bool X>
@@ -207,6 +218,8 @@ void dequant_rows_bits(const QmmJob& j, int n0, int n1, float* panel) {
 // panel [n1 - n0, K] = weight rows [n0, n1) dequantized, each block in block order.
 void dequant_rows(const QmmJob& j, int n0, int n1, float* panel) {
   const bool x = j.scale == Scale::f16 || j.scale == Scale::bf16;  // widened halves: exact products (dequant)
-  j.bits == 4 ? (x ? dequant_rows_bits<4, true>(j, n0, n1, panel) : dequant_rows_bits<4, false>(j, n0, n1, panel))
-              : (x ? dequant_rows_bits<8, true>(j, n0, n1, panel) : dequant_rows_bits<8, false>(j, n0, n1, panel));
+  with_bits(j.bits, [&](auto bits) {
+    constexpr int B = decltype(bits)::value;
+    x ? dequant_rows_bits<B, true>(j, n0, n1, panel) : dequant_rows_bits<B, false>(j, n0, n1, panel);
+  });
 }

@@ -41,6 +41,7 @@ namespace isa_avx2 {
 // (kernel_profile.py --window 5): 2.55, 2.19 against 2.58, 2.44, within
 // this VM's noise. The same bits at every M (the accumulators per row).
 constexpr int L = 8, kTile = 5;
+constexpr bool kFiveBits = true;  // 5-bit blocks (qmm.cpp's layout)
 // x of a 4-bit block in dequant's order (see dequant): to[8 j + l] is x's weight 8 l + j (l < 4), 8 (l - 4) + j + 4.
 inline void order4(const float* from, float* to) {
   for (int j = 0; j < 4; ++j) {
@@ -66,6 +67,43 @@ inline Group group(float s, float b) {
   return {splat(s), splat(b)};
 }
 
+// 5 bits (qmm.cpp's layout): a block's fifth bits, its 32-bit word `h` in
+// each 32-bit lane of a 128-bit lane, as the 4-bit halves' bytes want them
+// (bit 4 of byte i: weight 2 i's in `a`, 2 i + 1's in `b`): lane l's bytes
+// f hold bits 4 + l (even weights) and l (odd ones) of byte f, one shift a
+// lane each (bits shifted in from the next or previous byte fall outside bit 4).
+inline void fifth_bits(__m128i h, __m128i& a, __m128i& b) {
+  const __m128i bit = _mm_set1_epi8(0x10);
+  a = _mm_and_si128(_mm_srlv_epi32(h, _mm_setr_epi32(0, 1, 2, 3)), bit);
+  b = _mm_and_si128(_mm_sllv_epi32(h, _mm_setr_epi32(4, 3, 2, 1)), bit);
+}
+inline void fifth_bits(__m256i h, __m256i& a, __m256i& b) {
+  const __m256i bit = _mm256_set1_epi8(0x10);
+  a = _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3)), bit);
+  b = _mm256_and_si256(_mm256_sllv_epi32(h, _mm256_setr_epi32(4, 3, 2, 1, 4, 3, 2, 1)), bit);
+}
+inline __m128i word4(const uint8_t* p) {  // the 32-bit word at p in the 4 lanes
+  int32_t w;
+  std::memcpy(&w, p, sizeof w);
+  return _mm_set1_epi32(w);
+}
+// A 5-bit block's 32 weights as bytes in the natural order: weights 0-15 in lo, 16-31 in hi.
+inline void natural5(const uint8_t* p, __m128i& lo, __m128i& hi) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), m = _mm_set1_epi8(0x0f);
+  __m128i a, b;
+  fifth_bits(word4(p + 16), a, b);
+  a = _mm_or_si128(_mm_and_si128(v, m), a);                        // weights 2 i
+  b = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(v, 4), m), b);     // weights 2 i + 1
+  lo = _mm_unpacklo_epi8(a, b), hi = _mm_unpackhi_epi8(a, b);
+}
+// ... widened to 4 vectors of 8 int32 lanes (weights 8 i .. 8 i + 7 in vector i).
+inline void natural5_lanes(const uint8_t* p, __m256i* q) {
+  __m128i lo, hi;
+  natural5(p, lo, hi);
+  q[0] = _mm256_cvtepu8_epi32(lo), q[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+  q[2] = _mm256_cvtepu8_epi32(hi), q[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+}
+
 // 4 bits: the block's 16 bytes in both halves of a vector, each 32-bit lane
 // shifted by its own count and masked (no byte shuffles: with the widening
 // shuffles of even/odd nibbles, the shuffle ports bound the loop on Zen 3);
@@ -82,6 +120,10 @@ inline void dequant(const uint8_t* p, const Group& g, F* w) {
       const __m256i shift = _mm256_setr_epi32(4 * j, 4 * j, 4 * j, 4 * j, 4 * j + 16, 4 * j + 16, 4 * j + 16, 4 * j + 16);
       w[j] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, shift), m));
     }
+  } else if constexpr (BITS == 5) {  // the natural order, as 8 bits
+    __m256i q[4];
+    natural5_lanes(p, q);
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_cvtepi32_ps(q[i]);
   } else {
     for (int i = 0; i < 4; ++i) w[i] = widen8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i)));
   }
@@ -145,6 +187,12 @@ inline WR2 unpack_half(const uint8_t* q) {
     const __m256i v = loadu256(q);
     const __m256i z = _mm256_setzero_si256();  // no high nibbles (never read)
     return {_mm256_and_si256(v, m), _mm256_and_si256(_mm256_srli_epi16(v, 4), m), z, z};
+  } else if constexpr (BITS == 5) {  // as 4 bits, each byte's fifth bit or-ed in
+    const __m256i v = load_pair(q, q + 20), z = _mm256_setzero_si256();
+    __m256i a, b;
+    fifth_bits(_mm256_set_m128i(word4(q + 36), word4(q + 16)), a, b);
+    return {_mm256_or_si256(_mm256_and_si256(v, m), a), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m), b),
+            z, z};
   } else {
     const __m256i a = load_pair(q, q + 32), b = load_pair(q + 16, q + 48);
     return {_mm256_and_si256(a, m), _mm256_and_si256(b, m), _mm256_and_si256(_mm256_srli_epi16(a, 4), m),
@@ -180,6 +228,14 @@ inline WR unpack4_n(const uint8_t* p, int n) {
     if constexpr (BITS == 4) {
       const __m256i v = two(32 * h, 32 * h + 16);
       w.a[h] = _mm256_and_si256(v, m), w.b[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
+    } else if constexpr (BITS == 5) {  // blocks 2 h, 2 h + 1 at 40 h, 40 h + 20, each read only if it is one of the n
+      const auto word = [&](int blk) { return blk < n ? word4(p + 20 * blk + 16) : _mm_setzero_si128(); };
+      const __m256i v = two(40 * h, 40 * h + 20);
+      __m256i a, b;
+      fifth_bits(_mm256_set_m128i(word(2 * h + 1), word(2 * h)), a, b);
+      w.a[h] = _mm256_or_si256(_mm256_and_si256(v, m), a);
+      w.b[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m), b);
+      w.a_hi[h] = w.b_hi[h] = _mm256_setzero_si256();
     } else {  // as unpack4's load_pair(q, q + 32) and (q + 16, q + 48)
       const __m256i a = two(64 * h, 64 * h + 32), b = two(64 * h + 16, 64 * h + 48);
       w.a[h] = _mm256_and_si256(a, m), w.b[h] = _mm256_and_si256(b, m);
@@ -197,7 +253,7 @@ inline P dot4(const WR& w, const int8_t* x) {
   for (int h = 0; h < 2; ++h) {
     const __m256i xa = loadu256(x + 32 * h), xb = loadu256(x + 64 + 32 * h);
     const __m256i lo = _mm256_add_epi16(_mm256_maddubs_epi16(w.a[h], xa), _mm256_maddubs_epi16(w.b[h], xb));
-    if constexpr (BITS == 4) {
+    if constexpr (BITS != 8) {  // 4 and 5 bits: |lo| <= 4 * 31 * 127
       r.v[h] = _mm256_madd_epi16(lo, _mm256_set1_epi16(1));
     } else {
       const __m256i hi = _mm256_add_epi16(_mm256_maddubs_epi16(w.a_hi[h], xa), _mm256_maddubs_epi16(w.b_hi[h], xb));
@@ -219,7 +275,7 @@ inline __m256i split_pairs(__m256i a, __m256i b, const int8_t* x, size_t lo) {
 }
 template <int BITS>
 inline P dot4_split(const WR& w, const int8_t* x, size_t lo) {
-  static_assert(BITS == 4, "the split contract at 8 bits runs dot_s");
+  static_assert(BITS != 8, "the split contract at 8 bits runs dot_s");
   return {split_pairs(w.a[0], w.b[0], x, lo), split_pairs(w.a[1], w.b[1], x + 32, lo)};
 }
 // In each 128-bit lane, 4 vectors' 4 partial sums a block -> lane i: vector i's sum.
@@ -299,7 +355,7 @@ inline __m256i dotx2(const WR2& w, const int8_t* x, size_t lo) {
   const auto dot = [&](const int8_t* q) {
     const __m256i xa = loadu256(q), xb = loadu256(q + 64);
     const __m256i l = _mm256_add_epi16(_mm256_maddubs_epi16(w.a, xa), _mm256_maddubs_epi16(w.b, xb));
-    if constexpr (BITS == 4) {
+    if constexpr (BITS != 8) {
       return _mm256_madd_epi16(l, _mm256_set1_epi16(1));
     } else {
       const __m256i h = _mm256_add_epi16(_mm256_maddubs_epi16(w.a_hi, xa), _mm256_maddubs_epi16(w.b_hi, xb));
@@ -307,7 +363,7 @@ inline __m256i dotx2(const WR2& w, const int8_t* x, size_t lo) {
     }
   };
   if constexpr (SPLIT) {
-    static_assert(BITS == 4, "the split contract at 8 bits runs dot_pair16");
+    static_assert(BITS != 8, "the split contract at 8 bits runs dot_pair16");
     return split_pairs(w.a, w.b, x, lo);
   } else {
     return dot(x);
@@ -485,6 +541,10 @@ inline void ff_qvals(const uint8_t* p, FF* w) {
     w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(v4, m0));
     w[2] = _mm256_cvtepi32_ps(_mm256_and_si256(v, m8));
     w[3] = _mm256_cvtepi32_ps(_mm256_and_si256(v4, m8));
+  } else if constexpr (BITS == 5) {  // the natural order, as 8 bits
+    __m256i q[4];
+    natural5_lanes(p, q);
+    for (int i = 0; i < 4; ++i) w[i] = _mm256_cvtepi32_ps(q[i]);
   } else {
     for (int i = 0; i < 4; ++i) w[i] = widen8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i)));
   }
@@ -499,6 +559,7 @@ inline void ff_qvals(const uint8_t* p, FF* w) {
 #pragma GCC target("avx512f,avx512bw,avx512vl,fma,f16c")
 namespace isa_avx512 {
 constexpr int L = 16, kTile = 8;
+constexpr bool kFiveBits = false;  // 5-bit blocks run AVX2's kernels (qmm.cpp's run)
 inline void order4(const float* from, float* to) { order4_even_odd(from, to); }
 // Two accumulators per (row, x row) at every tile size (the same sums at every M):
 // tiles of more x rows take fewer weight rows (at most 16 accumulators).
