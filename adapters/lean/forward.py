@@ -63,7 +63,8 @@ class LeanForward:
         self.binding, self.active = None, why_not(self.model) is None
         self._set_watch([])
         if self.active:
-            self.binding = bind(self.model, getattr(self.native, "qmm", None), getattr(self.native, "superblocks", None))
+            n = self.native
+            self.binding = bind(self.model, getattr(n, "qmm", None), getattr(n, "superblocks", None), getattr(n, "narrow5", None))
             self._set_watch(self.binding.watch)
             self._plan()
         return self.active

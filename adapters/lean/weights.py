@@ -42,6 +42,7 @@ from typing import Dict, List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import narrow as five
 from . import scales as superblock
 from .qualify import ARRAYS, SUMMED, runs, table_rope
 
@@ -104,18 +105,22 @@ class LinearGroup:
     quantization (:attr:`kernel`), else ``mx.quantized_matmul``; under
     ``contract`` (one of :data:`QMM_CONTRACTS`). ``reduce``: the group a sharded-to-all
     linear all-sums its matmul over (None: no all-sum). ``factor``: the
-    kernels' ``superblocks`` (:func:`.scales.factor`; None: float32 scales stay).
+    kernels' ``superblocks`` (:func:`.scales.factor`; None: float32 scales stay);
+    ``narrow``: the kernels' ``narrow5`` (:func:`.narrow.narrow`; None: 8-bit
+    blocks stay 8-bit). ``bits``: the bits of the blocks the group holds (the
+    modules' own, or 5 where it holds 5-bit blocks of their 8-bit ones).
     """
 
-    def __init__(self, mods, qmm=None, contract: str = "exact", factor=None):
+    def __init__(self, mods, qmm=None, contract: str = "exact", factor=None, narrow=None):
         self.mods = list(mods)
         self.contract = contract
         m0 = self.mods[0]
         self.quant = (m0.group_size, m0.bits, m0.mode) if type(m0) in QUANTIZED else None
+        self.bits = self.quant[1] if self.quant is not None else None
         self.reduce = m0.group if type(m0) in SUMMED else None
         self.keys = [k for k in ARRAYS if k in m0]
         self.runs = [self]  # the matmuls of the group: this one
-        self.p = self._build(qmm is not None, factor)
+        self.p = self._build(qmm is not None, factor, narrow)
         self.kernel = qmm if qmm is not None and self._qmm_takes() else None
 
     def _qmm_takes(self) -> bool:
@@ -145,9 +150,29 @@ class LinearGroup:
             found.append(sb)
         return found
 
-    def _build(self, kernel: bool, factor=None) -> Dict[str, mx.array]:
+    def _five_bits(self, kernel: bool, narrow) -> Optional[List[mx.array]]:
+        """Each member's weight as 5-bit blocks (:mod:`.narrow`: 8-bit
+        blocks of integers below 32, GGUF's Q5 types), where the native matmul
+        will read them and every member has them; else None."""
+        if not kernel or self.quant is None or not five.enabled():
+            return None
+        group_size, bits, mode = self.quant
+        if bits != 8 or mode != "affine" or group_size not in QMM_GROUPS or "biases" not in self.mods[0]:
+            return None
+        if any(type(m) is not nn.QuantizedLinear for m in self.mods):
+            return None  # (embeddings' lookups and sharded linears read their own arrays)
+        found = []
+        for m in self.mods:
+            w = five.of_module(m, narrow)
+            if w is None:
+                return None
+            found.append(w)
+        return found
+
+    def _build(self, kernel: bool, factor=None, narrow=None) -> Dict[str, mx.array]:
         sb = self._superblocks(kernel, factor)
-        keys = [k for k in self.keys if sb is None or k not in ("scales", "biases")]
+        w5 = self._five_bits(kernel, narrow)
+        keys = [k for k in self.keys if (sb is None or k not in ("scales", "biases")) and (w5 is None or k != "weight")]
         if len(self.mods) > 1:
             fused = {k: mx.concatenate([m[k] for m in self.mods], axis=0) for k in keys}
             mx.eval(fused)
@@ -171,6 +196,16 @@ class LinearGroup:
                 mx.eval(rows)
                 superblock.hold(m, *rows)
                 start += n
+        if w5 is not None:  # the members' rows of one 5-bit buffer, the modules lazy 8-bit blocks of them
+            fused["weight"] = mx.concatenate(w5, axis=0) if len(w5) > 1 else w5[0]
+            mx.eval(fused["weight"])
+            start = 0
+            for m, w in zip(self.mods, w5):
+                rows = fused["weight"][start : start + w.shape[0]]
+                mx.eval(rows)
+                five.hold(m, rows)
+                start += w.shape[0]
+            self.bits = 5
         if self.quant is None:
             fused["wt"] = fused.pop("weight").T
         mx.eval(fused)
@@ -197,9 +232,8 @@ class LinearGroup:
                 return mx.addmm(p["bias"], x, p["wt"]) if "bias" in p else x @ p["wt"]
             y = x @ p["wt"]  # ShardedToAllLinear: no addmm, the bias comes after the sum
         elif self.kernel is not None:  # 2-D in and out (the head gets [B, L, hidden])
-            group_size, bits, _ = self.quant
-            y = self.kernel(x.reshape(-1, x.shape[-1]), p["weight"], p["scales"], p["biases"], group_size=group_size,
-                            bits=bits, contract=self.contract).reshape(*x.shape[:-1], -1)
+            y = self.kernel(x.reshape(-1, x.shape[-1]), p["weight"], p["scales"], p["biases"], group_size=self.quant[0],
+                            bits=self.bits, contract=self.contract).reshape(*x.shape[:-1], -1)
         else:
             group_size, bits, mode = self.quant
             y = mx.quantized_matmul(x, p["weight"], scales=p["scales"], biases=p.get("biases"), transpose=True,
@@ -221,8 +255,8 @@ class SplitGroup:
     reduce = None
     kernel = None
 
-    def __init__(self, parts, qmm=None, contract: str = "exact", factor=None):
-        self.runs = [LinearGroup(run, qmm, contract, factor) for run in parts]
+    def __init__(self, parts, qmm=None, contract: str = "exact", factor=None, narrow=None):
+        self.runs = [LinearGroup(run, qmm, contract, factor, narrow) for run in parts]
         self.mods = [m for g in self.runs for m in g.mods]
         self.contract = contract
 
@@ -251,11 +285,13 @@ def _format(g: LinearGroup) -> str:
     return str(g.p["wt"].dtype).replace("mlx.core.", "")
 
 
-def linear_group(mods, qmm=None, contract: str = "exact", factor=None):
+def linear_group(mods, qmm=None, contract: str = "exact", factor=None, narrow=None):
     """The group of ``mods`` (in order): a :class:`LinearGroup` where they share
     one matmul, else a :class:`SplitGroup` of the runs that do."""
     parts = runs(list(mods))
-    return LinearGroup(parts[0], qmm, contract, factor) if len(parts) == 1 else SplitGroup(parts, qmm, contract, factor)
+    if len(parts) == 1:
+        return LinearGroup(parts[0], qmm, contract, factor, narrow)
+    return SplitGroup(parts, qmm, contract, factor, narrow)
 
 
 @dataclass
@@ -344,11 +380,12 @@ def _embedding_dtype(e):
     return e.scales.dtype if isinstance(e, nn.QuantizedEmbedding) else e.weight.dtype
 
 
-def bind(model, qmm=None, factor=None) -> Binding:
+def bind(model, qmm=None, factor=None, narrow=None) -> Binding:
     """The binding of a qualifying model (:func:`~.qualify.why_not` is None).
     ``qmm``: the native quantized matmul (float32 activations only), under
     the model's ``CONTRACT_ATTR`` ("exact" if it has none); ``factor``: the
-    kernels' ``superblocks`` (:func:`.scales.factor`)."""
+    kernels' ``superblocks`` (:func:`.scales.factor`); ``narrow``: their
+    ``narrow5`` (:func:`.narrow.narrow`)."""
     contract = getattr(model, CONTRACT_ATTR, "exact")
     if contract not in QMM_CONTRACTS:
         raise ValueError(f"{CONTRACT_ATTR} must be one of {QMM_CONTRACTS}, got {contract!r}")
@@ -365,7 +402,7 @@ def bind(model, qmm=None, factor=None) -> Binding:
         groups = {}
         for name, parent, keys in (("qkv", attn, ("q_proj", "k_proj", "v_proj")), ("o", attn, ("o_proj",)),
                                    ("gu", mlp, ("gate_proj", "up_proj")), ("down", mlp, ("down_proj",))):
-            group = groups[name] = linear_group([parent[k] for k in keys], qmm, contract, factor)
+            group = groups[name] = linear_group([parent[k] for k in keys], qmm, contract, factor, narrow)
             watch += [(parent, k, m) for k, m in zip(keys, group.mods)] + group.watch()
         nq, nk = attn.n_heads, attn.n_kv_heads
         qk = (attn.q_norm, attn.k_norm) if "q_norm" in attn else None
@@ -377,7 +414,7 @@ def bind(model, qmm=None, factor=None) -> Binding:
     head_module = inner.embed_tokens if tied else model.lm_head
     head_types = (nn.Linear, nn.Embedding) + ((nn.QuantizedLinear, nn.QuantizedEmbedding, Float32RowsEmbedding)
                                               if qmm is not None else ())
-    head = LinearGroup([head_module], qmm, contract, factor) if type(head_module) in head_types else None
+    head = LinearGroup([head_module], qmm, contract, factor, narrow) if type(head_module) in head_types else None
     if isinstance(head_module, Float32RowsEmbedding) and head is not None and head.kernel is None:
         head = None  # a format qmm does not take: the module's own float32 arithmetic (as_linear)
     watch += [(inner, "embed_tokens", inner.embed_tokens), (inner, "norm", inner.norm)]

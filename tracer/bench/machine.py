@@ -150,18 +150,21 @@ def _is_embedding(m) -> bool:
 def model_costs(model, layouts) -> Dict[str, float]:
     """What one token's decode step must at least read and compute (module docstring):
 
-    * ``weight_bytes``: the parameters as stored (superblock scales at their
-      bytes), less an untied embedding
+    * ``weight_bytes``: the parameters as stored (superblock scales and 5-bit
+      blocks at their bytes), less an untied embedding
       table (``untied_embed_bytes``, which a step reads a row of);
     * ``params``: matmul weights, each once (a tied embedding as the head),
       of which ``quantized_params`` are a quantized layer's (int8-able);
     * ``kv_bytes_per_pos``: K/V bytes per position over all layers."""
     from mlx.utils import tree_flatten
 
+    from ..adapters.lean import narrow as five
     from ..adapters.lean import scales as superblock
 
-    # as stored: a k-quant's scales held as superblocks (the lean forward's, once bound) at their own bytes
-    all_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters())) - sum(map(superblock.bytes_saved, model.modules()))
+    # as stored: a k-quant's scales held as superblocks and 5-bit integers as 5-bit blocks (the lean
+    # forward's, once bound) at their own bytes
+    saved = sum(superblock.bytes_saved(m) + five.bytes_saved(m) for m in model.modules())
+    all_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters())) - saved
     params = quantized = 0
     head = False
     for name, m in model.named_modules():

@@ -137,7 +137,7 @@ def info(args) -> int:
     from .. import bench
     from ..backend import blas, kernels
     from ..loading import format_cache, store
-    from ..adapters.lean import scales
+    from ..adapters.lean import narrow, scales
     from ..loading.weights import available_memory
 
     gpu = "metal" if mx.metal.is_available() else ("cuda" if getattr(mx, "cuda", None) and mx.cuda.is_available() else "none")
@@ -147,6 +147,7 @@ def info(args) -> int:
     print(f"             cblas_sgemm from {st.library}")
     print(f"kernels      {kernels.status()}")
     print(f"             {scales.describe()}")
+    print(f"             {narrow.describe()}")
     print(f"malloc       {malloc.status()}")
     m = bench.Machine.measure(sizes_mb=(1, 256))  # the two sizes it prints
     rate = "fast" if m.gemm_gflops > 10 else "reference-class"

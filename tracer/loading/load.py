@@ -46,11 +46,12 @@ def load_model(path: Optional[Union[str, Path]] = None, progress: bool = True, w
     from .gguf_readonly import Q6_K, q6_k_format, tensor_types
     from .weights import apply_format, check_format, choose_format
 
-    from ..adapters.lean import scales
+    from ..adapters.lean import narrow, scales
 
     check_format(weights)
     q6_k_format()  # a bad $MLX_TRACER_Q6_K says so before anything is fetched or read
     scales.enabled()  # ... and a bad $MLX_TRACER_SUPERBLOCKS
+    narrow.enabled()  # ... or $MLX_TRACER_5BIT
     check_compiler()
     if path is None and not os.environ.get(store.ENV_MODEL):
         target = store.default_model_path()

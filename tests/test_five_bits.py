@@ -1,0 +1,226 @@
+"""Five-bit blocks (adapters/lean/narrow.py, qmm's 5-bit layout): 8-bit
+blocks whose integers are all below 32 (GGUF's Q5_K, Q5_0, Q5_1) held in 5
+bits a weight.
+
+The contract is *same bits*: ``kernels.narrow5`` packs the integers in the
+layout qmm_api.h states (checked against :func:`reference_pack`, numpy);
+qmm multiplies the 5-bit blocks to the bits of the 8-bit ones on every ISA
+path and contract, every row count (tiles, windows, the dequantized panels)
+and scale form; the lean forward holds the form where the kernels read it,
+the modules then hold lazy 8-bit expansions of it (the same integers), and
+the model's own forward, MLX's ops and a rebind without the kernels still
+compute what they did."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from mlx_tracer.adapters.lean import narrow, scales
+from mlx_tracer.backend import kernels
+from mlx_tracer.loading import gguf
+
+from .gguf_files import tiny_kquant_llama
+from .helpers import forced_isa, solo_tokens
+
+K = kernels.load()
+needs_kernels = pytest.mark.skipif(K is None, reason=f"native kernels unavailable: {kernels.status()}")
+PROMPT = [1, 5, 9, 17, 33, 65]
+
+
+def reference_pack(q: np.ndarray) -> np.ndarray:
+    """Integers ``q [N, K]`` (< 32) in the 5-bit layout qmm_api.h states, as bytes [N, K / 32 * 20]:
+    per block of 32, the low nibbles as a 4-bit block, then byte f, bit l: weight 8 l + 2 f + 1's
+    fifth bit, bit 4 + l: weight 8 l + 2 f's."""
+    N, Kd = q.shape
+    b = q.reshape(N, Kd // 32, 32).astype(np.uint8)
+    nibbles = (b[:, :, 0::2] & 15) | ((b[:, :, 1::2] & 15) << 4)
+    fifth = (b >> 4) & 1
+    plane = np.zeros((N, Kd // 32, 4), np.uint8)
+    for f in range(4):
+        for l in range(4):
+            plane[:, :, f] |= (fifth[:, :, 8 * l + 2 * f + 1] << l) | (fifth[:, :, 8 * l + 2 * f] << (4 + l))
+    return np.concatenate([nibbles, plane], axis=2).reshape(N, -1)
+
+
+def eight_bit(q: np.ndarray) -> mx.array:
+    """Integers ``q [N, K]`` as mx.quantize's 8-bit blocks (uint32 [N, K / 4])."""
+    return mx.array(np.ascontiguousarray(q, np.uint8).view(np.uint32))
+
+
+@needs_kernels
+def test_narrow5_packs_the_stated_layout_and_expand_gives_back_the_8_bit_blocks():
+    rng = np.random.default_rng(0)
+    q = rng.integers(0, 32, (37, 320), dtype=np.uint8)
+    q[0, :32] = 31  # every fifth bit set
+    q[1, :32] = np.arange(32) % 2 * 16  # the odd weights' fifth bits alone
+    w8 = eight_bit(q)
+    w5 = narrow.narrow(w8, K.narrow5)
+    assert w5.dtype == mx.uint32 and w5.shape == (37, 320 * 5 // 32)
+    assert np.array_equal(np.array(w5).view(np.uint8), reference_pack(q))
+    assert np.array_equal(np.array(narrow.expand(w5)), np.array(w8))
+    assert narrow.narrow(w8[5:9], K.narrow5).shape == (4, 50)  # a view of rows: its own rows
+    assert np.array_equal(np.array(narrow.narrow(w8[5:9], K.narrow5)), np.array(w5[5:9]))
+
+
+@needs_kernels
+def test_blocks_with_an_integer_of_32_or_more_are_left_as_they_are():
+    q = np.random.default_rng(1).integers(0, 32, (4, 64), dtype=np.uint8)
+    q[3, 63] = 32
+    assert narrow.narrow(eight_bit(q), K.narrow5) is None
+    assert narrow.narrow(eight_bit(q[:, :48]), K.narrow5) is None  # K = 48: not whole blocks of 32
+    assert narrow.narrow(eight_bit(q[:3]), None) is None  # no kernels: nothing would read the form
+    with pytest.raises(ValueError, match="uint32"):
+        K.narrow5(mx.zeros((2, 8), mx.uint8))
+
+
+def k_scales(rng, N, G, kind):
+    """float32 scales and biases [N, G]: Q5_K's (an fp16 step a superblock
+    times 6-bit integers: superblock scales), Q5_1's (one fp16 a group), or
+    float16 ones (mlx-lm's)."""
+    if kind == "q5_k":
+        d = rng.uniform(1e-3, 3e-2, (N, G // 8, 1)).astype(np.float16).astype(np.float32)
+        sc, m = rng.integers(0, 64, (N, G // 8, 8)).astype(np.float32), rng.integers(0, 64, (N, G // 8, 8)).astype(np.float32)
+        return (d * sc).reshape(N, G), (-(d * m)).reshape(N, G)
+    s = rng.uniform(1e-3, 3e-2, (N, G)).astype(np.float16)
+    b = (-16 * s.astype(np.float32)).astype(np.float16)
+    return (s.astype(np.float32), b.astype(np.float32)) if kind == "q5_1" else (s, b)
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
+@pytest.mark.parametrize("contract", ["exact", "factored", "fast", "split"])
+@pytest.mark.parametrize("Kd,group,kind", [(2048, 32, "q5_k"), (576, 64, "f16"), (160, 32, "q5_1"), (96, 32, "f16"),
+                                           (640, 128, "f16"), (224, 32, "f16")])
+def test_qmm_multiplies_5_bit_blocks_to_the_bits_of_the_8_bit_ones(isa, contract, Kd, group, kind):
+    """Every path and contract, decode rows, verify windows and the many-row
+    (dequantized panel) path; rows of 1280 bytes (read side by side), short
+    ones (pipelined), a row's last step of 1 to 3 blocks; float32, float16 and
+    superblock scales."""
+    rng = np.random.default_rng(Kd + group)
+    N = 133
+    q = rng.integers(0, 32, (N, Kd), dtype=np.uint8)
+    w8 = eight_bit(q)
+    w5 = K.narrow5(w8)
+    s, b = (mx.array(a) for a in k_scales(rng, N, Kd // group, kind))
+    if kind == "q5_k":
+        s, b = scales.factor(s, K.superblocks), scales.factor(b, K.superblocks)
+        assert s is not None and b is not None
+    with forced_isa(K, isa):
+        for M in (1, 2, 3, 5, 9, 70):
+            x = mx.random.normal((M, Kd), key=mx.random.key(M))
+            want = K.qmm(x, w8, s, b, group, 8, contract=contract)
+            got = K.qmm(x, w5, s, b, group, 5, contract=contract)
+            assert mx.array_equal(got, want).item(), (isa, M, float(mx.abs(got - want).max()))
+
+
+@needs_kernels
+def test_qmm_refuses_other_bits_and_shapes_saying_what_it_takes():
+    x = mx.zeros((1, 64))
+    s = mx.ones((4, 2))
+    with pytest.raises(ValueError, match=r"bits must be 4, 5 \(qmm's own layout"):
+        K.qmm(x, mx.zeros((4, 12), mx.uint32), s, s, 32, 6)
+    with pytest.raises(ValueError, match=r"w must be uint32 \[N, K \* bits / 32\] = \[N, 10\]"):
+        K.qmm(x, mx.zeros((4, 16), mx.uint32), s, s, 32, 5)
+
+
+def _five_model(tmp_path, weights="as-is"):
+    """A Q5_K_M-like model: layer 0's v and down and the head Q6_K (8-bit
+    integers to 255), the rest Q5_K, layer 1's o Q5_0 and up Q5_1."""
+    from mlx_tracer.loading.weights import apply_format
+
+    path = tmp_path / "five.gguf"
+    tiny_kquant_llama(path, seed=3, mixed=True, five=True)
+    w, meta = gguf.read_gguf(path)
+    model = gguf.build_model(w, meta)
+    return model if weights == "as-is" else apply_format(model, weights)
+
+
+def _group_bits(cm):
+    """The bits of the blocks each of a compiled model's layer groups holds, by name (qkv0, ...)."""
+    return {f"{n}{s.index}": g.bits for s in cm.lean.binding.layers for n, g in s.groups().items()}
+
+
+def _weights(model):
+    return {n: np.array(m.weight) for n, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
+
+
+@needs_kernels
+@pytest.mark.parametrize("weights", ["as-is", "quantized-split"])
+def test_the_lean_forward_holds_5_bit_integers_in_5_bit_blocks(tmp_path, monkeypatch, weights):
+    """Groups whose every member holds integers below 32 hold 5-bit blocks
+    (the kernels read them, layers on the native kernels), the others 8-bit
+    ones; the logits equal those of the 8-bit blocks (MLX_TRACER_5BIT=0) bit
+    for bit, the model's own forward and the modules' integers are
+    unchanged, a rebind reuses the form, and without the kernels the 8-bit
+    blocks come back (the same tokens)."""
+    from mlx_tracer.bench.machine import model_costs
+    from mlx_tracer.runtime.step import CompiledModel
+
+    from .test_lean import compiled_logits
+
+    model = _five_model(tmp_path, weights)
+    before = _weights(model)
+    eager = model(mx.array([PROMPT]))
+    monkeypatch.setenv(narrow.ENV, "0")
+    plain = CompiledModel(model, fuse=True)
+    assert set(_group_bits(plain).values()) == {8}
+    want = compiled_logits(plain, PROMPT, 8)
+    eight_bytes = model_costs(model, plain.layout)["weight_bytes"]
+    monkeypatch.setenv(narrow.ENV, "1")
+    lean = CompiledModel(model, fuse=True)
+    assert lean.lean.native_off is None and not lean.lean.ops_at
+    groups = {f"{n}{s.index}": g for s in lean.lean.binding.layers for n, g in s.groups().items()}
+    five = sorted(k for k, b in _group_bits(lean).items() if b == 5)
+    assert five == ["down1", "gu0", "gu1", "o0", "o1", "qkv1"], five  # not qkv0 (a Q6_K v), down0 (Q6_K), the head
+    assert lean.lean.binding.head.bits == 8
+    for k in five:  # K * 5 / 32 words a row
+        p = groups[k].p
+        assert p["weight"].shape[1] * 32 == 5 * groups[k].mods[0].weight.shape[1] * 4
+    held = [m for _, m in model.named_modules() if narrow.held_by(m) is not None]
+    assert len(held) == 2 + 2 + 2 + 3 + 1  # gu0, gu1, o0 + o1, qkv1, down1
+    saved = sum(narrow.bytes_saved(m) for m in held)
+    assert saved == sum(m.weight.nbytes * 3 // 8 for m in held)  # 8 bits a weight -> 5
+    assert model_costs(model, lean.layout)["weight_bytes"] == eight_bytes - saved
+    got = compiled_logits(lean, PROMPT, 8)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+    assert mx.array_equal(model(mx.array([PROMPT])), eager).item()  # the modules' own forward, on the lazy blocks
+    after = _weights(model)
+    assert all(np.array_equal(after[k], v) for k, v in before.items())
+    again = CompiledModel(model, fuse=True)  # rebinding reuses the held form (the modules' weights are its stand-ins)
+    assert again.lean.buffers["gu1"]["weight"] is lean.lean.buffers["gu1"]["weight"] or \
+        np.array_equal(np.array(again.lean.buffers["gu1"]["weight"]), np.array(lean.lean.buffers["gu1"]["weight"]))
+    assert all(mx.array_equal(a, b).item() for a, b in zip(compiled_logits(again, PROMPT, 8), want))
+    ops = CompiledModel(model, fuse=True)
+    ops.lean.use_kernels(None)  # MLX's ops: the 8-bit blocks again
+    assert ops.lean.buffers["gu1"]["weight"].shape[1] * 4 == 256
+    assert [mx.argmax(a).item() for a in compiled_logits(ops, PROMPT, 8)] == [mx.argmax(a).item() for a in want]
+    assert solo_tokens(model, PROMPT, 6) == [mx.argmax(a).item() for a in want[:6]]
+
+
+def test_the_setting_is_checked_and_info_says_which(monkeypatch):
+    monkeypatch.setenv(narrow.ENV, "0")
+    assert not narrow.enabled()
+    assert narrow.describe() == "5-bit integers in 8-bit blocks (MLX_TRACER_5BIT=0)"
+    monkeypatch.setenv(narrow.ENV, "on")
+    with pytest.raises(ValueError, match="MLX_TRACER_5BIT='on': expected 1"):
+        narrow.enabled()
+    assert narrow.describe().startswith("MLX_TRACER_5BIT='on': expected 1")
+    monkeypatch.delenv(narrow.ENV)
+    assert narrow.describe().startswith("5-bit integers (GGUF's Q5_K/Q5_0/Q5_1) in 5-bit blocks")
+
+
+def test_load_model_checks_the_setting_before_the_path(tmp_path, monkeypatch):
+    """A bad MLX_TRACER_5BIT is refused before the model is looked at (the
+    file here does not exist), and by the CLI with exit status 2."""
+    import subprocess
+    import sys
+
+    from mlx_tracer.loading.load import load_model
+
+    monkeypatch.setenv(narrow.ENV, "2")
+    with pytest.raises(ValueError, match="MLX_TRACER_5BIT='2': expected 1"):
+        load_model(tmp_path / "missing.gguf", progress=False, weights="as-is")
+    run = subprocess.run([sys.executable, "-m", "mlx_tracer", "generate", "hi", "--model", str(tmp_path / "missing.gguf")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "MLX_TRACER_5BIT='2'" in run.stderr, (run.returncode, run.stderr[-500:])
