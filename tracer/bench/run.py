@@ -20,7 +20,7 @@ from ..runtime.engine import Engine
 from ..runtime.step import CompiledModel
 from .machine import Machine, model_costs, roofline_tps
 from .models import random_llama, synthetic_context
-from .systems import host_ms, live_bytes, param_bytes, run_peak, stock_decode, tracer_decode
+from .systems import host_ms, live_bytes, param_bytes, run_peak, stand_in_bytes, stock_decode, tracer_decode
 
 
 @dataclass
@@ -102,7 +102,9 @@ def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[in
                 peer.decode(B, C, 4, first)  # and llama.cpp's context for this row, prefilled
             warm = {k: ms for k, ms in compiled.trace_ms.items() if k not in known and k.kind == "decode"}
             traces_before = sum(compiled.traces.values())
-            tracer_owned = live_bytes() - ctx_bytes  # weights, traces, engine: all that is live but the contexts
+            # weights, traces, engine: all that is live but the contexts and the stand-ins of held forms
+            # (float32 scales, 8-bit blocks) that only the stock runs' own forward computed
+            tracer_owned = live_bytes() - ctx_bytes - stand_in_bytes(model)
             b_runs, s_runs, t_runs, t_host, p_runs = [], [], [], [], []
             peak = s_peak = b_peak = p_peak = 0.0
             p_kind = None

@@ -46,6 +46,25 @@ def param_bytes(model) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
+def stand_in_bytes(model) -> int:
+    """Bytes of the modules' stand-ins for forms the lean forward holds
+    (superblock scales' float32, 5-bit blocks' 8-bit), evaluated first: lazy
+    until the model's own forward runs, then kept, they are what a process
+    that runs stock mlx-lm beside the compiled loop holds for stock alone
+    (an untied embedding's, which stock's lookups do not compute, evaluated
+    here too, so that the count is exact)."""
+    from ..adapters.lean import narrow, scales
+
+    arrays = []
+    for m in model.modules():
+        if (held := scales.held_by(m)) is not None:
+            arrays += held.of
+        if (held := narrow.held_by(m)) is not None:
+            arrays.append(held.of)
+    mx.eval(arrays)
+    return sum(a.nbytes for a in arrays)
+
+
 def live_bytes() -> int:
     """MLX memory held by live arrays now, after a garbage collection (the
     arrays of dropped objects in reference cycles are freed first)."""
