@@ -24,10 +24,11 @@ forward runs (mlx-lm's; the bench's stock column), which then keeps them.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import mlx.core as mx
+
+from .scales import switch
 
 ENV = "MLX_TRACER_5BIT"  # "0": keep 8-bit blocks (the form before 0.5.30; A/B and a way out)
 ATTR = "_mlx_tracer_5bit"  # a module attribute (not a parameter): its Held
@@ -79,11 +80,7 @@ class Held:
 def enabled() -> bool:
     """Whether linears take 5-bit blocks (``$MLX_TRACER_5BIT``: unset or "1"
     yes, "0" no; anything else is an error saying so)."""
-    v = os.environ.get(ENV, "").strip() or "1"
-    if v not in ("0", "1"):
-        raise ValueError(f"{ENV}={v!r}: expected 1 (5-bit blocks where 8-bit ones hold integers below 32) "
-                         "or 0 (8-bit blocks)")
-    return v == "1"
+    return switch(ENV, "5-bit blocks where 8-bit ones hold integers below 32", "8-bit blocks")
 
 
 def describe() -> str:

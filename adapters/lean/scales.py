@@ -76,13 +76,19 @@ class Held:
         self.scales, self.biases, self.of = scales, biases, of
 
 
+def switch(env: str, one: str, zero: str) -> bool:
+    """A held form's on/off variable ``env``: unset or "1" on, "0" off;
+    anything else an error saying what 1 (``one``) and 0 (``zero``) mean."""
+    v = os.environ.get(env, "").strip() or "1"
+    if v not in ("0", "1"):
+        raise ValueError(f"{env}={v!r}: expected 1 ({one}) or 0 ({zero})")
+    return v == "1"
+
+
 def enabled() -> bool:
     """Whether linears take superblock scales (``$MLX_TRACER_SUPERBLOCKS``:
     unset or "1" yes, "0" no; anything else is an error saying so)."""
-    v = os.environ.get(ENV, "").strip() or "1"
-    if v not in ("0", "1"):
-        raise ValueError(f"{ENV}={v!r}: expected 1 (superblock scales where float32 ones factor) or 0 (float32 scales)")
-    return v == "1"
+    return switch(ENV, "superblock scales where float32 ones factor", "float32 scales")
 
 
 def describe() -> str:

@@ -94,6 +94,11 @@ CONTRACT_ATTR = "mlx_tracer_qmm_contract"  # a model attribute: qmm's contract (
 QMM_CONTRACTS = ("exact", "factored", "fast", "split")
 
 
+def _every(forms: list) -> Optional[list]:
+    """``forms`` where every member has its form, else None."""
+    return None if any(f is None for f in forms) else forms
+
+
 class LinearGroup:
     """Linears that read the same input (q/k/v, gate/up) and share one matmul
     (:func:`~.qualify.fusable`), computed as one.
@@ -142,13 +147,7 @@ class LinearGroup:
             return None  # (a format qmm does not take keeps its scales: mx.quantized_matmul reads them)
         if any(type(m) not in (nn.QuantizedLinear, Float32RowsEmbedding) for m in self.mods):
             return None  # (sharded linears: their own arrays; a plain QuantizedEmbedding's lookups read its scales)
-        found = []
-        for m in self.mods:
-            sb = superblock.of_module(m, factor)
-            if sb is None:
-                return None
-            found.append(sb)
-        return found
+        return _every([superblock.of_module(m, factor) for m in self.mods])
 
     def _five_bits(self, kernel: bool, narrow) -> Optional[List[mx.array]]:
         """Each member's weight as 5-bit blocks (:mod:`.narrow`: 8-bit
@@ -161,13 +160,7 @@ class LinearGroup:
             return None
         if any(type(m) is not nn.QuantizedLinear for m in self.mods):
             return None  # (embeddings' lookups and sharded linears read their own arrays)
-        found = []
-        for m in self.mods:
-            w = five.of_module(m, narrow)
-            if w is None:
-                return None
-            found.append(w)
-        return found
+        return _every([five.of_module(m, narrow) for m in self.mods])
 
     def _build(self, kernel: bool, factor=None, narrow=None) -> Dict[str, mx.array]:
         sb = self._superblocks(kernel, factor)
