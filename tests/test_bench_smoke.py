@@ -97,6 +97,24 @@ def test_bench_runs_a_random_qwen3(capsys):
     assert rc == 0 and "qwen3 4x64 fp32 (random)" in capsys.readouterr().out
 
 
+def test_no_stock_skips_the_stock_column_and_its_cells_read_a_dash(tmp_path, capsys, monkeypatch):
+    import json
+
+    from mlx_tracer.bench import systems
+
+    calls = []
+    monkeypatch.setattr(systems, "_stock_steps", lambda *a: calls.append(a))  # a stock step would fail loudly
+    out_json = tmp_path / "rows.json"
+    rc = main(["bench", "--models", "llama-h32", "--buckets", "1,2", "--contexts", "16", "--tokens", "2", "--runs", "1",
+               "--steady-steps", "0", "--no-baseline", "--no-peer", "--no-stock", "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert rc == 0 and not calls
+    rows = [line.split() for line in out.splitlines() if line.startswith("llama 4x32 fp32 (random)")]
+    assert len(rows) == 2 and all(r[7] == "-" and float(r[8]) > 0 for r in rows), rows  # stock '-', tracer tok/s
+    for r in json.loads(out_json.read_text())["rows"]:
+        assert r["stock_tps"] is None and r["ratio"] is None and r["stock_peak_mb"] is None and r["tracer_tps"] > 0
+
+
 def test_baseline_worker_decodes_on_request_reports_errors_and_exits():
     """The as-run baseline process: one run per request, on MLX's reference
     BLAS; a failed request raises in the parent with the worker's reason,

@@ -38,9 +38,9 @@ def format_row(r: BenchRow) -> str:
     peaks = f"{_cell(r.stock_peak_mb, 0, '.0f')}/{_cell(r.peak_mb, 0, '.0f')}"
     roof_file = f"{r.tracer_roofline_pct:>8.1f}%" + ("!" if r.tracer_roofline_pct > 100 else "")
     return (
-        f"{r.model:<26} {r.bucket:>2} {r.context:>5} {_cell(r.baseline_tps, 7)} {r.stock_tps:>7.1f} {r.tracer_tps:>7.1f} "
-        f"{_cell(r.peer_tps, 7)} {_cell(r.speedup, 9, '.2f', 'x')} {r.ratio:>7.2f}x {_cell(r.vs_peer, 8, '.2f', 'x')} "
-        f"{r.stock_host_ms:>5.1f}/{r.tracer_host_ms:<5.2f} {r.traces:>6} {r.first_trace_ms:>8.0f} {peaks:>11} "
+        f"{r.model:<26} {r.bucket:>2} {r.context:>5} {_cell(r.baseline_tps, 7)} {_cell(r.stock_tps, 7)} {r.tracer_tps:>7.1f} "
+        f"{_cell(r.peer_tps, 7)} {_cell(r.speedup, 9, '.2f', 'x')} {_cell(r.ratio, 8, '.2f', 'x')} {_cell(r.vs_peer, 8, '.2f', 'x')} "
+        f"{_cell(r.stock_host_ms, 5)}/{r.tracer_host_ms:<5.2f} {r.traces:>6} {r.first_trace_ms:>8.0f} {peaks:>11} "
         f"{_cell(r.peer_peak_mb, 8, '.0f')} {roof_file} {r.format_roofline_pct:>7.1f}%"
     )
 
@@ -63,7 +63,8 @@ def plot(path: str, rows: List[BenchRow]):
         b = [r.bucket for r in rs]
         if any(r.baseline_tps for r in rs):
             ax.plot(b, [r.baseline_tps or float("nan") for r in rs], "^:", color="gray", label="stock mlx-lm, as run")
-        ax.plot(b, [r.stock_tps for r in rs], "o-", label="stock mlx-lm")
+        if any(r.stock_tps for r in rs):
+            ax.plot(b, [r.stock_tps or float("nan") for r in rs], "o-", label="stock mlx-lm")
         ax.plot(b, [r.tracer_tps for r in rs], "s-", label="mlx-tracer")
         if any(r.peer_tps for r in rs):
             ax.plot(b, [r.peer_tps or float("nan") for r in rs], "d--", label="llama.cpp")

@@ -20,7 +20,8 @@ from ..runtime.engine import Engine
 from ..runtime.step import CompiledModel
 from .machine import Machine, model_costs, roofline_tps
 from .models import random_llama, synthetic_context
-from .systems import host_ms, live_bytes, param_bytes, run_peak, stand_in_bytes, stock_decode, tracer_decode
+from .systems import (host_ms, live_bytes, param_bytes, run_peak, stand_in_bytes, stock_decode, tracer_decode,
+                      tracer_host_ms)
 
 
 @dataclass
@@ -31,10 +32,10 @@ class BenchRow:
     model: str
     bucket: int
     context: int
-    stock_tps: float
+    stock_tps: Optional[float]  # None: skipped (--no-stock), with ratio and stock_host_ms
     tracer_tps: float
-    ratio: float
-    stock_host_ms: float
+    ratio: Optional[float]
+    stock_host_ms: Optional[float]
     tracer_host_ms: float
     traces: int
     first_trace_ms: float
@@ -69,8 +70,9 @@ class BenchRow:
         return None if not self.baseline_tps else self.tracer_tps / self.baseline_tps
 
 
-def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[int], tokens: int, runs: int, machine: Machine, on_row: Callable[["BenchRow"], None] = lambda r: None, baseline=None, kv=None, peer=None, peer_note: Optional[str] = None) -> List[BenchRow]:
+def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[int], tokens: int, runs: int, machine: Machine, on_row: Callable[["BenchRow"], None] = lambda r: None, baseline=None, kv=None, peer=None, peer_note: Optional[str] = None, stock: bool = True) -> List[BenchRow]:
     """Time every (context, bucket) of one model; ``on_row`` sees each row as it is done.
+    ``stock``: False skips stock mlx-lm (its cells None).
     ``baseline``: a :class:`~.baseline.BaselineWorker` with this model loaded: its
     as-run decode runs take turns with the stock and tracer runs of each row.
     ``kv``: the tracer caches' :class:`~mlx_tracer.caches.storage.KVFormat` (None: as the model computes).
@@ -96,7 +98,8 @@ def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[in
             known = set(compiled.trace_ms)
             if baseline is not None:
                 baseline.decode(B, C, 4)
-            stock_decode(model, contexts_b, first, 4)  # warm-up runs: tracing and kernel JIT
+            if stock:
+                stock_decode(model, contexts_b, first, 4)  # warm-up runs: tracing and kernel JIT
             tracer_decode(engine, contexts_b, first, 4)
             if peer is not None:
                 peer.decode(B, C, 4, first)  # and llama.cpp's context for this row, prefilled
@@ -104,7 +107,7 @@ def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[in
             traces_before = sum(compiled.traces.values())
             # weights, traces, engine: all that is live but the contexts and the stand-ins of held forms
             # (float32 scales, 8-bit blocks) that only the stock runs' own forward computed
-            tracer_owned = live_bytes() - ctx_bytes - stand_in_bytes(model)
+            tracer_owned = live_bytes() - ctx_bytes - (stand_in_bytes(model) if stock else 0)
             b_runs, s_runs, t_runs, t_host, p_runs = [], [], [], [], []
             peak = s_peak = b_peak = p_peak = 0.0
             p_kind = None
@@ -112,9 +115,10 @@ def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[in
                 if baseline is not None:
                     b_runs.append(baseline.decode(B, C, tokens))
                     b_peak = max(b_peak, baseline.last_peak_mb or 0.0)
-                tps, pk = run_peak(lambda: stock_decode(model, contexts_b, first, tokens), stock_owned)
-                s_runs.append(tps)
-                s_peak = max(s_peak, pk)
+                if stock:
+                    tps, pk = run_peak(lambda: stock_decode(model, contexts_b, first, tokens), stock_owned)
+                    s_runs.append(tps)
+                    s_peak = max(s_peak, pk)
                 st, pk = run_peak(lambda: tracer_decode(engine, contexts_b, first, tokens), tracer_owned)
                 peak = max(peak, pk)
                 t_runs.append(st.decode_tps)
@@ -125,17 +129,17 @@ def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[in
                     p_peak, p_kind = max(p_peak, r["peak_mb"]), r["peak_kind"]
             traces = sum(compiled.traces.values())
             assert traces == traces_before, "the timed runs retraced"
-            s, t = statistics.median(s_runs), statistics.median(t_runs)
-            host = host_ms(model, compiled, contexts_b)
+            s, t = (statistics.median(s_runs) if stock else None), statistics.median(t_runs)
+            host = host_ms(model, compiled, contexts_b) if stock else (None, tracer_host_ms(compiled, contexts_b))
             roof = roofline_tps(costs, compiled.layout, machine, B, C, weight_bytes=file_bytes)
             fmt_roof = roofline_tps(costs, compiled.layout, machine, B, C)
             row = BenchRow(
-                label, B, C, s, t, t / s, host[0], host[1],
+                label, B, C, s, t, t / s if stock else None, host[0], host[1],
                 len(warm),  # decode traces this configuration made (the timed runs made none)
                 max(warm.values(), default=float("nan")), peak, roof, 100 * t / roof, fmt_roof, 100 * t / fmt_roof,
                 s_runs, t_runs, engine_host_ms=statistics.median(t_host),
             )
-            row.stock_peak_mb = s_peak
+            row.stock_peak_mb = s_peak if stock else None
             if b_runs:
                 row.baseline_runs, row.baseline_tps = b_runs, statistics.median(b_runs)
                 row.baseline_peak_mb = b_peak

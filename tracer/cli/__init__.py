@@ -111,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a Python that has llama_cpp (llama-cpp-python built for this CPU), for the llama.cpp column "
                         "(default: this Python if it has it, e.g. the 'peer' extra; else the column is skipped)")
     b.add_argument("--no-peer", dest="peer", action="store_false", help="skip the llama.cpp column")
+    b.add_argument("--no-stock", dest="stock", action="store_false",
+                   help="skip the stock mlx-lm column (eager decode in this process: minutes a row on a 1B model's "
+                        "quantized weights); its cells then read '-'")
     b.add_argument("--busy", type=opt.non_negative_int, default=0,
                    help="start N busy processes beside the run (the contended-machine scenario)")
     b.add_argument("--spec", action="store_true",

@@ -67,7 +67,8 @@ def _bench_tables(args, conditions) -> dict:
                 peer_meta["models"][label] = note or "ran"
             rows += bench.bench_model(model, label, args.buckets, args.contexts, args.tokens, args.runs, machine,
                                       on_row=lambda row: print(bench.format_row(row), flush=True), baseline=worker,
-                                      kv=check_kv(**opt.kv_options(args)), peer=model_peer, peer_note=note or peer_note)
+                                      kv=check_kv(**opt.kv_options(args)), peer=model_peer, peer_note=note or peer_note,
+                                      stock=args.stock)
             peer_meta["ran"] = peer_meta["ran"] or model_peer is not None
             del model  # freed before the next model loads
     steady = None
