@@ -30,8 +30,8 @@ together a decode layer is 4 graph nodes instead of 27 on MLX's ops. Both
 layer kernels also take a window of L tokens a row (verify and prefill
 steps; the cache then written by the cache's own ``update_and_fetch``). A float32
 projection is computed with the ``cblas_sgemm`` call MLX's CPU matmul makes
-for the same operands; one given as MLX's packed 4-/8-bit blocks with
-``qmm`` (below), as the lean ops path computes it. Activations are float32,
+for the same operands; one given as MLX's packed 4-/8-bit blocks (or qmm's
+5-bit ones) with ``qmm`` (below), as the lean ops path computes it. Activations are float32,
 CPU only; the lean forward plans them for decode steps where every
 projection is one of the two (:mod:`mlx_tracer.adapters.lean.native`) and
 runs MLX's ops elsewhere.
@@ -288,7 +288,7 @@ def status() -> str:
     module = load()
     if module is not None:
         return (f"active: the lean layers on the CPU, decode and windows (4 graph nodes a decode layer; float32 or "
-                f"packed 4-/8-bit projections); quantized matmul {module.qmm_isa()} (integer products: "
+                f"packed 4-/5-/8-bit projections); quantized matmul {module.qmm_isa()} (integer products: "
                 f"{module.qmm_int8_isa()}), {module.qmm_threads()} threads; "
                 f"decode attention {_ATTENTION[module.attention_mode()]}, {_PACKED[module.packed_attention()]}"
                 f"{_packed_isa(module)} "
