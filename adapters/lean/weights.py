@@ -156,8 +156,11 @@ class LinearGroup:
         if not kernel or self.quant is None or not five.enabled():
             return None
         group_size, bits, mode = self.quant
-        if bits != 8 or mode != "affine" or group_size not in QMM_GROUPS or "biases" not in self.mods[0]:
+        m0 = self.mods[0]
+        if bits != 8 or mode != "affine" or group_size not in QMM_GROUPS or "biases" not in m0:
             return None
+        if m0["scales"].dtype not in QMM_SCALES or m0["biases"].dtype != m0["scales"].dtype:
+            return None  # (qmm will not take the group: mx.quantized_matmul reads the 8-bit blocks)
         if any(type(m) is not nn.QuantizedLinear for m in self.mods):
             return None  # (embeddings' lookups and sharded linears read their own arrays)
         return _every([five.of_module(m, narrow) for m in self.mods])
