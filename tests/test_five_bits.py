@@ -229,3 +229,22 @@ def test_load_model_checks_the_setting_before_the_path(tmp_path, monkeypatch):
     run = subprocess.run([sys.executable, "-m", "mlx_tracer", "generate", "hi", "--model", str(tmp_path / "missing.gguf")],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "MLX_TRACER_5BIT='2'" in run.stderr, (run.returncode, run.stderr[-500:])
+
+
+@needs_kernels
+def test_a_group_qmm_does_not_take_keeps_its_8_bit_blocks():
+    """Integers below 32 in a linear whose scales and biases differ in dtype
+    (qmm takes one dtype for both): mx.quantized_matmul runs it, on its own
+    8-bit blocks, and nothing is held."""
+    from mlx_tracer.adapters.lean.weights import LinearGroup
+
+    rng = np.random.default_rng(11)
+    lin = nn.QuantizedLinear(256, 64, bias=False, group_size=32, bits=8)
+    lin.weight = eight_bit(rng.integers(0, 32, (64, 256), dtype=np.uint8))
+    lin.scales = mx.array(rng.uniform(1e-3, 1e-2, (64, 8)).astype(np.float16))
+    lin.biases = mx.array(rng.uniform(-1e-2, 0, (64, 8)).astype(np.float32))
+    x = mx.random.normal((3, 256), key=mx.random.key(1))
+    want = lin(x)
+    g = LinearGroup([lin], K.qmm, narrow=K.narrow5)
+    assert g.kernel is None and g.bits == 8 and narrow.held_by(lin) is None
+    assert mx.array_equal(g(x), want).item()
