@@ -16,7 +16,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from mlx_tracer.adapters.lean import scales
+from mlx_tracer.adapters.lean import narrow, scales
 from mlx_tracer.backend import kernels
 from mlx_tracer.loading import gguf
 
@@ -131,16 +131,29 @@ def test_the_native_search_finds_what_the_reference_finds(kind):
         assert np.array_equal(np.array(K.superblocks(a[:, :16])), np.array(K.superblocks(mx.array(arrays[0][:, :16]))))
 
 
-def test_the_setting_is_checked_and_info_says_which(monkeypatch):
-    monkeypatch.setenv(scales.ENV, "0")
-    assert not scales.enabled()
-    assert scales.describe() == "k-quant scales float32 (MLX_TRACER_SUPERBLOCKS=0)"
-    monkeypatch.setenv(scales.ENV, "yes")
-    with pytest.raises(ValueError, match="MLX_TRACER_SUPERBLOCKS='yes': expected 1"):
-        scales.enabled()
-    assert scales.describe().startswith("MLX_TRACER_SUPERBLOCKS='yes': expected 1")
-    monkeypatch.delenv(scales.ENV)
-    assert scales.describe() == "k-quant scales as superblocks (MLX_TRACER_SUPERBLOCKS=0: float32)"
+# Each held form's on/off variable (superblock scales; 5-bit blocks, adapters/lean/narrow.py): the form,
+# what info says with it unset and with 0.
+SETTINGS = [
+    pytest.param(scales, "MLX_TRACER_SUPERBLOCKS", "k-quant scales as superblocks (MLX_TRACER_SUPERBLOCKS=0: float32)",
+                 "k-quant scales float32 (MLX_TRACER_SUPERBLOCKS=0)", id="superblocks"),
+    pytest.param(narrow, "MLX_TRACER_5BIT",
+                 "5-bit integers (GGUF's Q5_K/Q5_0/Q5_1) in 5-bit blocks (MLX_TRACER_5BIT=0: 8-bit)",
+                 "5-bit integers in 8-bit blocks (MLX_TRACER_5BIT=0)", id="5bit"),
+]
+
+
+@pytest.mark.parametrize("form,env,on,off", SETTINGS)
+def test_the_setting_is_checked_and_info_says_which(monkeypatch, form, env, on, off):
+    assert form.ENV == env
+    monkeypatch.setenv(env, "0")
+    assert not form.enabled()
+    assert form.describe() == off
+    monkeypatch.setenv(env, "yes")
+    with pytest.raises(ValueError, match=f"{env}='yes': expected 1"):
+        form.enabled()
+    assert form.describe().startswith(f"{env}='yes': expected 1")
+    monkeypatch.delenv(env)
+    assert form.enabled() and form.describe() == on
 
 
 @needs_kernels
@@ -265,20 +278,21 @@ def test_a_tied_head_reads_superblocks_and_its_lookups_gather_their_rows(tmp_pat
     assert mx.array_equal(model(mx.array([PROMPT])), eager).item()
 
 
-def test_load_model_checks_the_setting_before_the_path(tmp_path, monkeypatch):
-    """A bad MLX_TRACER_SUPERBLOCKS is refused before the model is looked at
-    (the file here does not exist), and by the CLI with exit status 2."""
+@pytest.mark.parametrize("form,env,on,off", SETTINGS)
+def test_load_model_checks_the_setting_before_the_path(tmp_path, monkeypatch, form, env, on, off):
+    """A bad setting is refused before the model is looked at (the file
+    here does not exist), and by the CLI with exit status 2."""
     import subprocess
     import sys
 
     from mlx_tracer.loading.load import load_model
 
-    monkeypatch.setenv(scales.ENV, "2")
-    with pytest.raises(ValueError, match="MLX_TRACER_SUPERBLOCKS='2': expected 1"):
+    monkeypatch.setenv(env, "2")
+    with pytest.raises(ValueError, match=f"{env}='2': expected 1"):
         load_model(tmp_path / "missing.gguf", progress=False, weights="as-is")
     run = subprocess.run([sys.executable, "-m", "mlx_tracer", "generate", "hi", "--model", str(tmp_path / "missing.gguf")],
                          capture_output=True, text=True, timeout=300)
-    assert run.returncode == 2 and "MLX_TRACER_SUPERBLOCKS='2'" in run.stderr, (run.returncode, run.stderr[-500:])
+    assert run.returncode == 2 and f"{env}='2'" in run.stderr, (run.returncode, run.stderr[-500:])
 
 
 @needs_kernels

@@ -28,7 +28,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .scales import switch
+from .scales import said, switch
 
 ENV = "MLX_TRACER_5BIT"  # "0": keep 8-bit blocks (the form before 0.5.30; A/B and a way out)
 ATTR = "_mlx_tracer_5bit"  # a module attribute (not a parameter): its Held
@@ -85,12 +85,8 @@ def enabled() -> bool:
 
 def describe() -> str:
     """How 8-bit blocks of 5-bit integers are held (``mlx-tracer info``), or what is wrong with the setting."""
-    try:
-        on = enabled()
-    except ValueError as e:
-        return str(e)
-    return (f"5-bit integers (GGUF's Q5_K/Q5_0/Q5_1) in 5-bit blocks ({ENV}=0: 8-bit)" if on
-            else f"5-bit integers in 8-bit blocks ({ENV}=0)")
+    return said(enabled, f"5-bit integers (GGUF's Q5_K/Q5_0/Q5_1) in 5-bit blocks ({ENV}=0: 8-bit)",
+                f"5-bit integers in 8-bit blocks ({ENV}=0)")
 
 
 def held_by(m) -> Optional[Held]:

@@ -91,13 +91,17 @@ def enabled() -> bool:
     return switch(ENV, "superblock scales where float32 ones factor", "float32 scales")
 
 
-def describe() -> str:
-    """How k-quant scales are held (``mlx-tracer info``), or what is wrong with the setting."""
+def said(enabled, on: str, off: str) -> str:
+    """``on`` or ``off`` as ``enabled()`` says, or what is wrong with its variable."""
     try:
-        on = enabled()
+        return on if enabled() else off
     except ValueError as e:
         return str(e)
-    return f"k-quant scales as superblocks ({ENV}=0: float32)" if on else f"k-quant scales float32 ({ENV}=0)"
+
+
+def describe() -> str:
+    """How k-quant scales are held (``mlx-tracer info``), or what is wrong with the setting."""
+    return said(enabled, f"k-quant scales as superblocks ({ENV}=0: float32)", f"k-quant scales float32 ({ENV}=0)")
 
 
 def held_by(m) -> Optional[Held]:

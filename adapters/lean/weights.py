@@ -99,6 +99,22 @@ def _every(forms: list) -> Optional[list]:
     return None if any(f is None for f in forms) else forms
 
 
+def _held(mods, forms: List[tuple], hold) -> List[mx.array]:
+    """The members' held forms (``forms[i]``: member i's arrays) concatenated
+    along rows into one buffer each, every member then given its rows of
+    them by ``hold(module, *rows)``; the buffers."""
+    bufs = [mx.concatenate(part, axis=0) if len(part) > 1 else part[0] for part in zip(*forms)]
+    mx.eval(bufs)
+    start = 0
+    for m, form in zip(mods, forms):
+        n = form[0].shape[0]
+        rows = [b[start : start + n] for b in bufs]
+        mx.eval(rows)
+        hold(m, *rows)
+        start += n
+    return bufs
+
+
 class LinearGroup:
     """Linears that read the same input (q/k/v, gate/up) and share one matmul
     (:func:`~.qualify.fusable`), computed as one.
@@ -181,26 +197,10 @@ class LinearGroup:
             mx.eval([m[k] for m in self.mods for k in keys])
         else:
             fused = {k: self.mods[0][k] for k in keys}
-        if sb is not None:  # the members' rows of one scales and one biases buffer, the modules lazy float32 of them
-            both = [mx.concatenate(part, axis=0) if len(part) > 1 else part[0] for part in zip(*sb)]
-            mx.eval(both)
-            fused["scales"], fused["biases"] = both
-            start = 0
-            for m, (s, _) in zip(self.mods, sb):
-                n = s.shape[0]
-                rows = [a[start : start + n] for a in both]
-                mx.eval(rows)
-                superblock.hold(m, *rows)
-                start += n
-        if w5 is not None:  # the members' rows of one 5-bit buffer, the modules lazy 8-bit blocks of them
-            fused["weight"] = mx.concatenate(w5, axis=0) if len(w5) > 1 else w5[0]
-            mx.eval(fused["weight"])
-            start = 0
-            for m, w in zip(self.mods, w5):
-                rows = fused["weight"][start : start + w.shape[0]]
-                mx.eval(rows)
-                five.hold(m, rows)
-                start += w.shape[0]
+        if sb is not None:  # one scales and one biases buffer, the modules lazy float32 of their rows
+            fused["scales"], fused["biases"] = _held(self.mods, sb, superblock.hold)
+        if w5 is not None:  # one 5-bit buffer, the modules lazy 8-bit blocks of their rows
+            fused["weight"], = _held(self.mods, [(w,) for w in w5], five.hold)
             self.bits = 5
         if self.quant is None:
             fused["wt"] = fused.pop("weight").T
