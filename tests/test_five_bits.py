@@ -28,18 +28,23 @@ needs_kernels = pytest.mark.skipif(K is None, reason=f"native kernels unavailabl
 PROMPT = [1, 5, 9, 17, 33, 65]
 
 
-def reference_pack(q: np.ndarray) -> np.ndarray:
-    """Integers ``q [N, K]`` (< 32) in the 5-bit layout qmm_api.h states, as bytes [N, K / 32 * 20]:
-    per block of 32, the low nibbles as a 4-bit block, then byte f, bit l: weight 8 l + 2 f + 1's
-    fifth bit, bit 4 + l: weight 8 l + 2 f's."""
+def reference_pack(q: np.ndarray, bits: int = 5) -> np.ndarray:
+    """Integers ``q [N, K]`` (< 2 ** bits) in the layout qmm_api.h states, as bytes [N, K / 32 * 4 bits]:
+    per block of 32, the low nibbles as a 4-bit block, then the high bits. 5 bits: byte f, bit l:
+    weight 8 l + 2 f + 1's fifth bit, bit 4 + l: weight 8 l + 2 f's. 6 bits: byte j, bits 0-1, 2-3,
+    4-5, 6-7: the two high bits of weights 2 j, 2 j + 1, 2 j + 16, 2 j + 17."""
     N, Kd = q.shape
     b = q.reshape(N, Kd // 32, 32).astype(np.uint8)
     nibbles = (b[:, :, 0::2] & 15) | ((b[:, :, 1::2] & 15) << 4)
-    fifth = (b >> 4) & 1
+    high = b >> 4
+    if bits == 6:
+        j = np.arange(8)
+        plane = high[:, :, 2 * j] | high[:, :, 2 * j + 1] << 2 | high[:, :, 2 * j + 16] << 4 | high[:, :, 2 * j + 17] << 6
+        return np.concatenate([nibbles, plane.astype(np.uint8)], axis=2).reshape(N, -1)
     plane = np.zeros((N, Kd // 32, 4), np.uint8)
     for f in range(4):
         for l in range(4):
-            plane[:, :, f] |= (fifth[:, :, 8 * l + 2 * f + 1] << l) | (fifth[:, :, 8 * l + 2 * f] << (4 + l))
+            plane[:, :, f] |= (high[:, :, 8 * l + 2 * f + 1] << l) | (high[:, :, 8 * l + 2 * f] << (4 + l))
     return np.concatenate([nibbles, plane], axis=2).reshape(N, -1)
 
 
@@ -49,29 +54,37 @@ def eight_bit(q: np.ndarray) -> mx.array:
 
 
 @needs_kernels
-def test_narrow5_packs_the_stated_layout_and_expand_gives_back_the_8_bit_blocks():
-    rng = np.random.default_rng(0)
-    q = rng.integers(0, 32, (37, 320), dtype=np.uint8)
-    q[0, :32] = 31  # every fifth bit set
+@pytest.mark.parametrize("bits", [5, 6])
+def test_narrow_packs_the_stated_layout_and_expand_gives_back_the_8_bit_blocks(bits):
+    rng = np.random.default_rng(bits)
+    q = rng.integers(0, 2**bits, (37, 320), dtype=np.uint8)
+    q[0, :32] = 2**bits - 1  # every high bit set
     q[1, :32] = np.arange(32) % 2 * 16  # the odd weights' fifth bits alone
+    q[2, :32] = np.arange(32) // 16 * 32 % 2**bits  # the last 16 weights' sixth bits alone (6 bits)
     w8 = eight_bit(q)
-    w5 = narrow.narrow(w8, K.narrow5)
-    assert w5.dtype == mx.uint32 and w5.shape == (37, 320 * 5 // 32)
-    assert np.array_equal(np.array(w5).view(np.uint8), reference_pack(q))
-    assert np.array_equal(np.array(narrow.expand(w5)), np.array(w8))
-    assert narrow.narrow(w8[5:9], K.narrow5).shape == (4, 50)  # a view of rows: its own rows
-    assert np.array_equal(np.array(narrow.narrow(w8[5:9], K.narrow5)), np.array(w5[5:9]))
+    wn = narrow.narrow(w8, K.narrow, bits)
+    assert wn.dtype == mx.uint32 and wn.shape == (37, 320 * bits // 32)
+    assert np.array_equal(np.array(wn).view(np.uint8), reference_pack(q, bits))
+    assert np.array_equal(np.array(narrow.expand(wn, bits)), np.array(w8))
+    assert np.array_equal(np.array(narrow.integers(wn[3:5], bits)), q[3:5])
+    assert narrow.narrow(w8[5:9], K.narrow, bits).shape == (4, 10 * bits)  # a view of rows: its own rows
+    assert np.array_equal(np.array(narrow.narrow(w8[5:9], K.narrow, bits)), np.array(wn[5:9]))
+    if bits == 5:
+        assert np.array_equal(np.array(K.narrow5(w8)), np.array(wn))  # the 0.5.30 name
 
 
 @needs_kernels
-def test_blocks_with_an_integer_of_32_or_more_are_left_as_they_are():
-    q = np.random.default_rng(1).integers(0, 32, (4, 64), dtype=np.uint8)
-    q[3, 63] = 32
-    assert narrow.narrow(eight_bit(q), K.narrow5) is None
-    assert narrow.narrow(eight_bit(q[:, :48]), K.narrow5) is None  # K = 48: not whole blocks of 32
-    assert narrow.narrow(eight_bit(q[:3]), None) is None  # no kernels: nothing would read the form
+@pytest.mark.parametrize("bits", [5, 6])
+def test_blocks_with_an_integer_too_wide_are_left_as_they_are(bits):
+    q = np.random.default_rng(1).integers(0, 2**bits, (4, 64), dtype=np.uint8)
+    q[3, 63] = 2**bits
+    assert narrow.narrow(eight_bit(q), K.narrow, bits) is None
+    assert narrow.narrow(eight_bit(q[:, :48]), K.narrow, bits) is None  # K = 48: not whole blocks of 32
+    assert narrow.narrow(eight_bit(q[:3]), None, bits) is None  # no kernels: nothing would read the form
     with pytest.raises(ValueError, match="uint32"):
-        K.narrow5(mx.zeros((2, 8), mx.uint8))
+        K.narrow(mx.zeros((2, 8), mx.uint8), bits)
+    with pytest.raises(ValueError, match="bits must be 5 or 6"):
+        K.narrow(eight_bit(q[:3]), 4)
 
 
 def k_scales(rng, N, G, kind):
@@ -90,18 +103,22 @@ def k_scales(rng, N, G, kind):
 @needs_kernels
 @pytest.mark.parametrize("isa", ["portable", "avx2", "avx512"])
 @pytest.mark.parametrize("contract", ["exact", "factored", "fast", "split"])
-@pytest.mark.parametrize("Kd,group,kind", [(2048, 32, "q5_k"), (576, 64, "f16"), (160, 32, "q5_1"), (96, 32, "f16"),
-                                           (640, 128, "f16"), (224, 32, "f16")])
-def test_qmm_multiplies_5_bit_blocks_to_the_bits_of_the_8_bit_ones(isa, contract, Kd, group, kind):
+@pytest.mark.parametrize("Kd,group,kind,bits", [(2048, 32, "q5_k", 5), (576, 64, "f16", 5), (160, 32, "q5_1", 5),
+                                                (96, 32, "f16", 5), (640, 128, "f16", 5), (224, 32, "f16", 5),
+                                                (2048, 32, "q5_k", 6), (576, 64, "f16", 6), (160, 32, "q5_1", 6),
+                                                (224, 32, "f16", 6)])
+def test_qmm_multiplies_5_and_6_bit_blocks_to_the_bits_of_the_8_bit_ones(isa, contract, Kd, group, kind, bits):
     """Every path and contract, decode rows, verify windows and the many-row
-    (dequantized panel) path; rows of 1280 bytes (read side by side), short
-    ones (pipelined), a row's last step of 1 to 3 blocks; float32, float16 and
-    superblock scales."""
-    rng = np.random.default_rng(Kd + group)
+    (dequantized panel) path; rows of 1280 / 1536 bytes (read side by side),
+    short ones (pipelined), a row's last step of 1 to 3 blocks; float32,
+    float16 and superblock scales; integers to 2 ** bits - 1 (6 bits: the
+    split contract's two halves' pair sums reach 4 * 63 * 127)."""
+    rng = np.random.default_rng(Kd + group + bits)
     N = 133
-    q = rng.integers(0, 32, (N, Kd), dtype=np.uint8)
+    q = rng.integers(0, 2**bits, (N, Kd), dtype=np.uint8)
+    q[:, :64] = 2**bits - 1  # the widest products
     w8 = eight_bit(q)
-    w5 = K.narrow5(w8)
+    w5 = K.narrow(w8, bits)
     s, b = (mx.array(a) for a in k_scales(rng, N, Kd // group, kind))
     if kind == "q5_k":
         s, b = scales.factor(s, K.superblocks), scales.factor(b, K.superblocks)
@@ -109,8 +126,10 @@ def test_qmm_multiplies_5_bit_blocks_to_the_bits_of_the_8_bit_ones(isa, contract
     with forced_isa(K, isa):
         for M in (1, 2, 3, 5, 9, 70):
             x = mx.random.normal((M, Kd), key=mx.random.key(M))
+            if M == 1:
+                x[0, :64] = 4.0  # x's int8 parts at 127 against them
             want = K.qmm(x, w8, s, b, group, 8, contract=contract)
-            got = K.qmm(x, w5, s, b, group, 5, contract=contract)
+            got = K.qmm(x, w5, s, b, group, bits, contract=contract)
             assert mx.array_equal(got, want).item(), (isa, M, float(mx.abs(got - want).max()))
 
 
@@ -118,8 +137,8 @@ def test_qmm_multiplies_5_bit_blocks_to_the_bits_of_the_8_bit_ones(isa, contract
 def test_qmm_refuses_other_bits_and_shapes_saying_what_it_takes():
     x = mx.zeros((1, 64))
     s = mx.ones((4, 2))
-    with pytest.raises(ValueError, match=r"bits must be 4, 5 \(qmm's own layout"):
-        K.qmm(x, mx.zeros((4, 12), mx.uint32), s, s, 32, 6)
+    with pytest.raises(ValueError, match=r"bits must be 4, 5 or 6 \(qmm's own layouts"):
+        K.qmm(x, mx.zeros((4, 14), mx.uint32), s, s, 32, 7)
     with pytest.raises(ValueError, match=r"w must be uint32 \[N, K \* bits / 32\] = \[N, 10\]"):
         K.qmm(x, mx.zeros((4, 16), mx.uint32), s, s, 32, 5)
 
@@ -195,7 +214,7 @@ def test_the_lean_forward_holds_5_bit_integers_in_5_bit_blocks(tmp_path, monkeyp
     # rebinding reuses the held form: no held module's weight (its stand-in) is narrowed again
     stand_ins, asked, real = {id(m.weight) for m in held}, [], narrow.narrow
     with monkeypatch.context() as mp:
-        mp.setattr(narrow, "narrow", lambda w, native=None: (asked.append(id(w)), real(w, native))[1])
+        mp.setattr(narrow, "narrow", lambda w, native=None, bits=5: (asked.append(id(w)), real(w, native, bits))[1])
         again = CompiledModel(model, fuse=True)
     assert asked and not stand_ins & set(asked)  # (the 8-bit-only groups are asked again, and decline)
     assert _group_bits(again) == _group_bits(lean)
@@ -221,6 +240,6 @@ def test_a_group_qmm_does_not_take_keeps_its_8_bit_blocks():
     lin.biases = mx.array(rng.uniform(-1e-2, 0, (64, 8)).astype(np.float32))
     x = mx.random.normal((3, 256), key=mx.random.key(1))
     want = lin(x)
-    g = LinearGroup([lin], K.qmm, narrow=K.narrow5)
+    g = LinearGroup([lin], K.qmm, narrow=K.narrow)
     assert g.kernel is None and g.bits == 8 and narrow.held_by(lin) is None
     assert mx.array_equal(g(x), want).item()

@@ -64,7 +64,7 @@ class LeanForward:
         self._set_watch([])
         if self.active:
             n = self.native
-            self.binding = bind(self.model, getattr(n, "qmm", None), getattr(n, "superblocks", None), getattr(n, "narrow5", None))
+            self.binding = bind(self.model, getattr(n, "qmm", None), getattr(n, "superblocks", None), getattr(n, "narrow", None))
             self._set_watch(self.binding.watch)
             self._plan()
         return self.active

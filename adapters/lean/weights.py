@@ -62,13 +62,14 @@ class Float32RowsEmbedding(nn.QuantizedEmbedding):
     in place."""
 
     def __call__(self, x):
+        w = five.rows(self, x)  # (a tied head's held blocks, narrow.py: the rows' own, in the module's layout)
         held = superblock.held_by(self)
         if held is not None:  # the tied head's superblock scales (scales.py): the rows' own, widened
-            return mx.dequantize(self["weight"][x], scales=superblock.expand(held.scales[x]),
+            return mx.dequantize(w, scales=superblock.expand(held.scales[x]),
                                  biases=superblock.expand(held.biases[x]), group_size=self.group_size, bits=self.bits,
                                  mode=self.mode)
         biases = self.get("biases")
-        return mx.dequantize(self["weight"][x], scales=self["scales"][x].astype(mx.float32),
+        return mx.dequantize(w, scales=self["scales"][x].astype(mx.float32),
                              biases=biases[x].astype(mx.float32) if biases is not None else None,
                              group_size=self.group_size, bits=self.bits, mode=self.mode)
 
@@ -127,9 +128,10 @@ class LinearGroup:
     ``contract`` (one of :data:`QMM_CONTRACTS`). ``reduce``: the group a sharded-to-all
     linear all-sums its matmul over (None: no all-sum). ``factor``: the
     kernels' ``superblocks`` (:func:`.scales.factor`; None: float32 scales stay);
-    ``narrow``: the kernels' ``narrow5`` (:func:`.narrow.narrow`; None: 8-bit
-    blocks stay 8-bit). ``bits``: the bits of the blocks the group holds (the
-    modules' own, or 5 where it holds 5-bit blocks of their 8-bit ones).
+    ``narrow``: the kernels' ``narrow`` (:func:`.narrow.narrow`; None: the
+    modules' blocks stay as they are). ``bits``: the bits of the blocks the
+    group holds (the modules' own, or qmm's 5- or 6-bit layout where it
+    holds such blocks of their integers: ``narrowed``).
     """
 
     def __init__(self, mods, qmm=None, contract: str = "exact", factor=None, narrow=None):
@@ -138,6 +140,7 @@ class LinearGroup:
         m0 = self.mods[0]
         self.quant = (m0.group_size, m0.bits, m0.mode) if type(m0) in QUANTIZED else None
         self.bits = self.quant[1] if self.quant is not None else None
+        self.narrowed = False  # the group holds qmm's 5- or 6-bit blocks (narrow.py)
         self.reduce = m0.group if type(m0) in SUMMED else None
         self.keys = [k for k in ARRAYS if k in m0]
         self.runs = [self]  # the matmuls of the group: this one
@@ -148,7 +151,7 @@ class LinearGroup:
         if self.quant is None or "biases" not in self.p:
             return False
         group_size, bits, mode = self.quant
-        return (mode == "affine" and bits in QMM_BITS and group_size in QMM_GROUPS
+        return (mode == "affine" and (bits in QMM_BITS or self.narrowed) and group_size in QMM_GROUPS
                 and self.p["scales"].dtype in QMM_SCALES and self.p["biases"].dtype == self.p["scales"].dtype)
 
     def _superblocks(self, kernel: bool, factor) -> Optional[List[tuple]]:
@@ -165,25 +168,26 @@ class LinearGroup:
             return None  # (sharded linears: their own arrays; a plain QuantizedEmbedding's lookups read its scales)
         return _every([superblock.of_module(m, factor) for m in self.mods])
 
-    def _five_bits(self, kernel: bool, narrow) -> Optional[List[mx.array]]:
-        """Each member's weight as 5-bit blocks (:mod:`.narrow`: 8-bit
-        blocks of integers below 32, GGUF's Q5 types), where the native matmul
-        will read them and every member has them; else None."""
-        if not kernel or self.quant is None or not five.enabled():
+    def _narrowed(self, kernel: bool, narrow) -> Optional[List[mx.array]]:
+        """Each member's weight in qmm's 5- or 6-bit layout (:mod:`.narrow`:
+        8-bit blocks of integers below 32, GGUF's Q5 types, as 5 bits; MLX's
+        5- and 6-bit blocks repacked), where the native matmul will read them
+        and every member has them; else None."""
+        if not kernel or self.quant is None:
             return None
         group_size, bits, mode = self.quant
         m0 = self.mods[0]
-        if bits != 8 or mode != "affine" or group_size not in QMM_GROUPS or "biases" not in m0:
+        if bits not in five.FROM or mode != "affine" or group_size not in QMM_GROUPS or "biases" not in m0:
             return None
         if m0["scales"].dtype not in QMM_SCALES or m0["biases"].dtype != m0["scales"].dtype:
-            return None  # (qmm will not take the group: mx.quantized_matmul reads the 8-bit blocks)
-        if any(type(m) is not nn.QuantizedLinear for m in self.mods):
-            return None  # (embeddings' lookups and sharded linears read their own arrays)
+            return None  # (qmm will not take the group: mx.quantized_matmul reads the modules' blocks)
+        if any(type(m) not in (nn.QuantizedLinear, Float32RowsEmbedding) for m in self.mods):
+            return None  # (a plain QuantizedEmbedding's lookups and sharded linears read their own arrays)
         return _every([five.of_module(m, narrow) for m in self.mods])
 
     def _build(self, kernel: bool, factor=None, narrow=None) -> Dict[str, mx.array]:
         sb = self._superblocks(kernel, factor)
-        w5 = self._five_bits(kernel, narrow)
+        w5 = self._narrowed(kernel, narrow)
         keys = [k for k in self.keys if (sb is None or k not in ("scales", "biases")) and (w5 is None or k != "weight")]
         if len(self.mods) > 1:
             fused = {k: mx.concatenate([m[k] for m in self.mods], axis=0) for k in keys}
@@ -199,9 +203,9 @@ class LinearGroup:
             fused = {k: self.mods[0][k] for k in keys}
         if sb is not None:  # one scales and one biases buffer, the modules lazy float32 of their rows
             fused["scales"], fused["biases"] = _held(self.mods, sb, superblock.hold)
-        if w5 is not None:  # one 5-bit buffer, the modules lazy 8-bit blocks of their rows
+        if w5 is not None:  # one buffer of qmm's blocks, the modules lazy blocks of their rows in their own layout
             fused["weight"], = _held(self.mods, [(w,) for w in w5], five.hold)
-            self.bits = 5
+            self.bits, self.narrowed = five.form_bits(self.mods[0]), True
         if self.quant is None:
             fused["wt"] = fused.pop("weight").T
         mx.eval(fused)
@@ -381,7 +385,7 @@ def bind(model, qmm=None, factor=None, narrow=None) -> Binding:
     ``qmm``: the native quantized matmul (float32 activations only), under
     the model's ``CONTRACT_ATTR`` ("exact" if it has none); ``factor``: the
     kernels' ``superblocks`` (:func:`.scales.factor`); ``narrow``: their
-    ``narrow5`` (:func:`.narrow.narrow`)."""
+    ``narrow`` (:func:`.narrow.narrow`)."""
     contract = getattr(model, CONTRACT_ATTR, "exact")
     if contract not in QMM_CONTRACTS:
         raise ValueError(f"{CONTRACT_ATTR} must be one of {QMM_CONTRACTS}, got {contract!r}")

@@ -2007,9 +2007,9 @@ int need_weight(const Inputs& at, const std::vector<array>& in, int w, int scale
   }
   need(at.has(scales) && at.has(biases), what + ": packed blocks need both _scales and _biases");
   const int bits = a.ndim() == 2 ? a.shape(1) * 32 / K : 0;
-  need(a.dtype() == mx::uint32 && (bits == 4 || bits == 5 || bits == 8) && a.shape(1) * 32 == bits * K &&
+  need(a.dtype() == mx::uint32 && (bits == 4 || bits == 5 || bits == 6 || bits == 8) && a.shape(1) * 32 == bits * K &&
            (N < 0 || a.shape(0) == N),
-       what + " with scales must be packed uint32 [N, " + k + " bits / 32] with 4, 5 (qmm's layout) or 8 bits, got " +
+       what + " with scales must be packed uint32 [N, " + k + " bits / 32] with 4, 5, 6 (qmm's layouts) or 8 bits, got " +
            shape_of(a));
   const array &sc = at(in, scales), &bi = at(in, biases);
   const int G = sc.ndim() == 2 ? groups_of(sc) : 0;

@@ -366,9 +366,36 @@ inline int fifth_bit(const uint8_t* block, int k) {
   const int i = k >> 1, l = i >> 2, f = i & 3;
   return (block[16 + f] >> (l + ((k & 1) ? 0 : 4))) & 1;
 }
+inline int low_nibble(const uint8_t* block, int k) {  // weight k's low 4 bits, as a 4-bit block holds them
+  return (k & 1) ? block[k >> 1] >> 4 : block[k >> 1] & 15;
+}
 inline uint8_t q5_at(const uint8_t* block, int k) {  // weight k (< 32) of a 5-bit block
-  const int nibble = (k & 1) ? block[k >> 1] >> 4 : block[k >> 1] & 15;
-  return uint8_t(nibble | fifth_bit(block, k) << 4);
+  return uint8_t(low_nibble(block, k) | fifth_bit(block, k) << 4);
+}
+// 6 bits, qmm's own layout too (mx.quantize's 6-bit one is not read): a
+// block of 32 weights in 24 bytes, bytes 0-15 their low 4 bits as a 4-bit
+// block holds them, bytes 16-23 their two high bits: byte 16 + j (j < 8),
+// bits 0-1 weight 2 j's, 2-3 weight 2 j + 1's, 4-5 weight 2 j + 16's, 6-7
+// weight 2 j + 17's. The 8 bytes in both 64-bit lanes of a 128-bit lane,
+// the low lane shifted left by 4, put the high bits of weights 2 i (i < 8)
+// at bits 4-5 of byte i, those of 2 i + 1 at bits 6-7, and the high lane
+// (bytes 8-15, unshifted) those of weights 2 i (i >= 8) and 2 i + 1 there
+// too: one variable shift, then an and for the even weights and a shift
+// right by 2 and an and for the odd ones (qmm_ops_x86.h's sixth_bits). The
+// integers (below 64) are multiplied as 4-bit ones: maddubs' pairs reach
+// 2 * 63 * 127, the two halves' pair sums 4 * 63 * 127 < 2^15.
+inline int high_pair(const uint8_t* block, int k) {
+  return (block[16 + ((k & 15) >> 1)] >> (2 * (k & 1) + (k >= 16 ? 4 : 0))) & 3;
+}
+inline uint8_t q6_at(const uint8_t* block, int k) {  // weight k (< 32) of a 6-bit block
+  return uint8_t(low_nibble(block, k) | high_pair(block, k) << 4);
+}
+// The layouts of qmm's own beyond MLX's 4 and 8 bits (5 and 6: a 4-bit block and a plane of high bits).
+constexpr bool narrow_bits(int bits) { return bits == 5 || bits == 6; }
+template <int BITS>
+inline uint8_t qn_at(const uint8_t* block, int k) {  // weight k of a 5- or 6-bit block
+  static_assert(narrow_bits(BITS));
+  return BITS == 5 ? q5_at(block, k) : q6_at(block, k);
 }
 #if TRACER_QMM_UNIT == 0
 #include "qmm_ops_portable.h"
@@ -548,8 +575,8 @@ void factored_order(const float* from, int K, float* to) {
 // few-row kernels read x from an aligned copy.
 void run(QmmJob j, Contract contract) {
 #if defined(__x86_64__)
-  // 5-bit blocks on AVX-512 CPUs: AVX2's kernels (the AVX-512 ones take 4 and 8 bits; the same bits either way)
-  const Path& p = j.bits == 5 && &path() == &kPathAvx512 ? kPathAvx2 : path();
+  // 5- and 6-bit blocks on AVX-512 CPUs: AVX2's kernels (the AVX-512 ones take 4 and 8 bits; the same bits either way)
+  const Path& p = narrow_bits(j.bits) && &path() == &kPathAvx512 ? kPathAvx2 : path();
 #else
   const Path& p = path();
 #endif
@@ -586,7 +613,7 @@ void run(QmmJob j, Contract contract) {
     for (int m = 0; m < j.M; ++m) {
       const float* from = j.x + size_t(m) * j.ldx;
       float* to = xa + size_t(m) * j.K;
-      if (j.bits != 4) {  // 5 and 8 bits: the natural order
+      if (j.bits != 4) {  // 5, 6 and 8 bits: the natural order
         std::memcpy(to, from, sizeof(float) * j.K);
         continue;
       }
@@ -692,14 +719,15 @@ class Qmm : public mx::Primitive {
 array qmm(const array& x, const array& w, const array& scales, const array& biases, int group_size, int bits,
           const std::string& contract) {
   const Contract c = tracer_qmm::contract_named(contract);
-  need(bits == 4 || bits == 5 || bits == 8, "bits must be 4, 5 (qmm's own layout: qmm_api.h) or 8, got " + std::to_string(bits));
+  need(bits == 4 || narrow_bits(bits) || bits == 8,
+       "bits must be 4, 5 or 6 (qmm's own layouts: qmm_api.h) or 8, got " + std::to_string(bits));
   need(group_size == 32 || group_size == 64 || group_size == 128,
        "group_size must be 32, 64 or 128, got " + std::to_string(group_size));
   need(x.dtype() == mx::float32 && x.ndim() == 2 && x.shape(0) >= 1, "x must be float32 [M, K], got " + describe(x));
   const int M = x.shape(0), K = x.shape(1);
   need(K % group_size == 0, "K = " + std::to_string(K) + " is not a multiple of group_size " + std::to_string(group_size));
   need(w.dtype() == mx::uint32 && w.ndim() == 2 && w.shape(1) == K * bits / 32,
-       "w must be uint32 [N, K * bits / 32] = [N, " + std::to_string(K * bits / 32) + "] as mx.quantize packs it (5 bits: as narrow5 does), got " +
+       "w must be uint32 [N, K * bits / 32] = [N, " + std::to_string(K * bits / 32) + "] as mx.quantize packs it (5 and 6 bits: as narrow does), got " +
            describe(w));
   const int N = w.shape(0);
   const int G = K / group_size;
@@ -831,38 +859,46 @@ std::optional<array> superblocks(const array& given) {
   return array(out.begin(), mx::Shape{N, int(rb)}, mx::uint8);
 }
 
-// w [N, K / 4] uint32, 8-bit blocks (mx.quantize's layout), as qmm's 5-bit
-// blocks [N, K * 5 / 32] (the layout above, before the kernels), or nothing
-// where a weight's integer is 32 or more (or K is not a multiple of 32).
-std::optional<array> narrow5(const array& given) {
-  need(given.dtype() == mx::uint32 && given.ndim() == 2,
-       "narrow5: w must be uint32 [N, K / 4] (8-bit blocks), got " + describe(given));
+// w [N, K / 4] uint32, 8-bit blocks (mx.quantize's layout), as qmm's 5- or
+// 6-bit blocks [N, K * bits / 32] (the layouts above, before the kernels), or
+// nothing where a weight's integer is 2^bits or more (or K is not a multiple
+// of 32).
+std::optional<array> narrow(const array& given, int bits) {
+  const std::string what = "narrow(w, bits=" + std::to_string(bits) + "): ";
+  need(narrow_bits(bits), "narrow: bits must be 5 or 6, got " + std::to_string(bits));
+  need(given.dtype() == mx::uint32 && given.ndim() == 2, what + "w must be uint32 [N, K / 4] (8-bit blocks), got " + describe(given));
   const int N = given.shape(0), K = given.shape(1) * 4;
   if (N == 0 || K % kBlock != 0) return std::nullopt;
   array a = given;
   a.eval();
-  need(a.strides()[1] == 1, "narrow5: w's rows must be contiguous");
+  need(a.strides()[1] == 1, what + "w's rows must be contiguous");
   const int64_t s0 = a.strides()[0];
-  constexpr int kBytes = kBlock * 5 / 8;
-  std::vector<uint32_t> words(size_t(N) * K * 5 / 32);
+  const int kBytes = kBlock * bits / 8;
+  std::vector<uint32_t> words(size_t(N) * K * bits / 32);
   uint8_t* out = reinterpret_cast<uint8_t*>(words.data());
   for (int r = 0; r < N; ++r) {
     const uint8_t* row = reinterpret_cast<const uint8_t*>(a.data<uint32_t>() + r * s0);
     uint8_t any = 0;
     for (int k = 0; k < K; ++k) any |= row[k];
-    if (any >= 32) return std::nullopt;
+    if (any >> bits) return std::nullopt;
     for (int blk = 0; blk < K / kBlock; ++blk) {
       const uint8_t* q = row + blk * kBlock;
       uint8_t* o = out + (size_t(r) * (K / kBlock) + blk) * kBytes;
       for (int i = 0; i < 16; ++i) o[i] = uint8_t((q[2 * i] & 15) | (q[2 * i + 1] & 15) << 4);
-      for (int f = 0; f < 4; ++f) {
-        int b = 0;
-        for (int l = 0; l < 4; ++l) b |= (q[8 * l + 2 * f + 1] >> 4) << l | (q[8 * l + 2 * f] >> 4) << (4 + l);
-        o[16 + f] = uint8_t(b);
+      if (bits == 5) {
+        for (int f = 0; f < 4; ++f) {
+          int b = 0;
+          for (int l = 0; l < 4; ++l) b |= (q[8 * l + 2 * f + 1] >> 4) << l | (q[8 * l + 2 * f] >> 4) << (4 + l);
+          o[16 + f] = uint8_t(b);
+        }
+      } else {
+        for (int i = 0; i < 8; ++i) {
+          o[16 + i] = uint8_t(q[2 * i] >> 4 | (q[2 * i + 1] >> 4) << 2 | (q[2 * i + 16] >> 4) << 4 | (q[2 * i + 17] >> 4) << 6);
+        }
       }
     }
   }
-  return array(words.begin(), mx::Shape{N, K * 5 / 32}, mx::uint32);
+  return array(words.begin(), mx::Shape{N, K * bits / 32}, mx::uint32);
 }
 
 void register_qmm(nb::module_& m) {
@@ -875,9 +911,12 @@ void register_qmm(nb::module_& m) {
   m.def("superblocks", &superblocks, nb::arg("a"),
         "a [N, G] float32 as superblock scales (uint8 [N, G * 3 / 2]: G int8 multipliers, then G / 8 float32 "
         "steps), or None where they do not give back every value bit for bit");
-  m.def("narrow5", &narrow5, nb::arg("w"),
-        "w [N, K / 4] uint32 (8-bit blocks) as qmm's 5-bit blocks [N, K * 5 / 32] (the same integers: qmm_api.h "
-        "states the layout), or None where some integer is 32 or more");
+  m.def("narrow", &narrow, nb::arg("w"), nb::arg("bits"),
+        "w [N, K / 4] uint32 (8-bit blocks) as qmm's 5- or 6-bit blocks [N, K * bits / 32] (the same integers: "
+        "qmm_api.h states the layouts), or None where some integer is 2**bits or more");
+  m.def("narrow5", [](const array& w) { return narrow(w, 5); }, nb::arg("w"),
+        "narrow(w, 5): w [N, K / 4] uint32 (8-bit blocks) as qmm's 5-bit blocks [N, K * 5 / 32], or None where "
+        "some integer is 32 or more");
   m.def("vector_math", [](const std::string& name, std::vector<float> a, std::vector<float> b, float shift) {
         need(name == "exp" || name == "swiglu", "vector_math: name must be 'exp' or 'swiglu'");
         need(name == "exp" || b.size() == a.size(), "vector_math: swiglu takes a and b of one length");

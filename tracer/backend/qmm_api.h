@@ -26,7 +26,12 @@ enum class ScaleType { f32, f16, bf16, sb };
 // in bits 4-7), bytes 16-19 their fifth bits (byte 16 + f, bit l: weight
 // 8 l + 2 f + 1's; bit 4 + l: weight 8 l + 2 f's; f, l < 4). GGUF's Q5_K,
 // Q5_0 and Q5_1 integers (below 32), which load as 8-bit blocks, take 5
-// bits a weight there instead of 8 (qmm.cpp's narrow5).
+// bits a weight there instead of 8 (qmm.cpp's narrow). Or 6, qmm's own
+// layout too: each block of 32 weights in 24 bytes, bytes 0-15 their low 4
+// bits as a 4-bit block, bytes 16-23 their two high bits (byte 16 + j, j <
+// 8: bits 0-1 weight 2 j's, 2-3 weight 2 j + 1's, 4-5 weight 2 j + 16's,
+// 6-7 weight 2 j + 17's); MLX's 6-bit models (and 5-bit ones, in the 5-bit
+// layout) are repacked into them when the lean forward binds.
 struct Packed {
   const uint32_t* w;
   const void* scales;

@@ -1,6 +1,6 @@
 // qmm's *fast* contract for one instruction set, included by qmm_ops_*.h once per
 // ISA after qmm_isa.h. A kernel step takes a quad: 4 weight rows times 4
-// blocks of 32 (a step), each block in two halves (4 and 5 bits: its even-numbered
+// blocks of 32 (a step), each block in two halves (4, 5 and 6 bits: its even-numbered
 // weights, then the odd ones; 8 bits: its first 16 weights, then the last 16);
 // x is quantized into the same layout (qmm.cpp's quantize_x: a step's 128
 // bytes are half A of its 4 blocks, 16 bytes each, then half B of them). The
@@ -423,7 +423,7 @@ void quantize_x_rows(const QmmJob& j, int8_t* xq, float* xd, float* xg) {
   const auto put = [&](size_t row, int blk, const int32_t* qi) {
     int8_t* q = xq + row * ldq + blk / kStep * (kStep * kBlock) + blk % kStep * 16;
     for (int i = 0; i < kBlock / 2; ++i) {
-      if (j.bits != 8) {  // 4 and 5 bits: the even-numbered weights, then the odd ones
+      if (j.bits != 8) {  // 4, 5 and 6 bits: the even-numbered weights, then the odd ones
         q[i] = int8_t(qi[2 * i]), q[64 + i] = int8_t(qi[2 * i + 1]);
       } else {
         q[i] = int8_t(qi[i]), q[64 + i] = int8_t(qi[16 + i]);

@@ -22,13 +22,14 @@
 
 constexpr int kVecs = kBlock / L;
 
-// fn(std::integral_constant<int, BITS>{}) for a job's bits: 4, 8, and 5
-// where the ISA's kernels take qmm.cpp's 5-bit blocks (kFiveBits; AVX-512
-// CPUs run AVX2's for them: qmm.cpp's run).
+// fn(std::integral_constant<int, BITS>{}) for a job's bits: 4, 8, and 5 and
+// 6 where the ISA's kernels take qmm.cpp's 5- and 6-bit blocks (kNarrowBits;
+// AVX-512 CPUs run AVX2's for them: qmm.cpp's run).
 template <class Fn>
 inline void with_bits(int bits, Fn fn) {
-  if constexpr (kFiveBits) {
+  if constexpr (kNarrowBits) {
     if (bits == 5) return fn(std::integral_constant<int, 5>{});
+    if (bits == 6) return fn(std::integral_constant<int, 6>{});
   }
   bits == 4 ? fn(std::integral_constant<int, 4>{}) : fn(std::integral_constant<int, 8>{});
 }

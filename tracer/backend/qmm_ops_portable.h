@@ -10,7 +10,7 @@ constexpr int kRows(int) { return 1; }
 constexpr int kAcc(int) { return 4; }  // at every tile size: the same sums at every M
 constexpr Halves halves = halves_portable;
 constexpr Steps steps = steps_portable;
-constexpr bool kFiveBits = true;  // 5-bit blocks (qmm.cpp's layout)
+constexpr bool kNarrowBits = true;  // 5- and 6-bit blocks (qmm.cpp's layouts)
 struct F {
   float v[L];
 };
@@ -52,8 +52,8 @@ inline void order4(const float* from, float* to) { order4_even_odd(from, to); }
 template <int BITS, bool X = false>
 inline void dequant(const uint8_t* p, const Group& g, F* w) {
   float q[kBlock];  // loops the compiler vectorizes
-  if constexpr (BITS == 5) {  // the natural order, as 8 bits
-    for (int k = 0; k < kBlock; ++k) q[k] = q5_at(p, k);
+  if constexpr (narrow_bits(BITS)) {  // the natural order, as 8 bits
+    for (int k = 0; k < kBlock; ++k) q[k] = qn_at<BITS>(p, k);
   } else {
     for (int i = 0; i < kBlock / 2; ++i) {
       q[i] = BITS == 8 ? p[i] : p[i] & 15;
@@ -80,9 +80,13 @@ inline WR unpack4(const uint8_t* p) {
   WR w;
   for (int blk = 0; blk < 4; ++blk) {
     const uint8_t* q = p + blk * kBlock * BITS / 8;
-    for (int i = 0; i < 16; ++i) {  // 5 bits: as 4 (the even-numbered weights, then the odd ones)
-      w.b[0][16 * blk + i] = BITS == 8 ? q[i] : BITS == 5 ? q5_at(q, 2 * i) : q[i] & 15;
-      w.b[1][16 * blk + i] = BITS == 8 ? q[16 + i] : BITS == 5 ? q5_at(q, 2 * i + 1) : q[i] >> 4;
+    for (int i = 0; i < 16; ++i) {  // 5 and 6 bits: as 4 (the even-numbered weights, then the odd ones)
+      if constexpr (narrow_bits(BITS)) {
+        w.b[0][16 * blk + i] = qn_at<BITS>(q, 2 * i), w.b[1][16 * blk + i] = qn_at<BITS>(q, 2 * i + 1);
+      } else {
+        w.b[0][16 * blk + i] = BITS == 8 ? q[i] : q[i] & 15;
+        w.b[1][16 * blk + i] = BITS == 8 ? q[16 + i] : q[i] >> 4;
+      }
     }
   }
   return w;
@@ -209,9 +213,15 @@ inline void ff_qvals(const uint8_t* p, FF* w) {
       w[2].v[l] = float(word & 0xf00), w[2].v[l + 4] = float(word & 0xf000000);
       w[3].v[l] = float(odd & 0xf00), w[3].v[l + 4] = float(odd & 0xf000000);
     }
-  } else {  // 5 and 8 bits: the natural order
+  } else {  // 5, 6 and 8 bits: the natural order
     for (int i = 0; i < 4; ++i) {
-      for (int l = 0; l < 8; ++l) w[i].v[l] = float(BITS == 5 ? q5_at(p, 8 * i + l) : p[8 * i + l]);
+      for (int l = 0; l < 8; ++l) {
+        if constexpr (narrow_bits(BITS)) {
+          w[i].v[l] = float(qn_at<BITS>(p, 8 * i + l));
+        } else {
+          w[i].v[l] = float(p[8 * i + l]);
+        }
+      }
     }
   }
 }

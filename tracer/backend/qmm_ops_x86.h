@@ -41,7 +41,7 @@ namespace isa_avx2 {
 // (kernel_profile.py --window 5): 2.55, 2.19 against 2.58, 2.44, within
 // this VM's noise. The same bits at every M (the accumulators per row).
 constexpr int L = 8, kTile = 5;
-constexpr bool kFiveBits = true;  // 5-bit blocks (qmm.cpp's layout)
+constexpr bool kNarrowBits = true;  // 5- and 6-bit blocks (qmm.cpp's layouts)
 // x of a 4-bit block in dequant's order (see dequant): to[8 j + l] is x's weight 8 l + j (l < 4), 8 (l - 4) + j + 4.
 inline void order4(const float* from, float* to) {
   for (int j = 0; j < 4; ++j) {
@@ -82,24 +82,68 @@ inline void fifth_bits(__m256i h, __m256i& a, __m256i& b) {
   a = _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3)), bit);
   b = _mm256_and_si256(_mm256_sllv_epi32(h, _mm256_setr_epi32(4, 3, 2, 1, 4, 3, 2, 1)), bit);
 }
+// 6 bits (qmm.cpp's layout): a block's two high bits a weight, its 8 bytes
+// `d` in both 64-bit lanes of a 128-bit lane, as the 4-bit halves' bytes
+// want them (bits 4-5 of byte i: weight 2 i's in `a`, 2 i + 1's in `b`): the
+// low lane shifted left by 4 (bits 0-1 and 2-3 of byte i to 4-5 and 6-7),
+// the high one not (bits 4-5 and 6-7 of byte i - 8 in place), then `b`'s
+// shifted right by 2 (bits shifted in from a neighbouring byte fall outside
+// bits 4-5).
+inline void sixth_bits(__m128i d, __m128i& a, __m128i& b) {
+  const __m128i m = _mm_set1_epi8(0x30), t = _mm_sllv_epi64(d, _mm_set_epi64x(0, 4));
+  a = _mm_and_si128(t, m), b = _mm_and_si128(_mm_srli_epi64(t, 2), m);
+}
+inline void sixth_bits(__m256i d, __m256i& a, __m256i& b) {
+  const __m256i m = _mm256_set1_epi8(0x30), t = _mm256_sllv_epi64(d, _mm256_setr_epi64x(4, 0, 4, 0));
+  a = _mm256_and_si256(t, m), b = _mm256_and_si256(_mm256_srli_epi64(t, 2), m);
+}
 inline __m128i word4(const uint8_t* p) {  // the 32-bit word at p in the 4 lanes
   int32_t w;
   std::memcpy(&w, p, sizeof w);
   return _mm_set1_epi32(w);
 }
-// A 5-bit block's 32 weights as bytes in the natural order: weights 0-15 in lo, 16-31 in hi.
-inline void natural5(const uint8_t* p, __m128i& lo, __m128i& hi) {
+inline __m128i word8(const uint8_t* p) {  // the 64-bit word at p in both lanes
+  int64_t w;
+  std::memcpy(&w, p, sizeof w);
+  return _mm_set1_epi64x(w);
+}
+// A 5- or 6-bit block's high bits (past its 16 bytes of nibbles) as its 128-bit lane wants them.
+template <int BITS>
+inline __m128i high_word(const uint8_t* block) {
+  return BITS == 5 ? word4(block + 16) : word8(block + 16);
+}
+template <int BITS, class V>
+inline void high_bits(V h, V& a, V& b) {
+  if constexpr (BITS == 5) {
+    fifth_bits(h, a, b);
+  } else {
+    sixth_bits(h, a, b);
+  }
+}
+// Blocks at q and q + 4 BITS (bytes): their high words in 128-bit lanes 0 and 1.
+template <int BITS>
+inline __m256i high_pair(const uint8_t* q) {
+  if constexpr (BITS == 6) {  // q + 16 .. q + 47: block 0's plane, block 1's nibbles, its plane
+    return _mm256_permute4x64_epi64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 16)), _MM_SHUFFLE(3, 3, 0, 0));
+  } else {
+    return _mm256_set_m128i(high_word<BITS>(q + 4 * BITS), high_word<BITS>(q));
+  }
+}
+// A 5- or 6-bit block's 32 weights as bytes in the natural order: weights 0-15 in lo, 16-31 in hi.
+template <int BITS>
+inline void natural(const uint8_t* p, __m128i& lo, __m128i& hi) {
   const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), m = _mm_set1_epi8(0x0f);
   __m128i a, b;
-  fifth_bits(word4(p + 16), a, b);
+  high_bits<BITS>(high_word<BITS>(p), a, b);
   a = _mm_or_si128(_mm_and_si128(v, m), a);                        // weights 2 i
   b = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(v, 4), m), b);     // weights 2 i + 1
   lo = _mm_unpacklo_epi8(a, b), hi = _mm_unpackhi_epi8(a, b);
 }
 // ... widened to 4 vectors of 8 int32 lanes (weights 8 i .. 8 i + 7 in vector i).
-inline void natural5_lanes(const uint8_t* p, __m256i* q) {
+template <int BITS>
+inline void natural_lanes(const uint8_t* p, __m256i* q) {
   __m128i lo, hi;
-  natural5(p, lo, hi);
+  natural<BITS>(p, lo, hi);
   q[0] = _mm256_cvtepu8_epi32(lo), q[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
   q[2] = _mm256_cvtepu8_epi32(hi), q[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
 }
@@ -120,9 +164,9 @@ inline void dequant(const uint8_t* p, const Group& g, F* w) {
       const __m256i shift = _mm256_setr_epi32(4 * j, 4 * j, 4 * j, 4 * j, 4 * j + 16, 4 * j + 16, 4 * j + 16, 4 * j + 16);
       w[j] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(v, shift), m));
     }
-  } else if constexpr (BITS == 5) {  // the natural order, as 8 bits
+  } else if constexpr (narrow_bits(BITS)) {  // the natural order, as 8 bits
     __m256i q[4];
-    natural5_lanes(p, q);
+    natural_lanes<BITS>(p, q);
     for (int i = 0; i < 4; ++i) w[i] = _mm256_cvtepi32_ps(q[i]);
   } else {
     for (int i = 0; i < 4; ++i) w[i] = widen8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i)));
@@ -187,10 +231,10 @@ inline WR2 unpack_half(const uint8_t* q) {
     const __m256i v = loadu256(q);
     const __m256i z = _mm256_setzero_si256();  // no high nibbles (never read)
     return {_mm256_and_si256(v, m), _mm256_and_si256(_mm256_srli_epi16(v, 4), m), z, z};
-  } else if constexpr (BITS == 5) {  // as 4 bits, each byte's fifth bit or-ed in
-    const __m256i v = load_pair(q, q + 20), z = _mm256_setzero_si256();
+  } else if constexpr (narrow_bits(BITS)) {  // as 4 bits, each byte's high bits or-ed in
+    const __m256i v = load_pair(q, q + 4 * BITS), z = _mm256_setzero_si256();
     __m256i a, b;
-    fifth_bits(_mm256_set_m128i(word4(q + 36), word4(q + 16)), a, b);
+    high_bits<BITS>(high_pair<BITS>(q), a, b);
     return {_mm256_or_si256(_mm256_and_si256(v, m), a), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m), b),
             z, z};
   } else {
@@ -228,11 +272,11 @@ inline WR unpack4_n(const uint8_t* p, int n) {
     if constexpr (BITS == 4) {
       const __m256i v = two(32 * h, 32 * h + 16);
       w.a[h] = _mm256_and_si256(v, m), w.b[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m);
-    } else if constexpr (BITS == 5) {  // blocks 2 h, 2 h + 1 at 40 h, 40 h + 20, each read only if it is one of the n
-      const auto word = [&](int blk) { return blk < n ? word4(p + 20 * blk + 16) : _mm_setzero_si128(); };
-      const __m256i v = two(40 * h, 40 * h + 20);
+    } else if constexpr (narrow_bits(BITS)) {  // blocks 2 h, 2 h + 1 at 8 BITS h, 8 BITS h + 4 BITS, each read only if it is one of the n
+      const auto word = [&](int blk) { return blk < n ? high_word<BITS>(p + 4 * BITS * blk) : _mm_setzero_si128(); };
+      const __m256i v = two(8 * BITS * h, 8 * BITS * h + 4 * BITS);
       __m256i a, b;
-      fifth_bits(_mm256_set_m128i(word(2 * h + 1), word(2 * h)), a, b);
+      high_bits<BITS>(_mm256_set_m128i(word(2 * h + 1), word(2 * h)), a, b);
       w.a[h] = _mm256_or_si256(_mm256_and_si256(v, m), a);
       w.b[h] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m), b);
       w.a_hi[h] = w.b_hi[h] = _mm256_setzero_si256();
@@ -541,9 +585,9 @@ inline void ff_qvals(const uint8_t* p, FF* w) {
     w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(v4, m0));
     w[2] = _mm256_cvtepi32_ps(_mm256_and_si256(v, m8));
     w[3] = _mm256_cvtepi32_ps(_mm256_and_si256(v4, m8));
-  } else if constexpr (BITS == 5) {  // the natural order, as 8 bits
+  } else if constexpr (narrow_bits(BITS)) {  // the natural order, as 8 bits
     __m256i q[4];
-    natural5_lanes(p, q);
+    natural_lanes<BITS>(p, q);
     for (int i = 0; i < 4; ++i) w[i] = _mm256_cvtepi32_ps(q[i]);
   } else {
     for (int i = 0; i < 4; ++i) w[i] = widen8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i)));
@@ -559,7 +603,7 @@ inline void ff_qvals(const uint8_t* p, FF* w) {
 #pragma GCC target("avx512f,avx512bw,avx512vl,fma,f16c")
 namespace isa_avx512 {
 constexpr int L = 16, kTile = 8;
-constexpr bool kFiveBits = false;  // 5-bit blocks run AVX2's kernels (qmm.cpp's run)
+constexpr bool kNarrowBits = false;  // 5- and 6-bit blocks run AVX2's kernels (qmm.cpp's run)
 inline void order4(const float* from, float* to) { order4_even_odd(from, to); }
 // Two accumulators per (row, x row) at every tile size (the same sums at every M):
 // tiles of more x rows take fewer weight rows (at most 16 accumulators).
