@@ -394,7 +394,7 @@ def test_bad_inputs_are_refused_with_what_was_wrong():
         (lambda: K.qmm(x, w, s[:, :2], b, 32, 4), "scales and biases must be"),
         (lambda: K.qmm(x, w, s, b.astype(mx.float32), 32, 4), "biases must have the scales' dtype"),
         (lambda: K.qmm(x, w, s.astype(mx.int32), b.astype(mx.int32), 32, 4), "scales must be float16"),
-        (lambda: K.qmm(x, w, s, b, 32, 3), r"bits must be 4, 5 \(qmm.s own layout: qmm_api.h\) or 8, got 3"),
+        (lambda: K.qmm(x, w, s, b, 32, 3), r"bits must be 4, 5 or 6 \(qmm.s own layouts: qmm_api.h\) or 8, got 3"),
         (lambda: K.qmm(x, w, s, b, 16, 4), "group_size must be 32, 64 or 128, got 16"),
         (lambda: K.qmm(mx.zeros((2, 100)), w, s, b, 32, 4), "K = 100 is not a multiple of group_size 32"),
         (lambda: K.qmm(mx.zeros((128,)), w, s, b, 32, 4), r"x must be float32 \[M, K\]"),

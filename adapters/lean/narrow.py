@@ -147,11 +147,9 @@ def enabled() -> bool:
 
 
 def describe() -> str:
-    """How 8-bit blocks of 5-bit integers and MLX's 5-/6-bit blocks are held
-    (``mlx-tracer info``), or what is wrong with the setting."""
-    return said(enabled, f"5-bit integers (GGUF's Q5_K/Q5_0/Q5_1) in 5-bit blocks ({ENV}=0: 8-bit); "
-                "MLX's 5-/6-bit blocks repacked for the kernels",
-                f"5-bit integers in 8-bit blocks ({ENV}=0); MLX's 5-/6-bit blocks repacked for the kernels")
+    """How 8-bit blocks of 5-bit integers are held (``mlx-tracer info``), or what is wrong with the setting."""
+    return said(enabled, f"5-bit integers (GGUF's Q5_K/Q5_0/Q5_1) in 5-bit blocks ({ENV}=0: 8-bit)",
+                f"5-bit integers in 8-bit blocks ({ENV}=0)")
 
 
 def held_by(m) -> Optional[Held]:
