@@ -149,10 +149,14 @@ def test_the_embedding_keeps_its_stored_scales_and_gives_float32_rows_and_head(s
     assert engine_tokens(Engine(cm, buckets=(1, 2)), [PROMPTS[0]], 6) == [tokens]
 
 
-def test_an_embedding_head_qmm_does_not_take_keeps_its_float32_arithmetic():
-    """3-bit blocks (no qmm kernel; 5 and 6 bits are repacked for it since
-    0.5.31): the lean forward leaves the tied head to the module, whose
-    matmul runs on the widened scales (bits of float32 ones)."""
+def test_an_embedding_head_qmm_does_not_take_keeps_its_float32_arithmetic(monkeypatch):
+    """3-bit blocks, not repacked (the repack of MLX's 2-/3-/5-/6-bit blocks
+    for qmm declined, as where no kernel takes a format): the lean forward
+    leaves the tied head to the module, whose matmul runs on the widened
+    scales (bits of float32 ones)."""
+    from mlx_tracer.adapters.lean import narrow
+
+    monkeypatch.setattr(narrow, "FROM", (8,))
     model = tied_quantized_llama(mx.float16, bits=3)
     e = model.model.embed_tokens
     cm = CompiledModel(model, fuse=True)

@@ -10,8 +10,11 @@ Two kinds of linears hold them:
   where every integer of the matrix is below 32 it is held as 5-bit blocks.
 * MLX's own 5- and 6-bit models (``mlx_lm.convert -q --q-bits 5`` or ``6``)
   store blocks in mx.quantize's bit stream, which only mx.quantized_matmul
-  reads (on the CPU a few times slower than the native kernels); they are
-  repacked into qmm's 5- and 6-bit layouts, the same integers.
+  reads (on the CPU 10-28x slower than the native kernels on SmolLM2:
+  benchmarks/mlx_bits.py); they are repacked into qmm's 5- and 6-bit
+  layouts, the same integers. MLX's 2- and 3-bit blocks, which qmm has no
+  layout for, are held as MLX's 4-bit blocks of the same integers (more
+  bytes than the file's, a fraction of float32's).
 
 The native quantized matmul (``qmm`` and the layer kernels through it)
 takes both layouts (``qmm_api.h``'s ``Packed``): a block of 32 weights in 20
@@ -45,8 +48,15 @@ ENV = "MLX_TRACER_5BIT"  # "0": keep 8-bit blocks (the form before 0.5.30; A/B a
 ATTR = "_mlx_tracer_5bit"  # a module attribute (not a parameter): its Held
 BLOCK = 32
 BITS = (5, 6)  # qmm's own layouts
-FROM = (5, 6, 8)  # the modules' bits a form is made from (8: where every integer is below 32)
+FROM = (2, 3, 5, 6, 8)  # the modules' bits a form is made from (8: where every integer is below 32)
+TO = {2: 4, 3: 4, 5: 5, 6: 6, 8: 5}  # ... and the form's (2 and 3: MLX's 4-bit layout, which qmm reads)
 BLOCK_BYTES = 20  # (5 bits; 6: 24)
+
+
+def nibbles(q: mx.array) -> mx.array:
+    """Integers ``q`` (uint8 ``[..., K]``, below 16) as mx.quantize's 4-bit
+    blocks (uint32 ``[..., K / 8]``: byte i holds weights 2 i and 2 i + 1)."""
+    return mx.view(q[..., 0::2] | (q[..., 1::2] << 4), mx.uint32)
 
 
 def block_bytes(bits: int) -> int:
@@ -58,9 +68,12 @@ def narrow(w: mx.array, native=None, bits: int = 5) -> Optional[mx.array]:
     """The ``bits``-bit form (uint32 ``[N, K * bits / 32]``) of 8-bit blocks
     ``w`` (uint32 ``[N, K / 4]``) by ``native`` (the kernels' ``narrow``), or
     None where some integer is ``2 ** bits`` or more, or there is no
-    ``native`` (nothing would read the form)."""
+    ``native`` (nothing would read the form). ``bits`` 4: MLX's 4-bit
+    blocks (asked only for integers below 8: MLX's 2- and 3-bit ones)."""
     if native is None or w.dtype != mx.uint32 or w.ndim != 2 or (w.shape[1] * 4) % BLOCK or w.size == 0:
         return None
+    if bits == 4:
+        return nibbles(mx.view(w, mx.uint8))
     return native(mx.contiguous(w), bits)
 
 
@@ -110,8 +123,11 @@ def _high_index(bits: int):
 def integers(form: mx.array, bits: int = 5) -> mx.array:
     """The integers (uint8 ``[..., K]``) of qmm's ``bits``-bit blocks ``form``
     (uint32 ``[..., K * bits / 32]``), with MLX's ops: each weight's low
-    nibble and its high bits."""
+    nibble and its high bits (4 bits: MLX's blocks, the nibbles alone)."""
     lead = form.shape[:-1]
+    if bits == 4:
+        b = mx.view(form, mx.uint8)
+        return mx.stack([b & 15, b >> 4], axis=-1).reshape(*lead, -1)
     b = mx.view(form, mx.uint8).reshape(-1, form.shape[-1] * 4 // block_bytes(bits), block_bytes(bits))
     nib = b[:, :, :16]
     low = mx.stack([nib & 15, nib >> 4], axis=-1).reshape(b.shape[0], -1, BLOCK)  # natural order
@@ -164,7 +180,8 @@ def of_module(m, native=None) -> Optional[mx.array]:
     """``m``'s weight in one of qmm's own layouts: what it holds (while its
     weight is the one :func:`hold` gave it), else its 8-bit blocks narrowed
     to 5 bits (where ``$MLX_TRACER_5BIT`` allows it and every integer is
-    below 32), or its MLX 5- or 6-bit blocks repacked (``native``: the
+    below 32), or its MLX 5- or 6-bit blocks repacked, its MLX 2- or 3-bit
+    ones as 4-bit blocks (``native``: the
     kernels' ``narrow``, as :func:`narrow`); None where it has none."""
     bits = getattr(m, "bits", None)
     if bits == 8 and not enabled():
@@ -176,7 +193,7 @@ def of_module(m, native=None) -> Optional[mx.array]:
         return None
     if bits == 8:
         return narrow(m["weight"], native, 5)
-    return narrow(mx.view(mlx_integers(m["weight"], bits), mx.uint32), native, bits)
+    return narrow(mx.view(mlx_integers(m["weight"], bits), mx.uint32), native, TO[bits])
 
 
 def hold(m, weight: mx.array) -> None:
