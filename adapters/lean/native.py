@@ -75,7 +75,7 @@ def why_not_native_layer(s: LayerSpec) -> Optional[str]:
                 " (the kernels take one weight per slot)")
     if not all(g.dense_f32() or g.kernel is not None for g in s.groups().values()):
         return (f"layer {s.index}: projections neither float32 nor quantized as the kernels take them "
-                "(affine, 4 or 8 bits, or 5 and 6 repacked, 8-bit blocks of integers below 32 held as 5; "
+                "(affine, 4 or 8 bits, or 2, 3, 5 and 6 repacked, 8-bit blocks of integers below 32 held as 5; "
                 "groups of 32/64/128)")
     norms = [s.input_norm, s.post_norm, *(s.qk_norms or ())]
     if any(n.weight.dtype != f32 for n in norms):
