@@ -24,8 +24,9 @@ all-summed over the module's group before its bias is added, where mlx puts it.
 
 Quantized groups run on the native quantized matmul (``qmm``, handed in by
 the runtime) where the residual stream is float32 and the quantization is
-one it takes (affine, 4 or 8 bits, groups of 32/64/128): the file's blocks
-are read as they are, never expanded to float32. Elsewhere they run on
+one it takes (affine, 4 or 8 bits, groups of 32/64/128; 2, 3, 5 and 6 bits
+repacked, and 8-bit blocks of integers below 32 narrowed, by :mod:`.narrow`):
+the file's blocks are read as they are, never expanded to float32. Elsewhere they run on
 ``mx.quantized_matmul``, as mlx-lm does. qmm's contract is *exact* unless
 the model carries ``CONTRACT_ATTR = "factored"`` (the ``quantized-factored``
 weight format sets it: per group, scale times the sum of q * x plus bias

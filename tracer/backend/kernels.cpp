@@ -12,7 +12,8 @@
 //  * matrix products with the cblas_sgemm call MLX's CPU matmul makes for the
 //    same operands (same transposes, leading dimensions, alpha and beta; a
 //    bias copied into the output first, as mx.addmm does);
-//  * or, for a projection given as MLX's packed affine blocks (4 or 8 bits),
+//  * or, for a projection given as MLX's packed affine blocks (4 or 8 bits;
+//    5 and 6 in qmm's own layouts),
 //    the qmm call the lean forward's MLX-ops path makes for it (qmm.cpp,
 //    its exact or fast contract), the bias added after, as `y + bias`;
 //  * cached K/V as stored: float16/bfloat16 widened (exactly) a block at a
@@ -1993,7 +1994,7 @@ std::string shape_of(const array& a) {
 
 // The weight in slot w of a projection from K inputs to N outputs (N < 0:
 // any): float32 [K, N] (the right operand of x @ w), or packed blocks
-// [N, K bits / 32] uint32 (4 or 8 bits) with scales and biases [N, K / group]
+// [N, K bits / 32] uint32 (4 or 8 bits; 5, 6: qmm's layouts) with scales and biases [N, K / group]
 // of one dtype (group 32, 64 or 128). Returns N.
 int need_weight(const Inputs& at, const std::vector<array>& in, int w, int scales, int biases, int K, int N,
                 const std::string& what) {

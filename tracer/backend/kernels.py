@@ -31,7 +31,7 @@ layer kernels also take a window of L tokens a row (verify and prefill
 steps; the cache then written by the cache's own ``update_and_fetch``). A float32
 projection is computed with the ``cblas_sgemm`` call MLX's CPU matmul makes
 for the same operands; one given as MLX's packed 4-/8-bit blocks (or qmm's
-5-bit ones) with ``qmm`` (below), as the lean ops path computes it. Activations are float32,
+5- and 6-bit ones) with ``qmm`` (below), as the lean ops path computes it. Activations are float32,
 CPU only; the lean forward plans them for decode steps where every
 projection is one of the two (:mod:`mlx_tracer.adapters.lean.native`) and
 runs MLX's ops elsewhere.

@@ -1,5 +1,6 @@
 // qmm: x @ dequantize(w, scales, biases).T as one MLX primitive on the CPU,
-// reading the packed weights (MLX's affine quantization, 4 or 8 bits), never
+// reading the packed weights (MLX's affine quantization, 4 or 8 bits; 5 and 6
+// bits in layouts of its own, qmm_api.h), never
 // a float32 copy of the whole matrix. Decode on the CPU is bound by reading
 // weights, and a 4-bit matrix is an eighth of its float32 bytes.
 //
