@@ -1,7 +1,7 @@
 """Write an mlx-lm model folder (config.json, model.safetensors, tokenizer files)
 from a llama GGUF, offline, keeping the weights quantized as the file holds them.
 
-    python benchmarks/make_mlx_lm_model.py [--gguf FILE] [--out DIR] [--check]
+    python benchmarks/make_mlx_lm_model.py [--gguf FILE] [--out DIR] [--check] [--bits B [--group G]]
 
 The GGUF is read by mlx-tracer's own loader (``mlx_tracer.loading.load.load_gguf``:
 mx.load of the file, tensors renamed to mlx-lm llama names, q/k rows un-permuted,
@@ -12,7 +12,13 @@ bits / group size, so mlx-lm rebuilds exactly these layers) and the tokenizer
 mlx-tracer builds from the file's ``tokenizer.ggml.*`` metadata (a transformers
 fast tokenizer carrying the file's chat template) with ``save_pretrained``.
 ``--check`` loads the folder back with ``mlx_lm.load`` and compares one greedy
-forward pass with the GGUF-loaded model.
+forward pass with the GGUF-loaded model. ``--bits B`` writes the model as
+``mlx_lm.convert -q --q-bits B --q-group-size G`` would from a bfloat16
+checkpoint instead (:func:`requantize`: the file's weights dequantized to
+bfloat16, then ``nn.quantize``): MLX's 2/3/5/6-bit models for
+``benchmarks/mlx_bits.py`` and the README's 0.5.31 figures (for timing:
+requantizing a 4-bit file's bfloat16 values costs it accuracy; mlx-lm's
+own greedy text on it differs from the GGUF's).
 """
 import argparse
 import dataclasses
@@ -24,6 +30,18 @@ import mlx.core as mx
 import mlx.nn as nn
 
 DEFAULT_GGUF = Path.home() / ".cache/mlx-tracer/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def requantize(model, bits: int, group: int = 64, dtype=mx.bfloat16):
+    """``model`` (in place) dequantized to ``dtype``, then quantized by
+    ``nn.quantize`` at ``bits`` / ``group``: what mlx-lm's convert writes from
+    a ``dtype`` checkpoint (scales and biases in ``dtype``). Returns it."""
+    from mlx_tracer.loading.quant import dequantize_model
+
+    dequantize_model(model, dtype)
+    nn.quantize(model, group_size=group, bits=bits)
+    mx.eval(model.parameters())
+    return model
 
 
 def layer_quantization(model) -> dict:
@@ -47,6 +65,8 @@ def main():
     ap.add_argument("--gguf", type=Path, default=DEFAULT_GGUF)
     ap.add_argument("--out", type=Path, default=Path("/tmp/smollm2-mlx"))
     ap.add_argument("--check", action="store_true", help="load the folder back with mlx_lm.load and compare logits")
+    ap.add_argument("--bits", type=int, default=None, help="requantize as mlx-lm's convert would (2, 3, 4, 5, 6, 8)")
+    ap.add_argument("--group", type=int, default=64, help="the group size of --bits")
     a = ap.parse_args()
 
     from mlx_lm.utils import save_config, save_model
@@ -57,6 +77,8 @@ def main():
     weights, meta = read_gguf(a.gguf)
     args = model_args_from_metadata(meta, weights, a.gguf)
     del weights
+    if a.bits is not None:
+        requantize(model, a.bits, a.group)
 
     config = {k: v for k, v in dataclasses.asdict(args).items() if v is not None}
     config["architectures"] = ["LlamaForCausalLM"]

@@ -2,10 +2,10 @@
 
     python benchmarks/mlx_bits.py [--model FILE] [--bits 5 6] [--group 64] [--buckets 1 8] [--rounds 5]
 
-A model as ``mlx_lm.convert -q --q-bits B --q-group-size G`` writes it:
-the model file (default: SmolLM2's GGUF) dequantized to float32, then
-``nn.quantize`` at B bits (bfloat16 scales and biases, as mlx-community's
-converted bfloat16 models hold them), in the ``quantized-split`` format.
+A model as ``mlx_lm.convert -q --q-bits B --q-group-size G`` writes it
+from a bfloat16 checkpoint: the model file (default: SmolLM2's GGUF)
+dequantized to bfloat16, then ``nn.quantize`` at B bits
+(make_mlx_lm_model.py's ``requantize``), in the ``quantized-split`` format.
 Two copies are compiled: one the lean forward binds as 0.5.31 does (its
 blocks repacked into qmm's 5- or 6-bit layout, adapters/lean/narrow.py),
 one as 0.5.30 did (the repack declined: mx.quantized_matmul reads MLX's
@@ -25,34 +25,27 @@ import time
 
 import mlx_tracer  # noqa: F401  (the fast BLAS, before mlx)
 import mlx.core as mx
-import mlx.nn as nn
 from mlx_tracer import api
 from mlx_tracer.adapters.lean import narrow
 from mlx_tracer.backend import kernels
-from mlx_tracer.loading.quant import dequantize_model
 from mlx_tracer.loading.weights import apply_format
+from make_mlx_lm_model import requantize  # (this folder: the script runs with it on sys.path)
 from mlx_tracer.runtime.step import CompiledModel
 
 
 def build(path: str, bits: int, group: int):
     model, _ = api.load(path, progress=False, weights="as-is")
-    dequantize_model(model, mx.float32)
-    nn.quantize(model, group_size=group, bits=bits)
-    for _, m in model.named_modules():
-        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            m.scales, m.biases = m.scales.astype(mx.bfloat16), m.biases.astype(mx.bfloat16)
-    mx.eval(model.parameters())
-    return apply_format(model, "quantized-split")
+    return apply_format(requantize(model, bits, group), "quantized-split")
 
 
 def compiled(model, repack: bool):
-    saved = narrow.FROM
-    narrow.FROM = saved if repack else (8,)  # (8: GGUF's 5-bit integers, not what this compares)
+    saved = narrow.TO
+    narrow.TO = saved if repack else {8: 5}  # (8: GGUF's 5-bit integers, not what this compares)
     try:
         cm = CompiledModel(model, fuse=True)
         mx.eval(cm.lean.buffers)
     finally:
-        narrow.FROM = saved
+        narrow.TO = saved
     return cm
 
 

@@ -156,7 +156,7 @@ def test_an_embedding_head_qmm_does_not_take_keeps_its_float32_arithmetic(monkey
     scales (bits of float32 ones)."""
     from mlx_tracer.adapters.lean import narrow
 
-    monkeypatch.setattr(narrow, "FROM", (8,))
+    monkeypatch.setattr(narrow, "TO", {8: 5})
     model = tied_quantized_llama(mx.float16, bits=3)
     e = model.model.embed_tokens
     cm = CompiledModel(model, fuse=True)

@@ -38,7 +38,7 @@ blocks are repacked either way: the alternative is mx.quantized_matmul).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import mlx.core as mx
 
@@ -48,9 +48,9 @@ ENV = "MLX_TRACER_5BIT"  # "0": keep 8-bit blocks (the form before 0.5.30; A/B a
 ATTR = "_mlx_tracer_5bit"  # a module attribute (not a parameter): its Held
 BLOCK = 32
 BITS = (5, 6)  # qmm's own layouts
-FROM = (2, 3, 5, 6, 8)  # the modules' bits a form is made from (8: where every integer is below 32)
-TO = {2: 4, 3: 4, 5: 5, 6: 6, 8: 5}  # ... and the form's (2 and 3: MLX's 4-bit layout, which qmm reads)
-BLOCK_BYTES = 20  # (5 bits; 6: 24)
+# The modules' bits a form is made from, and the form's (8: where every integer is below 32; 2 and 3: MLX's
+# 4-bit layout, which qmm reads)
+TO = {2: 4, 3: 4, 5: 5, 6: 6, 8: 5}
 
 
 def nibbles(q: mx.array) -> mx.array:
@@ -189,7 +189,7 @@ def of_module(m, native=None) -> Optional[mx.array]:
     held = held_by(m)
     if held is not None:
         return held.weight
-    if getattr(m, "mode", "affine") != "affine" or bits not in FROM:
+    if getattr(m, "mode", "affine") != "affine" or bits not in TO:
         return None
     if bits == 8:
         return narrow(m["weight"], native, 5)
@@ -213,13 +213,18 @@ def form_bits(m) -> Optional[int]:
     return None if held is None else held.bits
 
 
-def rows(m, x: mx.array) -> mx.array:
-    """Rows ``x`` of ``m``'s weight in its own layout: gathered from the
-    form it holds (only those rows expanded), else from its weight."""
+def rows(m, x: mx.array) -> Tuple[mx.array, int]:
+    """Rows ``x`` of ``m``'s weight as MLX blocks, and their bits: gathered
+    from the form it holds (4 bits: as they are; 5 and 6: as 8-bit blocks of
+    their integers, which mx.dequantize reads to the same values as the
+    module's own blocks: tests/test_mlx_bits.py checks the lookups against
+    them), else from its weight. No repack to the module's bit stream on the
+    step's path (a compiled 6-bit lookup took 218 us that way)."""
     held = held_by(m)
     if held is None:
-        return m["weight"][x]
-    return expand(held.weight[x], held.bits, m.bits)
+        return m["weight"][x], m.bits
+    w = held.weight[x]
+    return (w, 4) if held.bits == 4 else (mx.view(integers(w, held.bits), mx.uint32), 8)
 
 
 def bytes_saved(m) -> int:

@@ -63,16 +63,16 @@ class Float32RowsEmbedding(nn.QuantizedEmbedding):
     in place."""
 
     def __call__(self, x):
-        w = five.rows(self, x)  # (a tied head's held blocks, narrow.py: the rows' own, in the module's layout)
+        w, bits = five.rows(self, x)  # (a tied head's held blocks, narrow.py: the rows' own integers)
         held = superblock.held_by(self)
         if held is not None:  # the tied head's superblock scales (scales.py): the rows' own, widened
             return mx.dequantize(w, scales=superblock.expand(held.scales[x]),
-                                 biases=superblock.expand(held.biases[x]), group_size=self.group_size, bits=self.bits,
+                                 biases=superblock.expand(held.biases[x]), group_size=self.group_size, bits=bits,
                                  mode=self.mode)
         biases = self.get("biases")
         return mx.dequantize(w, scales=self["scales"][x].astype(mx.float32),
                              biases=biases[x].astype(mx.float32) if biases is not None else None,
-                             group_size=self.group_size, bits=self.bits, mode=self.mode)
+                             group_size=self.group_size, bits=bits, mode=self.mode)
 
     def as_linear(self, x):
         biases = self.get("biases")
@@ -178,7 +178,7 @@ class LinearGroup:
             return None
         group_size, bits, mode = self.quant
         m0 = self.mods[0]
-        if bits not in five.FROM or mode != "affine" or group_size not in QMM_GROUPS or "biases" not in m0:
+        if bits not in five.TO or mode != "affine" or group_size not in QMM_GROUPS or "biases" not in m0:
             return None
         if m0["scales"].dtype not in QMM_SCALES or m0["biases"].dtype != m0["scales"].dtype:
             return None  # (qmm will not take the group: mx.quantized_matmul reads the modules' blocks)
