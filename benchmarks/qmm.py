@@ -5,10 +5,13 @@ and/or fast contract) against ``mx.quantized_matmul`` and the float32
 
     python benchmarks/qmm.py [--m 1 8 40 256] [--reps 15] [--bits 4] [--group 32]
                              [--contract exact|fast|factored|both|all] [--chain 1] [--threads N]
-                             [--model smollm2|llama-1b]
+                             [--model smollm2|llama-1b] [--isa avx2 avx512 ...]
 
 Weights are random, quantized with ``mx.quantize`` (scales and biases cast
-to float16, as GGUF's and mlx-lm's are); each cell is the median of
+to float16, as GGUF's and mlx-lm's are; ``--bits 5|6``: random integers in
+qmm's own 5- or 6-bit blocks, ``kernels.narrow``, with the references on
+MLX's 8-bit blocks of the same integers); ``--isa`` names qmm's ISA paths
+to time in turns, a column each (default: the one this CPU runs); each cell is the median of
 ``--reps`` evaluated calls after warmup. Each call reads its weights from
 memory, as a decode step does (a step reads every matrix of the model once,
 far more than the caches hold): the calls rotate over enough copies of the
@@ -63,7 +66,7 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="+", default=[1, 8, 40, 256], help="rows of x")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--bits", type=int, default=4, choices=(4, 8))
+    ap.add_argument("--bits", type=int, default=4, choices=(4, 5, 6, 8))
     ap.add_argument("--group", type=int, default=32, choices=(32, 64, 128))
     ap.add_argument("--contract", default="exact", choices=("exact", "fast", "factored", "split", "both", "all"),
                     help="qmm's contract(s): both = exact and fast")
@@ -74,6 +77,7 @@ def main() -> None:
                     help="skip mx.quantized_matmul and fp32 x @ W.T (slow at many rows on the CPU)")
     ap.add_argument("--shapes", nargs="+", default=[s[0] for s in SHAPES], help="which of " + ", ".join(s[0] for s in SHAPES))
     ap.add_argument("--model", default="smollm2", choices=sorted(MODELS), help="whose projection shapes")
+    ap.add_argument("--isa", nargs="+", default=[None], help="qmm's ISA paths, timed in turns (default: this CPU's best)")
     args = ap.parse_args()
     K = kernels.load()
     if K is None:
@@ -81,11 +85,17 @@ def main() -> None:
     if args.threads:
         K.qmm_set_threads(args.threads)
     contracts = {"both": ("exact", "fast"), "all": ("exact", "factored", "fast", "split")}.get(args.contract, (args.contract,))
-    print(f"qmm: {K.qmm_isa()}, {K.qmm_threads()} threads; {args.bits}-bit, group {args.group}, float16 scales; "
+    isas = [K.qmm_isa() if i is None else i for i in args.isa]
+    for isa in isas:
+        if K.qmm_set_isa(isa) != isa:
+            raise SystemExit(f"this CPU has no {isa} path (it runs {K.qmm_isa()})")
+    columns = [(c, isa) for c in contracts for isa in isas]
+    narrow = args.bits in (5, 6)
+    print(f"qmm: {'/'.join(isas)}, {K.qmm_threads()} threads; {args.bits}-bit, group {args.group}, float16 scales; "
           f"weights streamed over {args.stream_mb:g} MB; {args.chain} call(s) a graph; "
           f"load average {os.getloadavg()[0]:.2f} before")
-    heads = " ".join(f"{'qmm ' + c:>10}" for c in contracts)
-    gains = " ".join(f"{c:>6}" for c in contracts)
+    heads = " ".join(f"{isa + ' ' + c:>12}" for c, isa in columns)
+    gains = " ".join(f"{c:>6}" for c, _ in columns)
     # without the references, the speed-ups are against the first contract listed
     label = f"speed-up vs {f'qmm {contracts[0]}' if args.no_reference else 'fp32'}:"
     print(f"{'shape':>8} {'N':>6} {'K':>5} {'M':>4} | {heads} {'quantized_matmul':>16} {'fp32 x@W.T':>10} | "
@@ -96,20 +106,30 @@ def main() -> None:
         stored = N * Kd * args.bits / 8 + 2 * 2 * N * Kd / args.group  # packed weights, float16 scales and biases
         copies = max(args.chain, math.ceil(args.stream_mb * 2**20 / (stored if args.no_reference else 4 * N * Kd)))
         Ws, qs = [], []
+        refs = []  # the references' quantized weights (8-bit blocks of the same integers where narrow)
         for i in range(copies):
             W = mx.random.normal((N, Kd), key=mx.random.key(i)) * 0.05
-            w, s, b = mx.quantize(W, args.group, args.bits)
+            w, s, b = mx.quantize(W, args.group, 8 if narrow else args.bits)
+            if narrow:  # the same scales and biases over random integers below 2 ** bits
+                ints = mx.random.randint(0, 2**args.bits, (N, Kd), key=mx.random.key(i)).astype(mx.uint8)
+                w = ints.reshape(N, Kd // 4, 4).view(mx.uint32).reshape(N, Kd // 4)  # MLX's 8-bit packing
+                W = mx.dequantize(w, s, b, args.group, 8)
+            packed = K.narrow(w, args.bits) if narrow else w
             if not args.no_reference:
                 Ws.append(W)
-            qs.append((w, s.astype(mx.float16), b.astype(mx.float16)))
-            mx.eval(Ws[-1:], qs[-1])
+                refs.append((w, s.astype(mx.float16), b.astype(mx.float16)))
+            qs.append((packed, s.astype(mx.float16), b.astype(mx.float16)))
+            mx.eval(Ws[-1:], refs[-1:], qs[-1])
         for M in args.m:
             x = mx.random.normal((M, Kd), key=mx.random.key(copies))
             mx.eval(x)
             run = dict(copies=copies, reps=args.reps, warmup=args.warmup, chain=args.chain)
-            q = [timed(lambda i: K.qmm(x, *qs[i], args.group, args.bits, contract=c), **run) for c in contracts]
+            q = []
+            for c, isa in columns:
+                K.qmm_set_isa(isa)
+                q.append(timed(lambda i: K.qmm(x, *qs[i], args.group, args.bits, contract=c), **run))
             qm = math.nan if args.no_reference else timed(
-                lambda i: mx.quantized_matmul(x, *qs[i], True, args.group, args.bits), **run)
+                lambda i: mx.quantized_matmul(x, *refs[i], True, args.group, 8 if narrow else args.bits), **run)
             f = math.nan if args.no_reference else timed(lambda i: x @ Ws[i].T, **run)
             cells = " ".join(f"{t:10.3f}" for t in q)
             ups = " ".join(f"{(q[0] if args.no_reference else f) / t:5.2f}x" for t in q)

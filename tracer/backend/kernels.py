@@ -93,7 +93,7 @@ ENV = "MLX_TRACER_KERNELS"
 SOURCES = [Path(__file__).with_name(name) for name in ("kernels.cpp", "qmm.cpp", "logprobs.cpp")]
 HEADERS = [Path(__file__).with_name(name)  # included by qmm.cpp
            for name in ("qmm_api.h", "qmm_isa.h", "qmm_pool.h", "qmm_fast.h", "qmm_factored.h", "qmm_ops_portable.h",
-                        "qmm_ops_x86.h", "vmath_x86.h", "attend_x86.h", "attend_common.h")]
+                        "qmm_ops_x86.h", "qmm_narrow_x86.h", "vmath_x86.h", "attend_x86.h", "attend_common.h")]
 MODULE = "_mlx_tracer_kernels"
 # As MLX 0.32 builds its CPU kernels (`g++ -std=c++17 -O3`, no -march: no
 # contraction into fused multiply-adds), in C++20 for MLX's headers.

@@ -575,12 +575,7 @@ void factored_order(const float* from, int K, float* to) {
 // (Path::order4), which changes only the order of summation. The
 // few-row kernels read x from an aligned copy.
 void run(QmmJob j, Contract contract) {
-#if defined(__x86_64__)
-  // 5- and 6-bit blocks on AVX-512 CPUs: AVX2's kernels (the AVX-512 ones take 4 and 8 bits; the same bits either way)
-  const Path& p = narrow_bits(j.bits) && &path() == &kPathAvx512 ? kPathAvx2 : path();
-#else
   const Path& p = path();
-#endif
   if (contract == Contract::fast || contract == Contract::split) {
     j.split = contract == Contract::split;
     thread_local std::vector<int8_t> xq;

@@ -23,8 +23,7 @@
 constexpr int kVecs = kBlock / L;
 
 // fn(std::integral_constant<int, BITS>{}) for a job's bits: 4, 8, and 5 and
-// 6 where the ISA's kernels take qmm.cpp's 5- and 6-bit blocks (kNarrowBits;
-// AVX-512 CPUs run AVX2's for them: qmm.cpp's run).
+// 6 where the ISA's kernels take qmm.cpp's 5- and 6-bit blocks (kNarrowBits).
 template <class Fn>
 inline void with_bits(int bits, Fn fn) {
   if constexpr (kNarrowBits) {

@@ -67,59 +67,7 @@ inline Group group(float s, float b) {
   return {splat(s), splat(b)};
 }
 
-// 5 bits (qmm.cpp's layout): a block's fifth bits, its 32-bit word `h` in
-// each 32-bit lane of a 128-bit lane, as the 4-bit halves' bytes want them
-// (bit 4 of byte i: weight 2 i's in `a`, 2 i + 1's in `b`): lane l's bytes
-// f hold bits 4 + l (even weights) and l (odd ones) of byte f, one shift a
-// lane each (bits shifted in from the next or previous byte fall outside bit 4).
-inline void fifth_bits(__m128i h, __m128i& a, __m128i& b) {
-  const __m128i bit = _mm_set1_epi8(0x10);
-  a = _mm_and_si128(_mm_srlv_epi32(h, _mm_setr_epi32(0, 1, 2, 3)), bit);
-  b = _mm_and_si128(_mm_sllv_epi32(h, _mm_setr_epi32(4, 3, 2, 1)), bit);
-}
-inline void fifth_bits(__m256i h, __m256i& a, __m256i& b) {
-  const __m256i bit = _mm256_set1_epi8(0x10);
-  a = _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_setr_epi32(0, 1, 2, 3, 0, 1, 2, 3)), bit);
-  b = _mm256_and_si256(_mm256_sllv_epi32(h, _mm256_setr_epi32(4, 3, 2, 1, 4, 3, 2, 1)), bit);
-}
-// 6 bits (qmm.cpp's layout): a block's two high bits a weight, its 8 bytes
-// `d` in both 64-bit lanes of a 128-bit lane, as the 4-bit halves' bytes
-// want them (bits 4-5 of byte i: weight 2 i's in `a`, 2 i + 1's in `b`): the
-// low lane shifted left by 4 (bits 0-1 and 2-3 of byte i to 4-5 and 6-7),
-// the high one not (bits 4-5 and 6-7 of byte i - 8 in place), then `b`'s
-// shifted right by 2 (bits shifted in from a neighbouring byte fall outside
-// bits 4-5).
-inline void sixth_bits(__m128i d, __m128i& a, __m128i& b) {
-  const __m128i m = _mm_set1_epi8(0x30), t = _mm_sllv_epi64(d, _mm_set_epi64x(0, 4));
-  a = _mm_and_si128(t, m), b = _mm_and_si128(_mm_srli_epi64(t, 2), m);
-}
-inline void sixth_bits(__m256i d, __m256i& a, __m256i& b) {
-  const __m256i m = _mm256_set1_epi8(0x30), t = _mm256_sllv_epi64(d, _mm256_setr_epi64x(4, 0, 4, 0));
-  a = _mm256_and_si256(t, m), b = _mm256_and_si256(_mm256_srli_epi64(t, 2), m);
-}
-inline __m128i word4(const uint8_t* p) {  // the 32-bit word at p in the 4 lanes
-  int32_t w;
-  std::memcpy(&w, p, sizeof w);
-  return _mm_set1_epi32(w);
-}
-inline __m128i word8(const uint8_t* p) {  // the 64-bit word at p in both lanes
-  int64_t w;
-  std::memcpy(&w, p, sizeof w);
-  return _mm_set1_epi64x(w);
-}
-// A 5- or 6-bit block's high bits (past its 16 bytes of nibbles) as its 128-bit lane wants them.
-template <int BITS>
-inline __m128i high_word(const uint8_t* block) {
-  return BITS == 5 ? word4(block + 16) : word8(block + 16);
-}
-template <int BITS, class V>
-inline void high_bits(V h, V& a, V& b) {
-  if constexpr (BITS == 5) {
-    fifth_bits(h, a, b);
-  } else {
-    sixth_bits(h, a, b);
-  }
-}
+#include "qmm_narrow_x86.h"
 // Blocks at q and q + 4 BITS (bytes): their high words in 128-bit lanes 0 and 1.
 template <int BITS>
 inline __m256i high_pair(const uint8_t* q) {
@@ -128,16 +76,6 @@ inline __m256i high_pair(const uint8_t* q) {
   } else {
     return _mm256_set_m128i(high_word<BITS>(q + 4 * BITS), high_word<BITS>(q));
   }
-}
-// A 5- or 6-bit block's 32 weights as bytes in the natural order: weights 0-15 in lo, 16-31 in hi.
-template <int BITS>
-inline void natural(const uint8_t* p, __m128i& lo, __m128i& hi) {
-  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), m = _mm_set1_epi8(0x0f);
-  __m128i a, b;
-  high_bits<BITS>(high_word<BITS>(p), a, b);
-  a = _mm_or_si128(_mm_and_si128(v, m), a);                        // weights 2 i
-  b = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(v, 4), m), b);     // weights 2 i + 1
-  lo = _mm_unpacklo_epi8(a, b), hi = _mm_unpackhi_epi8(a, b);
 }
 // ... widened to 4 vectors of 8 int32 lanes (weights 8 i .. 8 i + 7 in vector i).
 template <int BITS>
@@ -603,7 +541,7 @@ inline void ff_qvals(const uint8_t* p, FF* w) {
 #pragma GCC target("avx512f,avx512bw,avx512vl,fma,f16c")
 namespace isa_avx512 {
 constexpr int L = 16, kTile = 8;
-constexpr bool kNarrowBits = false;  // 5- and 6-bit blocks run AVX2's kernels (qmm.cpp's run)
+constexpr bool kNarrowBits = true;  // 5- and 6-bit blocks (qmm.cpp's layouts)
 inline void order4(const float* from, float* to) { order4_even_odd(from, to); }
 // Two accumulators per (row, x row) at every tile size (the same sums at every M):
 // tiles of more x rows take fewer weight rows (at most 16 accumulators).
@@ -611,6 +549,9 @@ constexpr int kRows(int mt) { return mt <= 2 ? 4 : mt <= 4 ? 2 : 1; }
 constexpr int kAcc(int) { return 2; }
 QMM_X86_OPS(__m512, _mm512)
 inline float hsum(F a) { return _mm512_reduce_add_ps(a); }
+#define QMM_NARROW_512 1
+#include "qmm_narrow_x86.h"
+#undef QMM_NARROW_512
 // 4 bits: `a` holds the group's 16 possible weights (scale * q + bias for q = 0..15), looked
 // up by each nibble; 8 bits: scale and bias.
 struct Group {
@@ -631,6 +572,13 @@ inline void dequant(const uint8_t* p, const Group& g, F* w) {
     const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     w[0] = _mm512_permutexvar_ps(q, g.a);  // vpermps reads an index's low 4 bits: the low nibble
     w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), g.a);
+  } else if constexpr (narrow_bits(BITS)) {  // the natural order, as 8 bits
+    __m128i q[2];
+    natural<BITS>(p, q[0], q[1]);
+    for (int i = 0; i < 2; ++i) {
+      const F v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(q[i]));
+      w[i] = X ? _mm512_fmadd_ps(v, g.a, g.b) : _mm512_add_ps(_mm512_mul_ps(v, g.a), g.b);
+    }
   } else {
     for (int i = 0; i < 2; ++i) {
       const F q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i))));
@@ -661,9 +609,35 @@ constexpr bool kAskParams = false;
 struct WR {
   __m512i a, b;  // halves A and B of the 4 blocks
 };
+// 5 and 6 bits (qmm.cpp's layouts, 4 BITS bytes a block: its 16 bytes of
+// nibbles, then its high bits): a step's 4 blocks, v0 their first 64 bytes
+// and v1 the rest (16 or 32), as 4 bits' halves with each weight's high
+// bits or-ed in. Every block starts on a 32-bit word (5 bits) or a 64-bit
+// one (6 bits), so one two-source permute puts block j's nibbles in 128-bit
+// lane j and another its high bits where fifth_bits / sixth_bits want them
+// (its 32-bit word in the lane's 4 dwords; its 8 bytes in both qwords).
+template <int BITS>
+inline WR narrow4(__m512i v0, __m512i v1) {
+  __m512i nib, high;
+  if constexpr (BITS == 5) {  // dwords: block j's nibbles 5 j .. 5 j + 3, its word 5 j + 4 (16 on: v1's)
+    nib = _mm512_permutex2var_epi32(v0, _mm512_setr_epi32(0, 1, 2, 3, 5, 6, 7, 8, 10, 11, 12, 13, 15, 16, 17, 18), v1);
+    high = _mm512_permutex2var_epi32(v0, _mm512_setr_epi32(4, 4, 4, 4, 9, 9, 9, 9, 14, 14, 14, 14, 19, 19, 19, 19), v1);
+  } else {  // qwords: block j's nibbles 3 j, 3 j + 1, its plane 3 j + 2 (8 on: v1's)
+    nib = _mm512_permutex2var_epi64(v0, _mm512_setr_epi64(0, 1, 3, 4, 6, 7, 9, 10), v1);
+    high = _mm512_permutex2var_epi64(v0, _mm512_setr_epi64(2, 2, 5, 5, 8, 8, 11, 11), v1);
+  }
+  __m512i a, b;
+  high_bits<BITS>(high, a, b);
+  const __m512i m = _mm512_set1_epi8(0x0f);
+  return {_mm512_or_si512(_mm512_and_si512(nib, m), a), _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(nib, 4), m), b)};
+}
 template <int BITS>
 inline WR unpack4(const uint8_t* p) {
-  if constexpr (BITS == 4) {
+  if constexpr (narrow_bits(BITS)) {
+    const __m512i v1 = BITS == 5 ? _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 64)))
+                                 : _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64)));
+    return narrow4<BITS>(_mm512_loadu_si512(p), v1);
+  } else if constexpr (BITS == 4) {
     // two 32-byte loads (one 64-byte load a row and step streamed slower, measured)
     const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)), 1);
@@ -682,7 +656,9 @@ template <int BITS>
 inline WR unpack4_n(const uint8_t* p, int n) {
   const int bytes = n * kBlock * BITS / 8;  // < 64 at 4 bits, < 128 at 8
   const auto mask = [](int b) { return b >= 64 ? ~__mmask64(0) : b <= 0 ? __mmask64(0) : (__mmask64(1) << b) - 1; };
-  if constexpr (BITS == 4) {
+  if constexpr (narrow_bits(BITS)) {  // < 80 or 96 bytes: the missing blocks' nibbles and high bits zeros
+    return narrow4<BITS>(_mm512_maskz_loadu_epi8(mask(bytes), p), _mm512_maskz_loadu_epi8(mask(bytes - 64), p + 64));
+  } else if constexpr (BITS == 4) {
     const __m512i v = _mm512_maskz_loadu_epi8(mask(bytes), p), m = _mm512_set1_epi8(0x0f);
     return {_mm512_and_si512(v, m), _mm512_and_si512(_mm512_srli_epi16(v, 4), m)};
   } else {
@@ -720,7 +696,10 @@ struct WR2 {
 template <int BITS>
 inline WR2 unpack2_n(const uint8_t* p, int n) {  // n <= 2 blocks, reads only those
   const int bytes = n * kBlock * BITS / 8;  // <= 32 at 4 bits, <= 64 at 8
-  if constexpr (BITS == 4) {
+  if constexpr (narrow_bits(BITS)) {  // <= 40 or 48 bytes: unpack4_n's lanes 0 and 1
+    const WR w = unpack4_n<BITS>(p, n);
+    return {_mm512_castsi512_si256(w.a), _mm512_castsi512_si256(w.b)};
+  } else if constexpr (BITS == 4) {
     const __m256i v = _mm256_maskz_loadu_epi8(bytes >= 32 ? ~__mmask32(0) : (__mmask32(1) << bytes) - 1, p),
                   m = _mm256_set1_epi8(0x0f);
     return {_mm256_and_si256(v, m), _mm256_and_si256(_mm256_srli_epi16(v, 4), m)};
