@@ -228,9 +228,16 @@ constexpr int kBlock = 32;                   // weights a kernel step: 16 bytes 
 // on a matrix the caches already held, they had made reads slower). The
 // fast and split contracts' one-row tiles that read a quad's rows side by
 // side (VNNI; AVX2 for rows of >= 1 KB) prefetch whole quads instead
-// (qmm_fast.h, far_quads), the row-after-row ones not at all.
+// (qmm_fast.h, each ISA's ask_ahead), the row-after-row ones not at all.
 constexpr int kPrefetchMinM = 1;
 constexpr int kPrefetchTiles = 2;
+// How far ahead the side-by-side one-row tiles ask for a quad of weight
+// rows: `far` quads into L2, `near` into L1 (0: none), and whether the far
+// quad's float16 scales and biases too (an ISA's ask_ahead(quad's bytes)).
+struct Ahead {
+  int far, near;
+  bool params;
+};
 
 // Blocks of 32 an x row of the fast contract takes: K's, rounded up to 4 (qmm_fast.h's steps).
 constexpr int fast_blocks(int K) {

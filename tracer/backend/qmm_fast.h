@@ -289,24 +289,26 @@ template <int Q, int MT, int BITS, bool SPLIT, class T>
     // loaded once for the 4, their sums transposed at once, none waiting in
     // memory), which the hardware's prefetchers do not follow as they follow
     // one row after another (the order above, 0.5.20's on every ISA): each
-    // step asks for its share of the lines of the quad far_quads() ahead
-    // (into L2) and kNearQuads ahead (into L1), the quad's rows being one
-    // run of bytes, and where kAskParams, at its first step, for the far
-    // quad's scales and biases (float16 ones read in place: GGUF's blocks);
-    // none for a quad that starts past the matrix's last row.
+    // step asks for its share of the lines of the quad ask_ahead(quad's
+    // bytes).far ahead (into L2) and .near ahead (into L1; 0: none), the
+    // quad's rows being one run of bytes, and where .params, at its first
+    // step, for the far quad's scales and biases (float16 ones read in
+    // place: GGUF's blocks); none for a quad that starts past the matrix's
+    // last row.
     const auto ask = [&](int k) {
       if constexpr (MT == 1 && Q == 1) {
         const size_t quad_bytes = size_t(kStep) * j.K * BITS / 8;
-        const int steps = full + (full * kStep < B), fq = far_quads(quad_bytes);
+        const Ahead a = ask_ahead(quad_bytes);
+        const int steps = full + (full * kStep < B), fq = a.far;
         const size_t per_step = (quad_bytes / 64 + steps - 1) / steps * 64;  // >= quad_bytes / steps, whole lines
         const char* quad = reinterpret_cast<const char*>(w[0][0]);
-        const bool far = n + kStep * fq < j.N, near = kNearQuads > 0 && n + kStep * kNearQuads < j.N;
+        const bool far = n + kStep * fq < j.N, near = a.near > 0 && n + kStep * a.near < j.N;
         for (size_t l = k * per_step, e = std::min(quad_bytes, l + per_step); l < e; l += 64) {
           if (far) prefetch_l2(quad + fq * quad_bytes + l);
-          if (near) prefetch(quad + kNearQuads * quad_bytes + l);
+          if (near) prefetch(quad + a.near * quad_bytes + l);
         }
-        if constexpr (kAskParams && std::is_same_v<T, uint16_t>) {
-          if (far && k == 0) {
+        if constexpr (std::is_same_v<T, uint16_t>) {
+          if (a.params && far && k == 0) {
             const auto lines = [&](const T* row0, int ld) {
               const char* at = reinterpret_cast<const char*>(row0 + size_t(fq) * kStep * ld);
               for (size_t l = 0; l < size_t(kStep) * ld * sizeof(T); l += 64) prefetch_l2(at + l);

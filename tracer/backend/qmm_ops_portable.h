@@ -69,9 +69,7 @@ constexpr int kFastQuads(int) { return 1; }
 // One x row: a quad's rows one after another at every K (qmm_fast.h's kSideRowBytes), so no prefetches.
 constexpr int kSideRowBytes = std::numeric_limits<int>::max();
 constexpr bool kPipeQuads = false;  // a quad's rows, then its sums (pipelined_quads: AVX2's)
-constexpr int far_quads(size_t) { return 1; }
-constexpr int kNearQuads = 0;
-constexpr bool kAskParams = false;
+constexpr Ahead ask_ahead(size_t) { return {1, 0, false}; }
 struct WR {
   uint8_t b[2][64];  // halves A, B of the 4 blocks (16 bytes each)
 };

@@ -144,9 +144,7 @@ constexpr int kFastQuads(int) { return 1; }
 // more, part of what is asked for may be another core's chunk).
 constexpr int kSideRowBytes = 1024;
 constexpr bool kPipeQuads = true;  // shorter rows' quads pipelined (qmm_fast.h's pipelined_quads)
-constexpr int far_quads(size_t quad_bytes) { return std::max<int>(1, (128 << 10) / quad_bytes); }
-constexpr int kNearQuads = 0;
-constexpr bool kAskParams = true;
+constexpr Ahead ask_ahead(size_t quad_bytes) { return {std::max<int>(1, (128 << 10) / quad_bytes), 0, true}; }
 inline __m256i load_pair(const uint8_t* p0, const uint8_t* p1) {
   return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1);
@@ -600,12 +598,23 @@ using namespace isa_avx512;
 constexpr int kFastTile = 8;
 constexpr int kFastQuads(int) { return 1; }
 // One x row: a quad's 4 rows side by side, a step at a time, at every K
-// (qmm_fast.h), asking for the quads 8 ahead into L2 and 2 into L1 (0.5.20).
+// (qmm_fast.h). Quads of rows under 1 KB ask for the quad 8 ahead into L2
+// and the one 2 ahead into L1 (0.5.20); longer rows, as AVX2's (0.5.32):
+// 128 KB ahead into L2, none into L1, and the far quad's float16 scales and
+// biases. Measured on the 2-core Zen 4 (python benchmarks/qmm.py --model
+// llama-1b --bits B --contract split --no-reference --m 1 --chain 4, the
+// settings switched by environment variables in a scratch build, in turns,
+// three rounds, medians, ms a call): 4 bits gate/up 16384 x 2048 1.154 ->
+// 0.785, down 2048 x 8192 0.740 -> 0.477, q/k/v 0.219 -> 0.180; 8 bits
+// 1.597 -> 1.451, 0.988 -> 0.682; 6 bits (AVX2's settings for every row,
+// an earlier round) 1.216 -> 0.961, 0.827 -> 0.605. SmolLM2's rows under
+// 1 KB asked 128 KB ahead too were slower (q/k/v 960 x 576 at 4 bits 0.038
+// -> 0.067, gate/up 0.068 -> 0.102): that is where the first scheme stays.
 constexpr int kSideRowBytes = 0;
 constexpr bool kPipeQuads = false;  // (no row read after another)
-constexpr int far_quads(size_t) { return 8; }
-constexpr int kNearQuads = 2;
-constexpr bool kAskParams = false;
+constexpr Ahead ask_ahead(size_t quad_bytes) {
+  return quad_bytes >= 4096 ? Ahead{std::max<int>(1, (128 << 10) / quad_bytes), 0, true} : Ahead{8, 2, false};
+}
 struct WR {
   __m512i a, b;  // halves A and B of the 4 blocks
 };
