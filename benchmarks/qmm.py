@@ -114,11 +114,11 @@ def main() -> None:
                 ints = mx.random.randint(0, 2**args.bits, (N, Kd), key=mx.random.key(i)).astype(mx.uint8)
                 w = ints.reshape(N, Kd // 4, 4).view(mx.uint32).reshape(N, Kd // 4)  # MLX's 8-bit packing
                 W = mx.dequantize(w, s, b, args.group, 8)
-            packed = K.narrow(w, args.bits) if narrow else w
+            s, b = s.astype(mx.float16), b.astype(mx.float16)
             if not args.no_reference:
                 Ws.append(W)
-                refs.append((w, s.astype(mx.float16), b.astype(mx.float16)))
-            qs.append((packed, s.astype(mx.float16), b.astype(mx.float16)))
+                refs.append((w, s, b))
+            qs.append((K.narrow(w, args.bits) if narrow else w, s, b))
             mx.eval(Ws[-1:], refs[-1:], qs[-1])
         for M in args.m:
             x = mx.random.normal((M, Kd), key=mx.random.key(copies))

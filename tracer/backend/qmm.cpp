@@ -238,6 +238,9 @@ struct Ahead {
   int far, near;
   bool params;
 };
+// AVX2's setting for rows of at least 1 KB (0.5.25), VNNI's too since 0.5.32:
+// the quad 128 KB ahead into L2 (at least the next), none into L1, and its parameters.
+constexpr Ahead ahead_128k(size_t quad_bytes) { return {std::max<int>(1, (128 << 10) / quad_bytes), 0, true}; }
 
 // Blocks of 32 an x row of the fast contract takes: K's, rounded up to 4 (qmm_fast.h's steps).
 constexpr int fast_blocks(int K) {

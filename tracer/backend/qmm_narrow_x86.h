@@ -1,7 +1,8 @@
 // qmm.cpp's 5- and 6-bit blocks (a 4-bit block's 16 bytes of nibbles, then
 // a plane of high bits) as AVX2 and AVX-512 want them, in 128- and 256-bit
-// vectors: included inside each x86 ISA's namespace of qmm_ops_x86.h, under
-// its target pragma (AVX-512's wider forms are in its own namespace there).
+// vectors (and 512-bit ones where QMM_NARROW_512 is defined: AVX-512's
+// namespace): included inside each x86 ISA's namespace of qmm_ops_x86.h,
+// under its target pragma.
 
 // 5 bits (qmm.cpp's layout): a block's fifth bits, its 32-bit word `h` in
 // each 32-bit lane of a 128-bit lane, as the 4-bit halves' bytes want them

@@ -144,7 +144,7 @@ constexpr int kFastQuads(int) { return 1; }
 // more, part of what is asked for may be another core's chunk).
 constexpr int kSideRowBytes = 1024;
 constexpr bool kPipeQuads = true;  // shorter rows' quads pipelined (qmm_fast.h's pipelined_quads)
-constexpr Ahead ask_ahead(size_t quad_bytes) { return {std::max<int>(1, (128 << 10) / quad_bytes), 0, true}; }
+constexpr Ahead ask_ahead(size_t quad_bytes) { return ahead_128k(quad_bytes); }
 inline __m256i load_pair(const uint8_t* p0, const uint8_t* p1) {
   return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1);
@@ -613,7 +613,7 @@ constexpr int kFastQuads(int) { return 1; }
 constexpr int kSideRowBytes = 0;
 constexpr bool kPipeQuads = false;  // (no row read after another)
 constexpr Ahead ask_ahead(size_t quad_bytes) {
-  return quad_bytes >= 4096 ? Ahead{std::max<int>(1, (128 << 10) / quad_bytes), 0, true} : Ahead{8, 2, false};
+  return quad_bytes >= 4096 ? ahead_128k(quad_bytes) : Ahead{8, 2, false};
 }
 struct WR {
   __m512i a, b;  // halves A and B of the 4 blocks
