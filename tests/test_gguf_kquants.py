@@ -23,7 +23,7 @@ import pytest
 
 from mlx_tracer import Generator
 from mlx_tracer.adapters.lean import why_not
-from mlx_tracer.adapters.lean.weights import LinearGroup
+from mlx_tracer.adapters.lean.weights import LinearGroup, SplitGroup
 from mlx_tracer.backend import kernels
 from mlx_tracer.loading import gguf, gguf_readonly
 from mlx_tracer.loading.weights import apply_format
@@ -343,9 +343,10 @@ def test_q6_k_as_mlx_float16_on_request(tmp_path, monkeypatch):
 
 
 def test_unify_fused_groups_widens_to_one_format_with_the_same_values():
-    """4-bit members of a group beside an 8-bit one become 8-bit blocks of the
+    """A 4-bit gate/up member beside an 8-bit one becomes 8-bit blocks of the
     same integers; float16 scales beside float32 ones float32: mx.dequantize
-    gives the same weights. Groups of one format, or other layers, are untouched."""
+    gives the same weights. q/k/v keep their formats, mixed or not (the layer
+    kernels take them in two: since 0.5.33), and groups of one format are untouched."""
     from types import SimpleNamespace
 
     rng = np.random.default_rng(0)
@@ -357,17 +358,21 @@ def test_unify_fused_groups_widens_to_one_format_with_the_same_values():
 
     weights = {}
     formats = {"self_attn.q_proj": (4, mx.float32), "self_attn.k_proj": (4, mx.float16),
-               "self_attn.v_proj": (8, mx.float32), "mlp.gate_proj": (4, mx.float16), "mlp.up_proj": (4, mx.float16)}
+               "self_attn.v_proj": (8, mx.float32), "mlp.gate_proj": (4, mx.float16), "mlp.up_proj": (8, mx.float32)}
     for name, (bits, dtype) in formats.items():
         for k, v in zip(("weight", "scales", "biases"), triple(64, bits, dtype)):
             weights[f"model.layers.0.{name}.{k}"] = v
+    for name in ("mlp.gate_proj", "mlp.up_proj"):  # layer 1: gate/up of one format
+        for k, v in zip(("weight", "scales", "biases"), triple(64, 4, mx.float16)):
+            weights[f"model.layers.1.{name}.{k}"] = v
     before = {k: v for k, v in weights.items()}
-    gguf.unify_fused_groups(weights, SimpleNamespace(hidden_size=H, num_hidden_layers=1))
+    gguf.unify_fused_groups(weights, SimpleNamespace(hidden_size=H, num_hidden_layers=2))
+    assert all(weights[k] is v for k, v in before.items() if k.startswith("model.layers.1."))
     for name, (bits, dtype) in formats.items():
         p = f"model.layers.0.{name}"
         old = mx.dequantize(before[f"{p}.weight"], before[f"{p}.scales"].astype(mx.float32),
                             before[f"{p}.biases"].astype(mx.float32), group_size=32, bits=bits)
-        if name.startswith("mlp"):  # one format already: the same arrays
+        if name.startswith("self_attn"):  # q/k/v: the same arrays
             assert all(weights[f"{p}.{k}"] is before[f"{p}.{k}"] for k in ("weight", "scales", "biases"))
             continue
         assert weights[f"{p}.weight"].shape == (64, H // 4) and weights[f"{p}.scales"].dtype == mx.float32
@@ -511,11 +516,11 @@ def _reference_tokens(model, path, meta, atol):
 
 def test_a_file_mixing_q4_k_and_q6_k_runs_every_layer_on_the_kernels(tmp_path, monkeypatch):
     """(d) As a Q4_K_M file: layer 0's attn_v and ffn_down and the head are
-    Q6_K, the rest Q4_K. Q6_K loads as 8-bit blocks (q6_k_affine), layer 0's
-    q/k are widened to 8-bit blocks of the same integers beside them
-    (gguf.unify_fused_groups), so each fused group is one format and every
-    layer runs on the native kernels; greedy tokens equal the float reference
-    of ggml's values."""
+    Q6_K, the rest Q4_K. Q6_K loads as 8-bit blocks (q6_k_affine); layer 0's
+    q/k stay 4-bit blocks beside them (before 0.5.33 they were widened to 8
+    bits), the lean forward's q/k/v a group of two runs that the native
+    layer_in takes as w_qkv and w_qkv2, so every layer runs on the native
+    kernels; greedy tokens equal the float reference of ggml's values."""
     path = tmp_path / "mixed.gguf"
     tiny_kquant_llama(path, seed=1, mixed=True)
     weights, meta = gguf.read_gguf(path)
@@ -523,9 +528,9 @@ def test_a_file_mixing_q4_k_and_q6_k_runs_every_layer_on_the_kernels(tmp_path, m
     l0, l1 = model.model.layers
     fmt = lambda m: (type(m), m.bits, m.group_size, m.scales.dtype)  # noqa: E731
     eight, four = (nn.QuantizedLinear, 8, 32, mx.float32), (nn.QuantizedLinear, 4, 32, mx.float32)
-    assert [fmt(m) for m in (l0.self_attn.q_proj, l0.self_attn.k_proj, l0.self_attn.v_proj, l0.mlp.down_proj,
-                             model.lm_head)] == [eight] * 5
-    assert [fmt(m) for m in (l0.mlp.gate_proj, l1.self_attn.q_proj, l1.self_attn.v_proj, l1.mlp.down_proj)] == [four] * 4
+    assert [fmt(m) for m in (l0.self_attn.v_proj, l0.mlp.down_proj, model.lm_head)] == [eight] * 3
+    assert [fmt(m) for m in (l0.self_attn.q_proj, l0.self_attn.k_proj, l0.mlp.gate_proj, l1.self_attn.q_proj,
+                             l1.self_attn.v_proj, l1.mlp.down_proj)] == [four] * 6
     assert why_not(model) is None
     _reread_read_only(path, weights, monkeypatch)  # the read-only reader: Q6_K too, no temporary copy
     # the Q6_K layers' rounding (q6_k_affine's contract): measured max |diff| 0.044 on logits of std 1.3 (the
@@ -543,9 +548,12 @@ def test_a_file_mixing_q4_k_and_q6_k_runs_every_layer_on_the_kernels(tmp_path, m
     ref = eager_logits(model, PROMPT, STEPS)
     lean = CompiledModel(model, fuse=True)
     qkv = lean.lean.binding.layers[0].qkv
-    assert isinstance(qkv, LinearGroup) and qkv.quant == (32, 8, "affine")
+    assert isinstance(qkv, SplitGroup) and [r.quant for r in qkv.runs] == [(32, 4, "affine"), (32, 8, "affine")]
+    assert [r.outputs for r in qkv.runs] == [l0.self_attn.q_proj.weight.shape[0] + l0.self_attn.k_proj.weight.shape[0],
+                                             l0.self_attn.v_proj.weight.shape[0]]
+    assert isinstance(lean.lean.binding.layers[1].qkv, LinearGroup)
     if lean.lean.native is not None:
-        assert qkv.kernel is not None
+        assert all(r.kernel is not None for r in qkv.runs)
         assert lean.lean.native_off is None and lean.lean.ops_at == {}, lean.lean.ops_at
     got = compiled_logits(lean, PROMPT, STEPS)
     assert [mx.argmax(a).item() for a in got] == [mx.argmax(b).item() for b in ref] == want
@@ -554,6 +562,19 @@ def test_a_file_mixing_q4_k_and_q6_k_runs_every_layer_on_the_kernels(tmp_path, m
     ops = CompiledModel(model, fuse=True)
     ops.lean.use_kernels(None)
     assert all(mx.array_equal(a, b) for a, b in zip(compiled_logits(ops, PROMPT, STEPS), ref))
+
+    # q/k as 4-bit blocks beside the 8-bit v (w_qkv, w_qkv2) against q/k/v widened to one 8-bit format
+    # (0.5.32's load): the split and fast contracts multiply the same integers, so the same bits
+    with monkeypatch.context() as m:
+        m.setattr(gguf, "_FUSED_GROUPS", gguf._FUSED_GROUPS + (gguf.QKV_GROUP,))
+        wide = gguf.build_model(*gguf.read_gguf(path))
+    assert wide.model.layers[0].self_attn.q_proj.bits == 8 and model.model.layers[0].self_attn.q_proj.bits == 4
+    for fmt in ("quantized-split", "quantized-fast"):
+        a, b = (CompiledModel(apply_format(m, fmt), fuse=True) for m in (model, wide))
+        assert isinstance(a.lean.binding.layers[0].qkv, SplitGroup) and isinstance(b.lean.binding.layers[0].qkv, LinearGroup)
+        if a.lean.native is not None:
+            assert a.lean.ops_at == {} and b.lean.ops_at == {}, (a.lean.ops_at, b.lean.ops_at)
+        assert all(mx.array_equal(x, y) for x, y in zip(compiled_logits(a, PROMPT, STEPS), compiled_logits(b, PROMPT, STEPS))), fmt
     assert solo_tokens(apply_format(model, "quantized"), PROMPT, STEPS) == want
 
 

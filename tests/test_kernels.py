@@ -273,6 +273,68 @@ def test_packed_layer_kernels_on_every_isa_path(path, contract):
         K.qmm_set_isa(before)
 
 
+@pytest.mark.parametrize("path", ["portable", "avx2", "avx512"])
+@pytest.mark.parametrize("contract", ["exact", "factored", "fast", "split"])
+@pytest.mark.parametrize("B,L,bias", [(1, 1, False), (3, 1, True), (2, 5, False)])
+def test_layer_in_takes_q_k_v_in_two_formats(path, contract, B, L, bias):
+    """q/k as 4-bit blocks (float16 scales) beside v as 8-bit ones (float32,
+    as a k-quant file's Q6_K): layer_in's w_qkv and w_qkv2 give the bits of
+    the lean ops, which run each part's qmm and join the columns (SplitGroup),
+    in decode steps and windows, on every ISA path; and the same bits as
+    one slot where both parts are one format."""
+    before = K.qmm_isa()
+    try:
+        if K.qmm_set_isa(path) != path:
+            pytest.skip(f"this CPU has no {path}")
+        mx.random.seed(B * L + 7)
+        nq, nk, D, hid = 4, 2, 32, 128
+        qk_lin, v_lin = linear(hid, (nq + nk) * D, bias), linear(hid, nk * D, bias)
+        qk, v = Packed(qk_lin, 32, 4, mx.float16, contract), Packed(v_lin, 32, 8, mx.float32, contract)
+        n_in = norm(hid, 3)
+        h = mx.random.normal((B * L, hid))
+        cos, sin = rope_tables(mx.array(list(range(2, 2 + 4 * B, 4))), L, D, 10000.0, 1.0, mx.float32)
+        rot = HeadRotation(cos, sin, (nq, nk, nk), D, D**-0.5)
+        x = n_in(h)
+        y = mx.concatenate([qk(x), v(x)], axis=-1)
+        b_qkv = mx.concatenate([qk.bias, v.bias]) if bias else None
+        kw = dict(eps=1e-5, nq=nq, nk=nk, D=D, L=L, contract=contract)
+        base = dict(h=h, norm=n_in.weight, cos=rot.C, sin=rot.S, scale=rot.F)
+        got = K.layer_in(dict(base, **qk.slot("w_qkv"), **v.slot("w_qkv2"), b_qkv=b_qkv), **kw)
+        if L == 1:  # as test_layer_kernels_on_packed_blocks_equal_the_lean_ops_on_qmm
+            q_, k_, v_ = mx.split(rot(y), [nq, nq + nk], axis=1)
+            assert same(got[0], q_.reshape(B, nk, nq // nk, D)) and same(got[1], k_) and same(got[2], v_)
+        else:  # as test_window_layers_equal_the_lean_ops
+            q_, k_, v_ = mx.split(rot(y), [nq, nq + nk], axis=2)  # [B, L, H, D] each
+            q5 = q_.reshape(B, L, nk, nq // nk, D).transpose(0, 2, 3, 1, 4)
+            assert same(got[0], q5) and same(got[1], k_.transpose(0, 2, 1, 3)) and same(got[2], v_.transpose(0, 2, 1, 3))
+        # one format in two parts (rows split anywhere): the bits of one slot
+        whole = Packed(linear(hid, (nq + 2 * nk) * D, bias), 32, 4, mx.float16, contract)
+        cut = 40
+        first = dict(w_qkv=whole.w[:cut], w_qkv_scales=whole.s[:cut], w_qkv_biases=whole.b[:cut])
+        second = dict(w_qkv2=whole.w[cut:], w_qkv2_scales=whole.s[cut:], w_qkv2_biases=whole.b[cut:])
+        one = K.layer_in(dict(base, **whole.slot("w_qkv"), b_qkv=whole.bias), **kw)
+        two = K.layer_in(dict(base, **first, **second, b_qkv=whole.bias), **kw)
+        assert all(same(a, b) for a, b in zip(one, two))
+    finally:
+        K.qmm_set_isa(before)
+
+
+def test_layer_in_checks_its_second_q_k_v_part():
+    nq, nk, D, hid = 2, 1, 8, 64
+    rot = rotation(1, nq, nk, D, [3])
+    w, s, b = mx.quantize(mx.random.normal(((nq + 2 * nk) * D, hid)), group_size=32, bits=4)
+    good = dict(h=mx.ones((1, hid)), norm=mx.ones((hid,)), w_qkv=w[:24], w_qkv_scales=s[:24], w_qkv_biases=b[:24],
+                w_qkv2=w[24:], w_qkv2_scales=s[24:], w_qkv2_biases=b[24:], cos=rot.C, sin=rot.S, scale=rot.F)
+    kw = dict(eps=1e-5, nq=nq, nk=nk, D=D)
+    assert len(K.layer_in(good, **kw)) == 3
+    with pytest.raises(ValueError, match=r"layer_in: w_qkv2 with scales must be packed uint32 \[N, 64 bits / 32\]"):
+        K.layer_in(dict(good, w_qkv2=w[20:], w_qkv2_scales=s[20:], w_qkv2_biases=b[20:]), **kw)
+    with pytest.raises(ValueError, match=r"w_qkv with w_qkv2 must hold fewer than \(nq \+ 2 nk\) D = 32 columns, got 32"):
+        K.layer_in(dict(good, w_qkv=w, w_qkv_scales=s, w_qkv_biases=b), **kw)
+    with pytest.raises(ValueError, match="w_qkv2_scales and _biases need w_qkv2"):
+        K.layer_in(dict({k: v for k, v in good.items() if k != "w_qkv2"}, w_qkv=w, w_qkv_scales=s, w_qkv_biases=b), **kw)
+
+
 def test_packed_weights_are_checked_with_what_to_pass():
     nq, nk, D, hid = 2, 1, 8, 64
     rot = rotation(1, nq, nk, D, [3])

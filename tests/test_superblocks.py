@@ -224,7 +224,7 @@ def test_the_lean_forward_holds_k_quant_scales_as_superblocks(tmp_path, monkeypa
     # the bench's weight bytes: the held superblocks at their own bytes (G * 3/2 a row, not float32's G * 4)
     saved = sum(a.size // 3 * 2 * 4 - a.nbytes for p in bufs.values() for k, a in p.items() if k in ("scales", "biases"))
     assert saved > 0 and model_costs(model, lean.layout)["weight_bytes"] == f32_bytes - saved
-    assert set(bufs) >= {"qkv0", "gu0", "down0", "o1", "head"}
+    assert set(bufs) >= {"qkv0.0", "qkv0.1", "gu0", "down0", "o1", "head"}  # layer 0: q/k, then v (0.5.33)
     assert all(p["scales"].dtype == mx.uint8 and p["biases"].dtype == mx.uint8 for p in bufs.values()), \
         {k: p["scales"].dtype for k, p in bufs.items()}
     held = [m for _, m in model.named_modules() if getattr(m, scales.ATTR, None) is not None]
@@ -238,7 +238,7 @@ def test_the_lean_forward_holds_k_quant_scales_as_superblocks(tmp_path, monkeypa
     assert all(mx.array_equal(a, b).item() for a, b in zip(compiled_logits(again, PROMPT, 8), want))
     ops = CompiledModel(model, fuse=True)
     ops.lean.use_kernels(None)  # MLX's ops: the float32 values again
-    assert ops.lean.buffers["qkv0"]["scales"].dtype == mx.float32
+    assert ops.lean.buffers["qkv0.0"]["scales"].dtype == mx.float32
     assert [mx.argmax(a).item() for a in compiled_logits(ops, PROMPT, 8)] == [mx.argmax(a).item() for a in want]
     assert solo_tokens(model, PROMPT, 6) == [mx.argmax(a).item() for a in want[:6]]
 

@@ -70,10 +70,11 @@ def why_not_native_layer(s: LayerSpec) -> Optional[str]:
     if s.sharded():
         return (f"layer {s.index}: sharded (the kernels add the o/down projections into the residual stream; "
                 "the all-sum goes between)")
-    if s.split():
-        return (f"layer {s.index}: {', '.join(f'{n} mixes formats ({s.groups()[n].describe()})' for n in s.split())}"
-                " (the kernels take one weight per slot)")
-    if not all(g.dense_f32() or g.kernel is not None for g in s.groups().values()):
+    split = [n for n in s.split() if not (n == "qkv" and two_part_qkv(s.qkv))]
+    if split:
+        return (f"layer {s.index}: {', '.join(f'{n} mixes formats ({s.groups()[n].describe()})' for n in split)}"
+                " (the kernels take one weight per slot, two formats in q/k/v's)")
+    if not all(run.dense_f32() or run.kernel is not None for g in s.groups().values() for run in g.runs):
         return (f"layer {s.index}: projections neither float32 nor quantized as the kernels take them "
                 "(affine, 4 or 8 bits, or 2, 3, 5 and 6 repacked, 8-bit blocks of integers below 32 held as 5; "
                 "groups of 32/64/128)")
@@ -91,6 +92,26 @@ def weight(slot: str, g: LinearGroup) -> Dict[str, mx.array]:
     if g.quant is None:
         return {slot: g.p["wt"]}
     return {slot: g.p["weight"], f"{slot}_scales": g.p["scales"], f"{slot}_biases": g.p["biases"]}
+
+
+def two_part_qkv(g) -> bool:
+    """Whether q/k/v in two formats (a :class:`SplitGroup` of two runs: a
+    k-quant file's Q4_K q/k beside a Q6_K v) fit layer_in's slots ``w_qkv``
+    and ``w_qkv2``: two runs, each a float32 matrix or blocks qmm takes,
+    each with a bias or neither."""
+    runs = getattr(g, "runs", [g])
+    return (len(runs) == 2 and all(r.dense_f32() or r.kernel is not None for r in runs)
+            and len({"bias" in r.p for r in runs}) == 1)
+
+
+def qkv_weights(g) -> Dict[str, mx.array]:
+    """q/k/v as layer_in takes them: one group's ``w_qkv`` and ``b_qkv``, or
+    a two-format group's runs as ``w_qkv`` (the first run's columns) and
+    ``w_qkv2`` (the rest), their biases joined."""
+    if len(g.runs) == 1:
+        return dict(**weight("w_qkv", g), b_qkv=g.p.get("bias"))
+    first, second = g.runs
+    return dict(**weight("w_qkv", first), **weight("w_qkv2", second), b_qkv=g.bias)
 
 
 PARTS = ("packed", "scales", "biases")  # a quantized buffer's arrays, as storage.KVFormat keeps them
@@ -146,8 +167,7 @@ class NativeLayers:
                 h = OpsLayers.layer(s, h, cache, t)
                 continue
             rot = t.rotation(s, h.dtype)
-            inputs = dict(h=h, norm=s.input_norm.weight, **weight("w_qkv", s.qkv), b_qkv=s.qkv.p.get("bias"),
-                          cos=rot.C, sin=rot.S, scale=rot.F)
+            inputs = dict(h=h, norm=s.input_norm.weight, **qkv_weights(s.qkv), cos=rot.C, sin=rot.S, scale=rot.F)
             if act is not None:
                 prev = self.layers[s.index - 1].down
                 inputs.update(act=act, **weight("w_down", prev), b_down=prev.p.get("bias"))

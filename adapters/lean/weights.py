@@ -260,6 +260,11 @@ class SplitGroup:
         self.runs = [LinearGroup(run, qmm, contract, factor, narrow) for run in parts]
         self.mods = [m for g in self.runs for m in g.mods]
         self.contract = contract
+        # the runs' biases joined (the native layer_in's b_qkv), made once: None unless every run has one
+        self.bias = None
+        if all("bias" in g.p for g in self.runs):
+            self.bias = mx.concatenate([g.p["bias"] for g in self.runs])
+            mx.eval(self.bias)
 
     @property
     def outputs(self) -> int:

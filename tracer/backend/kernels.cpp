@@ -201,6 +201,29 @@ void matmul(const float* x, int M, int K, const WeightView& w, int N, const floa
               out, N);
 }
 
+// out [M, N] = x @ [w1 | w2] (+ bias [N]): columns [0, n1) from w1, the
+// rest from w2 (two formats: no w2, n1 = N: matmul). Each column is computed
+// as its part alone computes it (the same bits as MLX's ops, which run the
+// parts' matmuls and concatenate them).
+void matmul_parts(const float* x, int M, int K, const WeightView& w1, int n1, const WeightView& w2, int N,
+                  const float* bias, float* out) {
+  if (n1 == N) {
+    return matmul(x, M, K, w1, N, bias, out);
+  }
+  const int n2 = N - n1;
+  if (M == 1) {  // one row: each part's columns are a run of out
+    matmul(x, 1, K, w1, n1, bias, out);
+    return matmul(x, 1, K, w2, n2, bias ? bias + n1 : nullptr, out + n1);
+  }
+  std::vector<float> a(size_t(M) * n1), b(size_t(M) * n2);
+  matmul(x, M, K, w1, n1, bias, a.data());
+  matmul(x, M, K, w2, n2, bias ? bias + n1 : nullptr, b.data());
+  for (size_t m = 0; m < size_t(M); ++m) {
+    std::memcpy(out + m * N, a.data() + m * n1, sizeof(float) * n1);
+    std::memcpy(out + m * N + n1, b.data() + m * n2, sizeof(float) * n2);
+  }
+}
+
 // Sum of squares of a row, in order from zero: MLX's Square kernel writes
 // t * t rounded, its Sum adds them one by one. No contraction into a fused
 // multiply-add here (that would skip the square's rounding).
@@ -1431,6 +1454,9 @@ struct Slot {
   X(w_qkv, 1, 'w')         /* [hidden, (nq + 2 nk) D] */                              \
   X(w_qkv_scales, 0, 'q')                                                             \
   X(w_qkv_biases, 0, 'q')                                                             \
+  X(w_qkv2, 0, 'w')        /* the last columns of w_qkv in another format (w_qkv: the */ \
+  X(w_qkv2_scales, 0, 'q') /* first ones; a k-quant file's q/k beside a Q6_K v) */    \
+  X(w_qkv2_biases, 0, 'q')                                                            \
   X(b_qkv, 0, 'f')         /* [(nq + 2 nk) D] */                                      \
   X(cos, 1, 'f')           /* C [M (nq + 2 nk), D] (the lean forward's tables) */     \
   X(sin, 1, 'f')           /* S [M (nq + 2 nk), D] */                                 \
@@ -1527,6 +1553,12 @@ class Inputs {
 // scales (uint8: G int8 multipliers, then G / 8 float32 steps) two thirds of its bytes.
 int groups_of(const array& scales) {
   return scales.dtype() == mx::uint8 ? scales.shape(1) * 2 / 3 : scales.shape(1);
+}
+
+// The output columns of weight slot w: packed blocks' rows (with scales), or a float32 [K, N]'s N.
+int columns(const Inputs& at, const std::vector<array>& in, int w, int scales) {
+  const array& a = at(in, w);
+  return at.has(scales) ? a.shape(0) : a.shape(1);
 }
 
 // ------------------------------------------------------------- primitives
@@ -1663,12 +1695,16 @@ class LayerIn : public Kernel {
     const WeightView wd = act ? weight(at_, in, s::w_down, s::w_down_scales, s::w_down_biases, act->shape(1), contract_)
                               : WeightView{};
     const WeightView wq = weight(at_, in, s::w_qkv, s::w_qkv_scales, s::w_qkv_biases, h.shape(1), contract_);
+    const WeightView wq2 = at_.has(s::w_qkv2)
+                               ? weight(at_, in, s::w_qkv2, s::w_qkv2_scales, s::w_qkv2_biases, h.shape(1), contract_)
+                               : WeightView{};
+    const int n1 = at_.has(s::w_qkv2) ? columns(at_, in, s::w_qkv, s::w_qkv_scales) : (nq_ + 2 * nk_) * D_;
     alloc(outputs);
     const bool carry = act.has_value();
     const size_t o = carry ? 1 : 0;
     const float eps = eps_, qk_eps = qk_eps_;
     const int nq = nq_, nk = nk_, D = D_, L = L_;
-    run([h = View(h), act = act ? View(*act) : View(), wd, bd = ptr(bd), nw = View(nw), wq, bq = ptr(bq), C = View(C), S = View(S), F = View(F), qn = ptr(qn), kn = ptr(kn),
+    run([h = View(h), act = act ? View(*act) : View(), wd, bd = ptr(bd), nw = View(nw), wq, wq2, n1, bq = ptr(bq), C = View(C), S = View(S), F = View(F), qn = ptr(qn), kn = ptr(kn),
          h_new = carry ? outputs[0].data<float>() : nullptr, q = outputs[o].data<float>(),
          k = outputs[o + 1].data<float>(), v = outputs[o + 2].data<float>(), eps, nq, nk, D, L, carry, qk_eps]() {
       Timed task(kTaskIn);
@@ -1688,7 +1724,7 @@ class LayerIn : public Kernel {
       }
       {
         Timed t(kQkv);
-        matmul(x.data(), M, hid, wq, N, bq, y.data());
+        matmul_parts(x.data(), M, hid, wq, n1, wq2, N, bq, y.data());
       }
       Timed t(kRope);
       if (qn != nullptr) {
@@ -2087,7 +2123,15 @@ std::vector<array> layer_in(const Named& given, float eps, int nq, int nk, int D
     need_vector(at, in, s::b_down, hid, "layer_in: b_down");
     shapes.push_back(h.shape());
   }
-  need_weight(at, in, s::w_qkv, s::w_qkv_scales, s::w_qkv_biases, hid, N, "layer_in: w_qkv");
+  if (at.has(s::w_qkv2)) {  // two formats: w_qkv's columns first, then w_qkv2's
+    const int n1 = need_weight(at, in, s::w_qkv, s::w_qkv_scales, s::w_qkv_biases, hid, -1, "layer_in: w_qkv");
+    need(n1 > 0 && n1 < N, "layer_in: w_qkv with w_qkv2 must hold fewer than (nq + 2 nk) D = " + std::to_string(N) +
+                               " columns, got " + std::to_string(n1));
+    need_weight(at, in, s::w_qkv2, s::w_qkv2_scales, s::w_qkv2_biases, hid, N - n1, "layer_in: w_qkv2");
+  } else {
+    need(!at.has(s::w_qkv2_scales) && !at.has(s::w_qkv2_biases), "layer_in: w_qkv2_scales and _biases need w_qkv2");
+    need_weight(at, in, s::w_qkv, s::w_qkv_scales, s::w_qkv_biases, hid, N, "layer_in: w_qkv");
+  }
   need_vector(at, in, s::b_qkv, N, "layer_in: b_qkv");
   const size_t rows = size_t(M) * H;
   need(at(in, s::cos).size() == rows * D && at(in, s::sin).size() == rows * D && at(in, s::scale).size() == rows,

@@ -10,9 +10,10 @@ by exact 4-bit ones (:func:`.gguf_readonly.q4_k_affine`), Q5_0/Q5_1/Q5_K
 (:func:`.gguf_readonly.q6_k_affine`: its sub-blocks of 16 with int8 scales
 have no exact form in MLX's groups of 32; half of each group exact, the
 other rounded to a quarter step; ``MLX_TRACER_Q6_K=float16`` keeps MLX's
-float16 cast); Q2_K stays MLX's float16. A group the lean forward fuses
-whose members then differ only in bits (q/k Q4_K beside a Q6_K v) is widened
-to 8 bits (:func:`unify_fused_groups`), values unchanged. MLX's
+float16 cast); Q2_K stays MLX's float16. Gate and up, which the lean
+forward fuses, are widened to 8 bits where they then differ only in bits
+(:func:`unify_fused_groups`), values unchanged; q/k/v keep their formats
+(q/k Q4_K beside a Q6_K v: the layer kernels take q/k/v in two). MLX's
 reader opens the file for writing, so a file that cannot be written is read
 by :mod:`.gguf_readonly` instead, which builds the same arrays. This module
 
@@ -243,7 +244,9 @@ def convert_weights(weights: Dict[str, mx.array], args, path="GGUF") -> Dict[str
     return out
 
 
-_FUSED_GROUPS = (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj")))
+# the groups unify_fused_groups widens to one format: gate/up (q/k/v not: the layer kernels take two formats there)
+QKV_GROUP = ("self_attn", ("q_proj", "k_proj", "v_proj"))
+_FUSED_GROUPS = (("mlp", ("gate_proj", "up_proj")),)
 
 
 def _nibbles_to_bytes(packed: mx.array) -> mx.array:
@@ -255,20 +258,24 @@ def _nibbles_to_bytes(packed: mx.array) -> mx.array:
     return mx.array(np.ascontiguousarray(w).view("<u4"))
 
 
-def unify_fused_groups(weights: Dict[str, mx.array], args) -> Dict[str, mx.array]:
-    """Give the members of each group the lean forward fuses (q/k/v, gate/up)
-    one quantized format where they differ only in bits (4 and 8) or in their
-    scales' float type, by widening: 4-bit blocks become 8-bit blocks of the
-    same integers, float16 scales and biases float32, so every weight keeps
-    its value exactly. A Q4_K_M file's layers whose ``attn_v`` is Q6_K (8-bit
-    blocks, :func:`.gguf_readonly.q6_k_affine`) beside Q4_K ``attn_q`` /
-    ``attn_k`` then run one fused matmul and the native layer kernels, which
-    take one weight format per slot (their q/k weigh twice their 4-bit bytes:
-    Llama-3.2-1B's 8 such layers, 42 MB more of 1.2 GB). Changes ``weights``
-    in place and returns it."""
+def unify_fused_groups(weights: Dict[str, mx.array], args, fused=None) -> Dict[str, mx.array]:
+    """Give gate and up (which the lean forward fuses, and the native
+    layer_mid takes as one weight) one quantized format where they differ
+    only in bits (4 and 8) or in their scales' float type, by widening: 4-bit
+    blocks become 8-bit blocks of the same integers, float16 scales and biases
+    float32, so every weight keeps its value exactly. q/k/v are left as they
+    are: a Q4_K_M file's layers whose ``attn_v`` is Q6_K (8-bit blocks,
+    :func:`.gguf_readonly.q6_k_affine`) beside Q4_K ``attn_q`` / ``attn_k``
+    run q/k and v as two matmuls of their own formats inside the native
+    layer_in (``w_qkv``, ``w_qkv2``; before 0.5.33 q/k were widened too, twice
+    their 4-bit bytes: Llama-3.2-1B's 8 such layers, 42 MB more of 1.2 GB).
+    Changes ``weights`` in place and returns it. ``fused``: (parent,
+    members) pairs to unify (default gate/up; with ``QKV_GROUP``, q/k/v as
+    before 0.5.33)."""
     hidden = args.hidden_size
+    fused = _FUSED_GROUPS if fused is None else fused
     for i in range(args.num_hidden_layers):
-        for parent, names in _FUSED_GROUPS:
+        for parent, names in fused:
             prefixes = [f"model.layers.{i}.{parent}.{n}" for n in names]
             if not all(f"{p}.scales" in weights for p in prefixes):
                 continue
