@@ -275,7 +275,7 @@ def test_packed_layer_kernels_on_every_isa_path(path, contract):
 
 @pytest.mark.parametrize("path", ["portable", "avx2", "avx512"])
 @pytest.mark.parametrize("contract", ["exact", "factored", "fast", "split"])
-@pytest.mark.parametrize("B,L,bias", [(1, 1, False), (3, 1, True), (2, 5, False)])
+@pytest.mark.parametrize("B,L,bias", [(1, 1, False), (1, 1, True), (3, 1, True), (2, 5, False), (2, 5, True)])
 def test_layer_in_takes_q_k_v_in_two_formats(path, contract, B, L, bias):
     """q/k as 4-bit blocks (float16 scales) beside v as 8-bit ones (float32,
     as a k-quant file's Q6_K): layer_in's w_qkv and w_qkv2 give the bits of

@@ -99,9 +99,8 @@ def two_part_qkv(g) -> bool:
     k-quant file's Q4_K q/k beside a Q6_K v) fit layer_in's slots ``w_qkv``
     and ``w_qkv2``: two runs, each a float32 matrix or blocks qmm takes,
     each with a bias or neither."""
-    runs = getattr(g, "runs", [g])
-    return (len(runs) == 2 and all(r.dense_f32() or r.kernel is not None for r in runs)
-            and len({"bias" in r.p for r in runs}) == 1)
+    return (len(g.runs) == 2 and all(r.dense_f32() or r.kernel is not None for r in g.runs)
+            and len({"bias" in r.p for r in g.runs}) == 1)
 
 
 def qkv_weights(g) -> Dict[str, mx.array]:

@@ -258,7 +258,7 @@ def _nibbles_to_bytes(packed: mx.array) -> mx.array:
     return mx.array(np.ascontiguousarray(w).view("<u4"))
 
 
-def unify_fused_groups(weights: Dict[str, mx.array], args, fused=None) -> Dict[str, mx.array]:
+def unify_fused_groups(weights: Dict[str, mx.array], args) -> Dict[str, mx.array]:
     """Give gate and up (which the lean forward fuses, and the native
     layer_mid takes as one weight) one quantized format where they differ
     only in bits (4 and 8) or in their scales' float type, by widening: 4-bit
@@ -270,13 +270,11 @@ def unify_fused_groups(weights: Dict[str, mx.array], args, fused=None) -> Dict[s
     layer_in (``w_qkv``, ``w_qkv2``; before 0.5.33 q/k were widened too, at
     8.75 bits a weight against 4.75: the 1B-shaped Q4_K_M file's 8 such
     layers, 21 MB more of the 780 MB a step read).
-    Changes ``weights`` in place and returns it. ``fused``: (parent,
-    members) pairs to unify (default gate/up; with ``QKV_GROUP``, q/k/v as
-    before 0.5.33)."""
+    Changes ``weights`` in place and returns it. The groups are
+    ``_FUSED_GROUPS`` (with ``QKV_GROUP`` added, q/k/v as before 0.5.33)."""
     hidden = args.hidden_size
-    fused = _FUSED_GROUPS if fused is None else fused
     for i in range(args.num_hidden_layers):
-        for parent, names in fused:
+        for parent, names in _FUSED_GROUPS:
             prefixes = [f"model.layers.{i}.{parent}.{n}" for n in names]
             if not all(f"{p}.scales" in weights for p in prefixes):
                 continue
