@@ -20,8 +20,9 @@ float64 from the two float32 logit rows. Prints the mean, median, p99 and max
 KL, and how often the two argmax tokens differ.
 
 ``--q6-k REF OTHER`` instead compares two ways of loading a file's Q6_K
-tensors (``MLX_TRACER_Q6_K``: ``float16``, MLX's cast, or ``int8``, the
-8-bit blocks of :func:`mlx_tracer.loading.gguf_readonly.q6_k_affine`), both
+tensors (``MLX_TRACER_Q6_K``: ``float16``, MLX's cast, ``int8``, the
+8-bit blocks of :func:`mlx_tracer.loading.gguf_readonly.q6_k_affine`, or
+``int6``, its integers below 64, held as 6-bit blocks), both
 sides in the first of --formats; ``--model`` names the GGUF file (one with
 Q6_K tensors: SmolLM2 requantized by llama.cpp's ``Q6_K`` type, say).
 """
@@ -55,7 +56,7 @@ def main() -> None:
     ap.add_argument("--formats", nargs=2, default=["quantized", "quantized-fast"], metavar=("REFERENCE", "OTHER"),
                     help="the two weight formats compared (KL(reference || other))")
     ap.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2-135M-Instruct Q4_1)")
-    ap.add_argument("--q6-k", nargs=2, default=None, metavar=("REFERENCE", "OTHER"), choices=("float16", "int8"),
+    ap.add_argument("--q6-k", nargs=2, default=None, metavar=("REFERENCE", "OTHER"), choices=("float16", "int8", "int6"),
                     help="compare the file's Q6_K tensors loaded these two ways ($MLX_TRACER_Q6_K)")
     args = ap.parse_args()
     K = kernels.load()

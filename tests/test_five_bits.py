@@ -243,3 +243,69 @@ def test_a_group_qmm_does_not_take_keeps_its_8_bit_blocks():
     g = LinearGroup([lin], K.qmm, narrow=K.narrow)
     assert g.kernel is None and g.bits == 8 and narrow.held_by(lin) is None
     assert mx.array_equal(g(x), want).item()
+
+
+@needs_kernels
+@pytest.mark.parametrize("weights", ["as-is", "quantized-split"])
+def test_the_lean_forward_holds_int6_q6_k_in_6_bit_blocks(tmp_path, monkeypatch, weights):
+    """MLX_TRACER_Q6_K=int6 (Q6_K as 8-bit blocks of integers below 64): the
+    Q6_K linears (layer 0's v and down, the tied head) and the Q5_K q/k fused
+    with that v are held in qmm's 6-bit blocks, the other Q5 ones in 5-bit
+    blocks as before, every layer on the
+    native kernels; the logits equal those of the same integers in 8-bit
+    blocks (MLX_TRACER_5BIT=0) bit for bit, and MLX's ops give the same tokens."""
+    from mlx_tracer.bench.machine import model_costs
+    from mlx_tracer.runtime.step import CompiledModel
+
+    from .test_lean import compiled_logits
+
+    monkeypatch.setenv("MLX_TRACER_Q6_K", "int6")
+    model = _five_model(tmp_path, weights)
+    monkeypatch.setenv(narrow.ENV, "0")
+    plain = CompiledModel(model, fuse=True)
+    want = compiled_logits(plain, PROMPT, 8)
+    eight_bytes = model_costs(model, plain.layout)["weight_bytes"]
+    monkeypatch.setenv(narrow.ENV, "1")
+    lean = CompiledModel(model, fuse=True)
+    assert lean.lean.native_off is None and not lean.lean.ops_at
+    groups = {f"{n}{s.index}": g for s in lean.lean.binding.layers for n, g in s.groups().items()}
+    # layer 0's q/k/v: the Q5_K q/k and the Q6_K v are all 8-bit blocks, so one group, in one layout: 6 bits
+    assert {k: g.bits for k, g in groups.items()} == {
+        "qkv0": 6, "down0": 6, "gu0": 5, "gu1": 5, "o0": 5, "o1": 5, "qkv1": 5, "down1": 5}
+    assert lean.lean.binding.head.bits == 6
+    six = [m for _, m in model.named_modules() if narrow.form_bits(m) == 6]
+    assert len(six) == 5  # q0, k0, v0, down0, the embedding (the tied head)
+    saved = sum(narrow.bytes_saved(m) for m in six)
+    assert saved == sum(m.weight.nbytes // 4 for m in six)  # 8 bits a weight -> 6
+    assert model_costs(model, lean.layout)["weight_bytes"] < eight_bytes - saved
+    got = compiled_logits(lean, PROMPT, 8)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+    ops = CompiledModel(model, fuse=True)
+    ops.lean.use_kernels(None)  # MLX's ops on the modules' 8-bit blocks
+    assert [mx.argmax(a).item() for a in compiled_logits(ops, PROMPT, 8)] == [mx.argmax(a).item() for a in want]
+
+
+@needs_kernels
+def test_a_group_of_5_and_6_bit_integers_holds_6_bit_blocks():
+    """Fused members whose integers fit 5 bits and 6 bits: one 6-bit layout
+    for the group (qmm takes one), the same bits as the 8-bit blocks; a
+    member with an integer of 64 or more keeps the group 8-bit."""
+    from mlx_tracer.adapters.lean.weights import LinearGroup
+
+    rng = np.random.default_rng(12)
+    x = mx.random.normal((3, 256), key=mx.random.key(2))
+
+    def lin(top):
+        m = nn.QuantizedLinear(256, 64, bias=False, group_size=32, bits=8)
+        m.weight = eight_bit(rng.integers(0, top, (64, 256), dtype=np.uint8))
+        m.scales = mx.array(rng.uniform(1e-3, 1e-2, (64, 8)).astype(np.float32))
+        m.biases = mx.array(rng.uniform(-1e-2, 0, (64, 8)).astype(np.float32))
+        return m
+
+    for tops, bits in (((32, 64), 6), ((64, 32), 6), ((32, 32), 5), ((32, 256), 8)):
+        mods = [lin(t) for t in tops]
+        want = LinearGroup(mods, K.qmm, contract="split")(x)
+        g = LinearGroup(mods, K.qmm, contract="split", narrow=K.narrow)
+        assert g.bits == bits and {narrow.form_bits(m) for m in mods} == ({None} if bits == 8 else {bits})
+        assert g.p["weight"].shape[1] * 32 == bits * 256
+        assert mx.array_equal(g(x), want).item(), tops

@@ -20,6 +20,9 @@ from .tiny_models import tiny_model
 
 @pytest.fixture
 def home(monkeypatch, tmp_path):
+    from mlx_tracer.backend import kernels
+
+    kernels.load()  # from the real cache folder, once a process (info's status line would build them in this one)
     monkeypatch.setenv("MLX_TRACER_HOME", str(tmp_path / "home"))
     (tmp_path / "home").mkdir()
     return tmp_path / "home"

@@ -270,23 +270,27 @@ def q6_k_scales(data: bytes, shape) -> np.ndarray:
     return (d * blk[:, 192:208].view(np.int8).astype(np.float32)).reshape(shape[0], -1)
 
 
-def check_q6_k_contract(data: bytes, shape, w, s, b):
+def check_q6_k_contract(data: bytes, shape, w, s, b, per: int = 4):
     """q6_k_affine's stated contract against the ggml reference: in each group
     of 32, the sub-block of 16 with the larger scale |s| (the first on a tie)
-    exactly ggml's values, the other within |s| / 8 (|s| / 4 past the top
-    level), the step |s| / 4. Returns the dequantized weights."""
+    exactly ggml's values, the other within |s| / (2 per) (|s| / per past the
+    top level), the step |s| / per (per 4: 8-bit integers; 1: the int6 form's,
+    below 64). Returns the dequantized weights."""
     want = ref_q6_k(data, shape).reshape(shape[0], -1, 2, 16)
+    ints = np.ascontiguousarray(w).view(np.uint8)
+    assert ints.max() < 64 * per and (per == 1 or ints.max() >= 64)  # (random data reach past 63 at 8 bits)
     got = np.array(mx.dequantize(mx.array(w), mx.array(s), mx.array(b), group_size=32, bits=8)).reshape(want.shape)
     sub = q6_k_scales(data, shape).reshape(shape[0], -1, 2)
     first = np.abs(sub[..., 0]) >= np.abs(sub[..., 1])
     big = np.where(first, sub[..., 0], sub[..., 1])
-    np.testing.assert_array_equal(np.abs(s), np.abs(big) / 4)
+    np.testing.assert_array_equal(np.abs(s), np.abs(big) / per)
     exact = np.where(first[..., None], got[..., 0, :], got[..., 1, :])
     np.testing.assert_array_equal(exact, np.where(first[..., None], want[..., 0, :], want[..., 1, :]))
     step = np.where(big == 0, 1, np.abs(big))[..., None, None]  # both scales 0: every weight 0, exactly
     err = np.abs(got - want) / step
-    top = np.abs(want) / step > 31.5 + 1e-6  # the level past 127 steps (s' = -s, q = 0)
-    assert err[~top].max() <= 0.125 * (1 + 1e-5) and (err[top].max() if top.any() else 0) <= 0.25 * (1 + 1e-5)
+    top = np.abs(want) / step > 31.5 + 1e-6  # the level past the top (s' = -s, q = 0)
+    half = 0.5 / per
+    assert err[~top].max() <= half * (1 + 1e-5) and (err[top].max() if top.any() else 0) <= 2 * half * (1 + 1e-5)
     return got.reshape(shape)
 
 
@@ -305,6 +309,54 @@ def test_q6_k_loads_as_8_bit_blocks_within_its_contract(tmp_path, ranges):
         assert sorted(weights) == ["a.biases", "a.scales", "a.weight"]
         for k, v in (("a.weight", w), ("a.scales", s), ("a.biases", b)):
             assert weights[k].dtype == mx.array(v).dtype and np.array_equal(np.array(weights[k]), v), k
+
+
+@pytest.mark.parametrize("ranges", [{}, {"d": (-5e-5, 5e-5)}, {"d": (-60.0, 60.0)}])
+def test_q6_k_loads_as_6_bit_integers_on_request(tmp_path, monkeypatch, ranges):
+    """MLX_TRACER_Q6_K=int6: 8-bit blocks of integers below 64, each group's
+    step the larger sub-block's Q6_K step (its weights exactly ggml's), the
+    other sub-block within half a step; both loading paths build them."""
+    shape = (5, 768)
+    path = tmp_path / "a.gguf"
+    data = _one_tensor_file(path, shape, ttype=Q6_K, **ranges)
+    w, s, b = gguf_readonly.q6_k_affine(np.frombuffer(data, np.uint8), shape, levels=64)
+    assert (w.dtype, w.shape, s.dtype, s.shape, b.dtype, b.shape) == (
+        np.uint32, (5, 192), np.float32, (5, 24), np.float32, (5, 24))
+    got = check_q6_k_contract(data, shape, w, s, b, per=1)
+    eight = check_q6_k_contract(data, shape, *gguf_readonly.q6_k_affine(np.frombuffer(data, np.uint8), shape))
+    want = ref_q6_k(data, shape)
+    assert 0.5 <= (got == want).mean() < (eight == want).mean()  # the larger half, and fewer lucky ones
+    step = np.repeat(np.abs(s), 32, axis=1)
+    assert (np.abs(got - want) / np.where(step == 0, 1, step)).max() > 0.25  # coarser than 8 bits' |s| / 8
+    monkeypatch.setenv("MLX_TRACER_Q6_K", "int6")
+    for weights, _ in loading_paths(path):
+        assert sorted(weights) == ["a.biases", "a.scales", "a.weight"]
+        for k, v in (("a.weight", w), ("a.scales", s), ("a.biases", b)):
+            assert weights[k].dtype == mx.array(v).dtype and np.array_equal(np.array(weights[k]), v), k
+    with pytest.raises(ValueError, match="levels must be 64 or 256"):
+        gguf_readonly.q6_k_affine(np.frombuffer(data, np.uint8), shape, levels=128)
+
+
+def test_info_says_how_q6_k_loads(monkeypatch, capsys, tmp_path):
+    """``mlx-tracer info`` prints the Q6_K form in force, or what is wrong with the variable."""
+    from mlx_tracer.cli import main
+
+    kernels.load()  # (built or found in the real cache folder, once a process: not again in the one below)
+    monkeypatch.setenv("MLX_TRACER_HOME", str(tmp_path))  # (info reads the cache folder's formats.json)
+
+    said = {}
+    for v in ("", "int8", "int6", "float16", "int4"):
+        monkeypatch.setenv("MLX_TRACER_Q6_K", v)
+        said[v] = gguf_readonly.q6_k_describe()
+    assert said[""] == said["int8"] == gguf_readonly.Q6_K_SAID["int8"] and "int6: 6-bit blocks" in said[""]
+    assert said["int6"].startswith("GGUF Q6_K as 6-bit blocks") and "MLX's float16 cast" in said["float16"]
+    assert said["int4"].startswith("MLX_TRACER_Q6_K='int4': expected one of int8, float16, int6")
+    monkeypatch.setattr("mlx_tracer.bench.Machine.measure",
+                        classmethod(lambda cls, sizes_mb=(1, 256): cls({mb << 20: 1.0 for mb in sizes_mb}, 1.0)))
+    for v in ("int6", "int4"):
+        monkeypatch.setenv("MLX_TRACER_Q6_K", v)
+        assert main(["info"]) == 0
+        assert f"             {said[v]}\n" in capsys.readouterr().out
 
 
 def test_q6_k_is_exact_where_the_two_scales_are_a_whole_number_of_steps_apart(tmp_path):
@@ -337,7 +389,7 @@ def test_q6_k_as_mlx_float16_on_request(tmp_path, monkeypatch):
         assert list(weights) == ["a.weight"] and weights["a.weight"].dtype == mx.float16
         np.testing.assert_array_equal(np.array(weights["a.weight"]), ref_q6_k(data, shape).astype(np.float16))
     monkeypatch.setenv("MLX_TRACER_Q6_K", "6bit")
-    with pytest.raises(ValueError, match=r"MLX_TRACER_Q6_K='6bit': expected one of int8, float16") as e:
+    with pytest.raises(ValueError, match=r"MLX_TRACER_Q6_K='6bit': expected one of int8, float16, int6 ") as e:
         gguf.read_gguf(path)
     assert "corrupt" not in str(e.value)
 

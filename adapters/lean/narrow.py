@@ -7,7 +7,9 @@ Two kinds of linears hold them:
 * GGUF's Q5_K, Q5_0 and Q5_1 tensors load as MLX affine 8-bit blocks
   (:mod:`tracer.loading.gguf_readonly`: MLX has no 5-bit layout its CPU
   kernels or this project's read), 8 bits a weight for 5 bits of integer;
-  where every integer of the matrix is below 32 it is held as 5-bit blocks.
+  where every integer of the matrix is below 32 it is held as 5-bit blocks,
+  else where every one is below 64 (Q6_K loaded under
+  ``MLX_TRACER_Q6_K=int6``) as 6-bit ones.
 * MLX's own 5- and 6-bit models (``mlx_lm.convert -q --q-bits 5`` or ``6``)
   store blocks in mx.quantize's bit stream, which only mx.quantized_matmul
   reads (on the CPU 10-28x slower than the native kernels on SmolLM2:
@@ -32,8 +34,9 @@ so nothing holds the module's bytes unless the model's own forward runs
 embedding's lookups gather the rows they need from the form
 (:func:`rows`).
 
-``MLX_TRACER_5BIT=0`` keeps GGUF's 8-bit blocks 8-bit (MLX's 5- and 6-bit
-blocks are repacked either way: the alternative is mx.quantized_matmul).
+``MLX_TRACER_5BIT=0`` keeps GGUF's 8-bit blocks 8-bit, 5- and 6-bit
+integers alike (MLX's 5- and 6-bit blocks are repacked either way: the
+alternative is mx.quantized_matmul).
 """
 
 from __future__ import annotations
@@ -156,10 +159,10 @@ class Held:
 
 
 def enabled() -> bool:
-    """Whether 8-bit blocks of integers below 32 take 5-bit ones
-    (``$MLX_TRACER_5BIT``: unset or "1" yes, "0" no; anything else is an
-    error saying so)."""
-    return switch(ENV, "5-bit blocks where 8-bit ones hold integers below 32", "8-bit blocks")
+    """Whether 8-bit blocks of integers below 32 take 5-bit ones (below 64:
+    6-bit ones) (``$MLX_TRACER_5BIT``: unset or "1" yes, "0" no; anything
+    else is an error saying so)."""
+    return switch(ENV, "5-bit blocks where 8-bit ones hold integers below 32 (6-bit ones below 64)", "8-bit blocks")
 
 
 def describe() -> str:
@@ -176,11 +179,11 @@ def held_by(m) -> Optional[Held]:
     return None
 
 
-def of_module(m, native=None) -> Optional[mx.array]:
+def of_module(m, native=None, to: int = 5) -> Optional[mx.array]:
     """``m``'s weight in one of qmm's own layouts: what it holds (while its
     weight is the one :func:`hold` gave it), else its 8-bit blocks narrowed
-    to 5 bits (where ``$MLX_TRACER_5BIT`` allows it and every integer is
-    below 32), or its MLX 5- or 6-bit blocks repacked, its MLX 2- or 3-bit
+    to ``to`` (5 or 6) bits (where ``$MLX_TRACER_5BIT`` allows it and every
+    integer is below ``2 ** to``), or its MLX 5- or 6-bit blocks repacked, its MLX 2- or 3-bit
     ones as 4-bit blocks (``native``: the
     kernels' ``narrow``, as :func:`narrow`); None where it has none."""
     bits = getattr(m, "bits", None)
@@ -192,7 +195,7 @@ def of_module(m, native=None) -> Optional[mx.array]:
     if getattr(m, "mode", "affine") != "affine" or bits not in TO:
         return None
     if bits == 8:
-        return narrow(m["weight"], native, 5)
+        return narrow(m["weight"], native, to)
     return narrow(mx.view(mlx_integers(m["weight"], bits), mx.uint32), native, TO[bits])
 
 

@@ -171,9 +171,10 @@ class LinearGroup:
 
     def _narrowed(self, kernel: bool, narrow) -> Optional[List[mx.array]]:
         """Each member's weight in qmm's 5- or 6-bit layout (:mod:`.narrow`:
-        8-bit blocks of integers below 32, GGUF's Q5 types, as 5 bits; MLX's
-        5- and 6-bit blocks repacked), where the native matmul will read them
-        and every member has them; else None."""
+        8-bit blocks of integers below 32, GGUF's Q5 types, as 5 bits, of
+        integers below 64 as 6; MLX's 5- and 6-bit blocks repacked), where the
+        native matmul will read them and every member has them in one layout;
+        else None."""
         if not kernel or self.quant is None:
             return None
         group_size, bits, mode = self.quant
@@ -184,7 +185,13 @@ class LinearGroup:
             return None  # (qmm will not take the group: mx.quantized_matmul reads the modules' blocks)
         if any(type(m) not in (nn.QuantizedLinear, Float32RowsEmbedding) for m in self.mods):
             return None  # (a plain QuantizedEmbedding's lookups and sharded linears read their own arrays)
-        return _every([five.of_module(m, narrow) for m in self.mods])
+        def one_layout(forms):
+            return forms if forms is not None and len({f.shape[-1] for f in forms}) == 1 else None
+
+        forms = one_layout(_every([five.of_module(m, narrow) for m in self.mods]))  # 8-bit: 5 bits where all fit
+        if forms is None and bits == 8:  # ... else 6 (Q6_K under MLX_TRACER_Q6_K=int6)
+            forms = one_layout(_every([five.of_module(m, narrow, 6) for m in self.mods]))
+        return forms
 
     def _build(self, kernel: bool, factor=None, narrow=None) -> Dict[str, mx.array]:
         sb = self._superblocks(kernel, factor)

@@ -138,6 +138,7 @@ def info(args) -> int:
     from .. import bench
     from ..backend import blas, kernels
     from ..loading import format_cache, store
+    from ..loading.gguf_readonly import q6_k_describe
     from ..adapters.lean import narrow, scales
     from ..loading.weights import available_memory
 
@@ -149,6 +150,7 @@ def info(args) -> int:
     print(f"kernels      {kernels.status()}")
     print(f"             {scales.describe()}")
     print(f"             {narrow.describe()}")
+    print(f"             {q6_k_describe()}")
     print(f"malloc       {malloc.status()}")
     m = bench.Machine.measure(sizes_mb=(1, 256))  # the two sizes it prints
     rate = "fast" if m.gemm_gflops > 10 else "reference-class"

@@ -29,7 +29,9 @@ Other types differ from ``mx.load`` on purpose, here and, through
   (:func:`q6_k_affine`: group 32, float32 scales and biases; of each
   group's two sub-blocks of 16, the one with the larger scale exactly
   ggml's values, the other rounded to the group's 256 levels), unless
-  ``MLX_TRACER_Q6_K=float16`` asks for MLX's float16 cast.
+  ``MLX_TRACER_Q6_K=float16`` asks for MLX's float16 cast, or ``int6`` for
+  a triple of integers below 64 (the other sub-block rounded to the
+  group's 64 levels), which the lean forward holds in 6-bit blocks.
 
 A file holding any other tensor type (Q2_K, ...) is loaded by
 ``mx.load`` from a temporary copy instead, said once on stderr, its k-quant
@@ -66,8 +68,8 @@ _BLOCKS5 = {Q5_0: 22, Q5_1: 24}  # bytes per block of 32 weights: the 5-bit type
 GROUP = 32
 QK_K = 256  # weights per k-quant superblock
 _SUPER = {10: 84, 11: 110, Q4_K: 144, 13: 176, Q6_K: 210}  # bytes per superblock (Q2_K..Q6_K): sizes, bounds
-ENV_Q6_K = "MLX_TRACER_Q6_K"  # "float16": Q6_K tensors as MLX's float16 cast, not 8-bit triples
-Q6_K_FORMATS = ("int8", "float16")
+ENV_Q6_K = "MLX_TRACER_Q6_K"  # "float16": Q6_K tensors as MLX's float16 cast; "int6": triples of 6-bit integers
+Q6_K_FORMATS = ("int8", "float16", "int6")
 TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
               11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 30: "BF16"}
 
@@ -296,18 +298,36 @@ def q4_k_affine(raw: np.ndarray, shape: tuple) -> Tuple[np.ndarray, np.ndarray, 
 
 
 def q6_k_format() -> str:
-    """How Q6_K tensors load: ``"int8"`` (:func:`q6_k_affine`, the default)
-    or ``"float16"`` (MLX's cast), from ``$MLX_TRACER_Q6_K``."""
+    """How Q6_K tensors load: ``"int8"`` (:func:`q6_k_affine`, the default),
+    ``"float16"`` (MLX's cast) or ``"int6"`` (:func:`q6_k_affine` with
+    ``levels=64``), from ``$MLX_TRACER_Q6_K``."""
     v = os.environ.get(ENV_Q6_K, "").strip().lower() or Q6_K_FORMATS[0]
     if v not in Q6_K_FORMATS:
         raise ValueError(f"{ENV_Q6_K}={v!r}: expected one of {', '.join(Q6_K_FORMATS)} (int8: 8-bit blocks the "
-                         "quantized kernels run; float16: MLX's float16 cast of the file's values)")
+                         "quantized kernels run; float16: MLX's float16 cast of the file's values; int6: 6-bit "
+                         "blocks, fewer bytes, a coarser rounding of half the sub-blocks)")
     return v
 
 
-def q6_k_affine(raw: np.ndarray, shape: tuple) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+Q6_K_SAID = {"int8": "GGUF Q6_K as 8-bit blocks (MLX_TRACER_Q6_K=int6: 6-bit blocks, a coarser rounding; "
+                     "float16: MLX's cast)",
+             "int6": "GGUF Q6_K as 6-bit blocks, half its sub-blocks rounded to the other's step "
+                     "(MLX_TRACER_Q6_K=int6; unset: 8-bit blocks)",
+             "float16": "GGUF Q6_K as MLX's float16 cast, on MLX's ops (MLX_TRACER_Q6_K=float16; unset: 8-bit blocks)"}
+
+
+def q6_k_describe() -> str:
+    """How Q6_K tensors load (``mlx-tracer info``), or what is wrong with ``$MLX_TRACER_Q6_K``."""
+    try:
+        return Q6_K_SAID[q6_k_format()]
+    except ValueError as e:
+        return str(e)
+
+
+def q6_k_affine(raw: np.ndarray, shape: tuple, levels: int = 256) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """MLX affine 8-bit triple (packed uint32, float32 scales, float32 biases;
-    group 32) of one Q6_K tensor's bytes ``raw``.
+    group 32) of one Q6_K tensor's bytes ``raw``; ``levels`` 64: of integers
+    below 64 (``MLX_TRACER_Q6_K=int6``, below).
 
     A Q6_K superblock (210 bytes, 256 weights): 128 bytes of low nibbles
     ``ql``, 64 bytes of high 2-bit pairs ``qh``, 16 int8 scales ``sc`` of
@@ -328,7 +348,18 @@ def q6_k_affine(raw: np.ndarray, shape: tuple) -> Tuple[np.ndarray, np.ndarray, 
     ``q = 0``); none where ``4 s' / s`` is a whole number (equal scales, or
     one half or a quarter of the other). 10 bits a weight (Q6_K: 6.56; MLX's
     float16 cast: 16).
+
+    ``levels=64`` (``int6``) takes the group's step as ``s`` itself: ``scale
+    = s``, ``bias = -32 s``, the larger sub-block's integers ``q`` (exactly
+    ggml's values again), the other's rounded to the nearest of those 64
+    levels (at most ``|s| / 2`` off, the clipped level past the top ``|s|``),
+    so that every integer is below 64 and the lean forward holds the matrix
+    in qmm's 6-bit blocks (``adapters/lean/narrow.py``): 6.75 bits a weight
+    with superblock scales, against the 8-bit form's 8.75, for up to 4x the
+    rounding of the smaller-scale sub-block.
     """
+    if levels not in (64, 256):
+        raise ValueError(f"q6_k_affine: levels must be 64 or 256, not {levels}")
     if not shape or shape[-1] % QK_K:
         raise ValueError(f"a Q6_K tensor's rows must be whole superblocks of {QK_K} weights, not {shape[-1] if shape else 0}")
     b = np.asarray(raw, dtype=np.uint8).reshape(-1, _SUPER[Q6_K])  # (n superblocks, 210)
@@ -342,14 +373,15 @@ def q6_k_affine(raw: np.ndarray, shape: tuple) -> Tuple[np.ndarray, np.ndarray, 
     q = (low | (high << 4)).reshape(n, 8, 2, 16).astype(np.float32)  # group, its two sub-blocks, weight
     s = (d * sc).reshape(n, 8, 2)  # each sub-block's scale: exact (fp16 times int8)
     first = np.abs(s[:, :, 0]) >= np.abs(s[:, :, 1])
-    big = np.where(first, s[:, :, 0], s[:, :, 1])  # (n, 8): the group's step is a quarter of this
-    # levels in the group's step: 4 s / big (exactly 4 on the sub-block it comes from) times q - 32
-    ratio = np.divide(np.float32(4) * s, big[:, :, None], out=np.zeros(s.shape, np.float32), where=big[:, :, None] != 0)
-    levels = np.rint(ratio[..., None] * (q - np.float32(32)))
-    levels += 128
-    packed = np.clip(levels, 0, 255, out=levels).astype(np.uint8).reshape(n, QK_K)
+    big = np.where(first, s[:, :, 0], s[:, :, 1])  # (n, 8): the group's step is big / per
+    per = np.float32(levels // 64)  # levels a Q6_K step of the larger sub-block: 4 (8 bits) or 1 (6 bits)
+    # levels in the group's step: per s / big (exactly per on the sub-block it comes from) times q - 32
+    ratio = np.divide(per * s, big[:, :, None], out=np.zeros(s.shape, np.float32), where=big[:, :, None] != 0)
+    ints = np.rint(ratio[..., None] * (q - np.float32(32)))
+    ints += levels // 2
+    packed = np.clip(ints, 0, levels - 1, out=ints).astype(np.uint8).reshape(n, QK_K)
     groups = tuple(shape[:-1]) + (shape[-1] // GROUP,)
-    scales = (big / np.float32(4)).astype(np.float32)
+    scales = (big / per).astype(np.float32)
     biases = (big * np.float32(-32)).astype(np.float32)
     return _as_bytes(packed, shape), scales.reshape(groups), biases.reshape(groups)
 
@@ -430,8 +462,8 @@ def _built(ttype: int):
         return q5_k_affine
     if ttype in _BLOCKS5:
         return lambda raw, shape: q5_affine(raw, shape, ttype)
-    if ttype == Q6_K and q6_k_format() == "int8":
-        return q6_k_affine
+    if ttype == Q6_K and q6_k_format() != "float16":
+        return q6_k_affine if q6_k_format() == "int8" else lambda raw, shape: q6_k_affine(raw, shape, levels=64)
     return None
 
 

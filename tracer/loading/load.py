@@ -67,9 +67,11 @@ def load_model(path: Optional[Union[str, Path]] = None, progress: bool = True, w
         return load_gguf(target)
 
     model, tokenizer = read()
-    if not target.is_dir() and q6_k_format() == "int8" and Q6_K in tensor_types(target):
-        log("its Q6_K tensors are 8-bit blocks: in each group of 32, one sub-block of 16 exactly the file's "
-            "values, the other within a quarter step (MLX_TRACER_Q6_K=float16: MLX's float16 cast)")
+    if not target.is_dir() and q6_k_format() != "float16" and Q6_K in tensor_types(target):
+        bits, off = ("8", "a quarter step") if q6_k_format() == "int8" else ("6", "half a step")
+        log(f"its Q6_K tensors are {bits}-bit blocks: in each group of 32, one sub-block of 16 exactly the file's "
+            f"values, the other within {off} (MLX_TRACER_Q6_K=float16: MLX's float16 cast; int8 or int6: "
+            "8- or 6-bit blocks)")
     file_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))  # the weights as the file holds them
     if weights == "auto":
         model, weights, _ = choose_format(model, target, lambda: read()[0], log)
