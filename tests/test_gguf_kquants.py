@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten
 
 from mlx_tracer import Generator
 from mlx_tracer.adapters.lean import why_not
@@ -686,8 +687,16 @@ def test_load_model_says_how_q6_k_loads_and_checks_the_setting_first(tmp_path, m
     monkeypatch.setattr("mlx_tracer.loading.load.load_gguf", lambda p: (gguf.build_model(*gguf.read_gguf(p)), None))
     for path, says in ((mixed, True), (plain, False)):
         lines = []
-        load_model(path, progress=False, weights="as-is", log=lines.append)
+        model, _ = load_model(path, progress=False, weights="as-is", log=lines.append)
         assert any("Q6_K tensors are 8-bit blocks" in line for line in lines) == says, lines
+        # the bench's file ceiling counts the file's own blocks, not their widened load (float32 scales)
+        stored = gguf_readonly.tensor_bytes(path)
+        assert model.mlx_tracer_file_bytes == stored < sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+        assert stored < path.stat().st_size < stored + 16384
+    monkeypatch.setenv("MLX_TRACER_Q6_K", "int6")
+    lines = []
+    load_model(mixed, progress=False, weights="as-is", log=lines.append)
+    assert len(lines) == 1 and "Q6_K tensors are 6-bit blocks" in lines[0] and "within half a step" in lines[0]
     monkeypatch.setenv("MLX_TRACER_Q6_K", "float16")
     lines = []
     model, _ = load_model(mixed, progress=False, weights="as-is", log=lines.append)

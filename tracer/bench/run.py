@@ -80,8 +80,9 @@ def bench_model(model, label: str, buckets: Sequence[int], contexts: Sequence[in
     others' (None: skipped, ``peer_note`` saying why)."""
     compiled = CompiledModel(model, kv=kv)
     costs = model_costs(model, compiled.layout)
-    # the file's bytes as loaded (before a format change) a step reads: less an untied embedding table, at
-    # least its size as loaded (a format only widens), so the bound stays one that no system can beat
+    # the file's bytes a step reads (as loaded before a format change, at most the GGUF file's own tensor
+    # bytes: the loader widens k-quants' scales and Q6_K): less an untied embedding table, at least its
+    # size as loaded (a format only widens), so the bound stays one that no system can beat
     file_bytes = getattr(model, "mlx_tracer_file_bytes", None)
     file_bytes = costs["weight_bytes"] if file_bytes is None else max(0, file_bytes - costs["untied_embed_bytes"])
     stock_owned = param_bytes(model)  # stock keeps nothing else between runs

@@ -235,6 +235,14 @@ def _walk_types(m) -> set:
     return types
 
 
+def tensor_bytes(path: Path) -> int:
+    """The bytes the file's tensors take as it stores them (their data, no
+    header, metadata or alignment padding): what any reader of their
+    blocks must at least read."""
+    buf = np.memmap(path, dtype=np.uint8, mode="r")
+    return sum(int(size) for *_, size in scan(buf)[1])
+
+
 def builds_k_quants(path: Path) -> bool:
     """Whether the file holds k-quant tensors this module builds (Q4_K; Q6_K
     unless ``$MLX_TRACER_Q6_K=float16``), which ``mx.load`` would first cast

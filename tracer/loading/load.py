@@ -43,7 +43,7 @@ def load_model(path: Optional[Union[str, Path]] = None, progress: bool = True, w
 
     from ..backend.jit import check_compiler
     from . import store
-    from .gguf_readonly import Q6_K, q6_k_format, tensor_types
+    from .gguf_readonly import Q6_K, q6_k_format, tensor_bytes, tensor_types
     from .weights import apply_format, check_format, choose_format
 
     from ..adapters.lean import narrow, scales
@@ -72,7 +72,11 @@ def load_model(path: Optional[Union[str, Path]] = None, progress: bool = True, w
         log(f"its Q6_K tensors are {bits}-bit blocks: in each group of 32, one sub-block of 16 exactly the file's "
             f"values, the other within {off} (MLX_TRACER_Q6_K=float16: MLX's float16 cast; int8 or int6: "
             "8- or 6-bit blocks)")
-    file_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))  # the weights as the file holds them
+    # the weights' bytes as the file holds them: as loaded, or for a GGUF file its tensors' own bytes where
+    # loading widened them (k-quants' float32 scales, Q6_K's 8-bit blocks)
+    file_bytes = sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+    if not target.is_dir():
+        file_bytes = min(file_bytes, tensor_bytes(target))
     if weights == "auto":
         model, weights, _ = choose_format(model, target, lambda: read()[0], log)
     else:
