@@ -160,6 +160,27 @@ def _group_bits(cm):
     return {f"{n}{s.index}": g.bits for s in cm.lean.binding.layers for n, g in s.groups().items()}
 
 
+def _eight_then_narrow(model, monkeypatch):
+    """``model`` compiled with 8-bit blocks kept (MLX_TRACER_5BIT=0: the
+    logits of 8 steps, the weight bytes a step reads), then with the narrow
+    forms (on the kernels, every layer): ``(want, eight_bytes, lean, its
+    layer groups by name)``."""
+    from mlx_tracer.bench.machine import model_costs
+    from mlx_tracer.runtime.step import CompiledModel
+
+    from .test_lean import compiled_logits
+
+    monkeypatch.setenv(narrow.ENV, "0")
+    plain = CompiledModel(model, fuse=True)
+    assert set(_group_bits(plain).values()) == {8}
+    want = compiled_logits(plain, PROMPT, 8)
+    eight_bytes = model_costs(model, plain.layout)["weight_bytes"]
+    monkeypatch.setenv(narrow.ENV, "1")
+    lean = CompiledModel(model, fuse=True)
+    assert lean.lean.native_off is None and not lean.lean.ops_at
+    return want, eight_bytes, lean, {f"{n}{s.index}": g for s in lean.lean.binding.layers for n, g in s.groups().items()}
+
+
 def _weights(model):
     return {n: np.array(m.weight) for n, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
 
@@ -181,15 +202,7 @@ def test_the_lean_forward_holds_5_bit_integers_in_5_bit_blocks(tmp_path, monkeyp
     model = _five_model(tmp_path, weights)
     before = _weights(model)
     eager = model(mx.array([PROMPT]))
-    monkeypatch.setenv(narrow.ENV, "0")
-    plain = CompiledModel(model, fuse=True)
-    assert set(_group_bits(plain).values()) == {8}
-    want = compiled_logits(plain, PROMPT, 8)
-    eight_bytes = model_costs(model, plain.layout)["weight_bytes"]
-    monkeypatch.setenv(narrow.ENV, "1")
-    lean = CompiledModel(model, fuse=True)
-    assert lean.lean.native_off is None and not lean.lean.ops_at
-    groups = {f"{n}{s.index}": g for s in lean.lean.binding.layers for n, g in s.groups().items()}
+    want, eight_bytes, lean, groups = _eight_then_narrow(model, monkeypatch)
     five = sorted(k for k, b in _group_bits(lean).items() if b == 5)
     assert five == ["down1", "gu0", "gu1", "o0", "o1", "qkv1"], five  # not qkv0 (a Q6_K v), down0 (Q6_K), the head
     assert lean.lean.binding.head.bits == 8
@@ -261,14 +274,7 @@ def test_the_lean_forward_holds_int6_q6_k_in_6_bit_blocks(tmp_path, monkeypatch,
 
     monkeypatch.setenv("MLX_TRACER_Q6_K", "int6")
     model = _five_model(tmp_path, weights)
-    monkeypatch.setenv(narrow.ENV, "0")
-    plain = CompiledModel(model, fuse=True)
-    want = compiled_logits(plain, PROMPT, 8)
-    eight_bytes = model_costs(model, plain.layout)["weight_bytes"]
-    monkeypatch.setenv(narrow.ENV, "1")
-    lean = CompiledModel(model, fuse=True)
-    assert lean.lean.native_off is None and not lean.lean.ops_at
-    groups = {f"{n}{s.index}": g for s in lean.lean.binding.layers for n, g in s.groups().items()}
+    want, eight_bytes, lean, groups = _eight_then_narrow(model, monkeypatch)
     # layer 0's q/k/v: the Q5_K q/k and the Q6_K v are all 8-bit blocks, so one group, in one layout: 6 bits
     assert {k: g.bits for k, g in groups.items()} == {
         "qkv0": 6, "down0": 6, "gu0": 5, "gu1": 5, "o0": 5, "o1": 5, "qkv1": 5, "down1": 5}
