@@ -522,7 +522,10 @@ def test_a_row_whose_verify_failed_is_still_judged_on_its_drafts_match():
     on a spurious match (share down, draft length halved to 2) still
     verifies when it goes on to quote a long span. (Judged on the share
     alone first, such a row was declined before its drafts were looked at,
-    step after step, while its share recovered.)
+    step after step, while its share recovered.) Nor does its halved draft
+    length cap the window: the match's price chooses it among all up to
+    ``k + 1`` (capped, the quote was verified in windows of 3). A drafter
+    that reports no match lengths keeps the cap.
     A window not measured is priced between the measured ones around it."""
     from mlx_tracer.runtime.requests import Request
     from mlx_tracer.runtime.speculator import EXPLORE, Speculator
@@ -537,11 +540,27 @@ def test_a_row_whose_verify_failed_is_still_judged_on_its_drafts_match():
     spec.by_match[-1] = 0.9  # learned: the first draft after a long match held 9 times in 10
     state = spec.row(0)
     state.accept_rate, state.draft_len = 0.25, 2  # after verify steps that accepted none of their drafts
-    # on its share alone: (1 + 0.25 * 2) / 0.165 < 1 / 0.1; on the match: (1 + 0.45 * 1.9) / 0.165 > 1 / 0.1
-    assert spec.drafts([quoting], 1) == [[10, 11]] and spec.window == 3
+    # on its share alone: (1 + 0.25 * 2) / 0.165 < 1 / 0.1; on the match, a(n) = 0.45 (1 - 0.9^n) / 0.1 drafts of
+    # the 10 it follows: window 5, unmeasured (0.1 + 4 * 0.076 / 3 s, explored at 0.9 of it), (1 + 1.55) / 0.181
+    # beats 3's (1 + 0.855) / (0.9 * 0.165), 4's (1 + 1.22) / 0.176 and 9's (1 + 2.56) / (0.9 * 0.303), and pays at
+    # its estimate: 2.55 / 0.201 > 1 / 0.1
+    assert spec.drafts([quoting], 1) == [[10, 11, 12, 13]] and spec.window == 5
     assert spec.may_pay([quoting], 1)
+    capped = Speculator(Unmatched(), k=16)  # no match lengths: the row's draft length caps its drafts
+    capped.observe("decode", 1, 0.100)
+    capped.observe("verify", 1, 0.154, 2)
+    capped.observe("verify", 1, 0.176, 4)
+    capped.row(0).accept_rate, capped.row(0).draft_len = 0.9, 2
+    assert capped.drafts([quoting], 1) == [[10, 11]] and capped.window == 3
     nothing = Request(1, [5, 6, 7, 8], 50, GREEDY, frozenset(), initial_key(0))  # no match: nothing to judge
     assert spec.drafts([nothing], 1) is None and not spec.may_pay([nothing], 1)
+
+
+class Unmatched:
+    """Prompt lookup's drafts without the length of the match they follow."""
+
+    def propose(self, context, k):
+        return PromptLookup().propose(context, k)
 
 
 class MatchDrafts:

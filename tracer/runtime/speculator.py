@@ -2,7 +2,10 @@
 pays, and how long its window is.
 
 Per step every row may propose up to its own draft length (adapted to its
-recent acceptance). A verify step of window ``L`` (each row's last token and
+recent acceptance); under the auto policy a drafter that says how long a
+match its drafts follow (prompt lookup) proposes up to ``k``, and the
+pricing below picks the window (a draft length halved by a spurious match
+capped the window of a long quote that followed it at 3). A verify step of window ``L`` (each row's last token and
 up to ``L - 1`` drafts) runs only when it is expected to emit more tokens per
 second than a plain decode step:
 
@@ -123,7 +126,21 @@ class Speculator:
     def _caps(self, rows: Sequence[Request], width: int) -> List[int]:
         # the budget's last token needs no draft
         most = self.longest(width) - 1
-        return [max(0, min(self.row(r.uid).draft_len, most, r.budget - 1)) for r in rows]
+        return [max(0, min(self._wanted(r), most, r.budget - 1)) for r in rows]
+
+    def _wanted(self, row: Request) -> int:
+        """Drafts to ask ``row`` for: its draft length, or ``k`` where the auto
+        policy prices drafts by the length of the match they follow (the
+        window is then chosen by that price: after a spurious match failed,
+        the row's halved length would cap the window of a long quote)."""
+        if self.policy == "auto" and self._priced_by_match:
+            return self.k
+        return self.row(row.uid).draft_len
+
+    @property
+    def _priced_by_match(self) -> bool:
+        """Whether :meth:`_propose` asks the drafter for match lengths."""
+        return not hasattr(self.drafter, "propose_batch") and hasattr(self.drafter, "propose_match")
 
     def drafts(self, rows: Sequence[Request], width: int) -> Optional[List[List[int]]]:
         """Each row's drafts for the next verify step (at most ``window - 1``
