@@ -5,7 +5,8 @@
 
 Generates the plain greedy output of each prompt of a workload of
 ``benchmarks/speculative.py`` (``mlx_tracer.bench.speculative.WORKLOADS``;
-speculation emits the same tokens), then replays it against prompt lookup's
+``--workload "edits its prompt"``: eight prompts the bench does not run, to
+judge a policy on text it was not tuned on; speculation emits the same tokens), then replays it against prompt lookup's
 drafts at every position (exact: the drafter sees what the engine would)
 and prints, per prompt:
 
@@ -110,7 +111,8 @@ def main() -> int:
     if args.bucket < 1:
         ap.error("--bucket takes B >= 1")
     from mlx_tracer import Generator
-    from mlx_tracer.bench.speculative import WORKLOADS, batch_bound, oracle_units, replay_always, replay_policy
+    from mlx_tracer.bench.speculative import REPLAY_WORKLOADS as WORKLOADS
+    from mlx_tracer.bench.speculative import batch_bound, oracle_units, replay_always, replay_policy
     from mlx_tracer.runtime.drafters import PromptLookup
     from mlx_tracer.runtime.speculator import Speculator
 

@@ -379,6 +379,20 @@ def test_context_ratio_script_takes_turns_and_prints_a_ratio_per_bucket():
     assert bad.returncode == 2 and "positive" in bad.stderr
 
 
+def test_the_speculation_ceiling_replays_prompts_the_bench_does_not_run():
+    """benchmarks/spec_ceiling.py --workload takes the bench's workloads and one
+    it does not run (a policy judged on text it was not tuned on); another name
+    is refused before a model loads."""
+    from mlx_tracer.bench.speculative import REPLAY_WORKLOADS, WORKLOADS
+
+    assert {name: REPLAY_WORKLOADS[name] for name in WORKLOADS} == WORKLOADS
+    extra = REPLAY_WORKLOADS["edits its prompt"]
+    assert len(set(extra)) == 8 and not set(extra) & {p for ps in WORKLOADS.values() for p in ps}
+    bad = subprocess.run([sys.executable, "benchmarks/spec_ceiling.py", "--workload", "no such"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "'edits its prompt'" in bad.stderr, bad.stderr[-2000:]
+
+
 def test_packed_attention_script_compares_the_two_arithmetics():
     """benchmarks/packed_attention.py on SmolLM2's file, a few tokens: a line per bucket."""
     cmd = [sys.executable, "benchmarks/packed_attention.py", "--buckets", "1", "--context", "40", "--tokens", "2",

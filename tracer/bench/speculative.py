@@ -33,6 +33,24 @@ WORKLOADS = {
     "free text": ["Write a short story about a robot.", "Explain how rain forms.",
                   "Describe a day at the beach.", "Why is the sky blue?"],
 }
+# Prompts the bench does not run, for judging a policy on text it was not tuned on (benchmarks/spec_ceiling.py
+# --workload): copying, editing and restating a passage, an email and a piece of code.
+_PLANTS = ("Photosynthesis converts light energy into chemical energy. Plants use water and carbon dioxide to make "
+           "glucose and release oxygen. It happens mostly in the leaves, inside the chloroplasts.")
+_EMAIL = ("Dear team, the meeting on Friday is moved to 3 pm in room 204. Please bring your quarterly reports and the "
+          "budget draft. Lunch will be provided.")
+_CODE = "def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n\nprint(add(2, 3), mul(4, 5))"
+REPLAY_WORKLOADS = {
+    **WORKLOADS,
+    "edits its prompt": [f"Repeat this text exactly: {_PLANTS}",
+                         f"Fix the spelling in this text and return it in full: {_PLANTS.replace('energy', 'enrgy', 1)}",
+                         f"Rename the function add to plus in this code and return the full code:\n{_CODE}",
+                         f"Copy this email word for word: {_EMAIL}",
+                         f"Translate this into formal English, keeping the same details: {_EMAIL}",
+                         f"Summarise in one sentence: {_PLANTS}",
+                         f"Repeat the following code exactly:\n{_CODE}",
+                         f"Write the text again, in capital letters: {_EMAIL}"],
+}
 SPEC_HEADER = (f"{'workload':<18} {'B':>2} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>7} {'accepted':>8} "
                f"{'tok/verify':>10} {'verify':>6} verify/decode by window L")
 
