@@ -46,7 +46,9 @@ them (prompt i % count in row i); the batch's bound
 (``mlx_tracer.bench.speculative.batch_bound``) is the longest output over
 the largest of the rows' oracles: one window serves every row of a verify
 step, so no row's schedule beats its own oracle, and plain decode takes as
-many steps as the longest output (the bucket-4 goal: 1.5x).
+many steps as the longest output (the bucket-4 goal: 1.5x). The engine's
+policy is replayed on that batch too (``replay_batch``: one window for all
+rows a verify step, each row advancing by what its own output confirms).
 
 With ``--peer-python PATH`` (a Python that has llama_cpp, as ``mlx-tracer
 bench --peer-python``): llama.cpp's c(L) on the same GGUF file, threads and
@@ -112,7 +114,7 @@ def main() -> int:
         ap.error("--bucket takes B >= 1")
     from mlx_tracer import Generator
     from mlx_tracer.bench.speculative import REPLAY_WORKLOADS as WORKLOADS
-    from mlx_tracer.bench.speculative import batch_bound, oracle_units, replay_always, replay_policy
+    from mlx_tracer.bench.speculative import batch_bound, oracle_units, replay_always, replay_batch, replay_policy
     from mlx_tracer.runtime.drafters import PromptLookup
     from mlx_tracer.runtime.speculator import Speculator
 
@@ -170,6 +172,15 @@ def main() -> int:
         rows = [per_prompt[i % len(prompts)] for i in range(args.bucket)]
         print(f"a batch of {args.bucket} (prompt i % {len(prompts)} in row i), one window a verify step: "
               f"{batch_bound(rows):.2f}x plain decode at most")
+        batch = [i % len(prompts) for i in range(args.bucket)]
+        for k in args.ks:  # the engine's policy on that batch, a speculator learning as above (second pass)
+            spec = Speculator(PromptLookup(), k)
+            for rep in range(2):
+                u, schedule = replay_batch(spec, [contexts[i] for i in batch], [outputs[i] for i in batch], costs,
+                                           args.bucket, uid=rep * args.bucket)
+            steps = max(len(outputs[i]) for i in batch) - 1
+            print(f"the engine's policy (auto, k={k}) on that batch at these costs: {steps} plain steps' tokens in "
+                  f"{u:.1f} units: {steps / u:.2f}x plain decode; {' '.join(schedule)}")
     if peer_costs:
         peer = [(len(out), oracle_units(context, out, drafter, peer_costs, windows))
                 for context, out in zip(contexts, outputs)]

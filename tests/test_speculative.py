@@ -670,6 +670,36 @@ def test_the_policy_replay_steps_as_the_engine_does():
     assert set(schedule) == {"."} and units == len(out) - 1
 
 
+def test_a_batch_replay_shares_each_verify_window_and_lets_rows_leave():
+    """``replay_batch`` (spec_ceiling.py --bucket B): one window a verify step
+    for every row still decoding, each row advancing by what its own output
+    confirms + 1; a row whose output is done leaves; plain steps advance
+    every row."""
+    from mlx_tracer.bench.speculative import replay_batch
+    from mlx_tracer.runtime.speculator import Speculator
+
+    context = [50, 51] + list(range(1, 21)) + [60]
+    quotes = list(range(1, 21)) + [70, 71, 72]  # quotes the context, then goes its own way
+    leaves = [1, 2, 3, 4, 90, 91]  # quotes four tokens, then stops
+    spec = Speculator(PromptLookup(), 8)
+    cheap = {L: 1.01 for L in (2, 3, 4, 5, 9)}
+    units, schedule = replay_batch(spec, [context, context], [quotes, leaves], cheap, 2)
+    assert schedule[:2] == [".", "."]  # a plain step measured first, the next dispatched beside it
+    units, schedule = replay_batch(spec, [context, context], [quotes, leaves], cheap, 2, uid=2)  # measured
+    # 3 of the second row's 4 drafts hold, then its last token needs no draft (0/0) and it leaves
+    assert schedule == ["V9=8/8,3/4", "V9=8/8,0/0", "V4=1/3", ".", "."]
+    assert units == pytest.approx(3 * 1.01 + 2)
+    need = [len(quotes) - 1, len(leaves) - 1]  # each row's tokens after its first (the prefill's)
+    for step in schedule:  # the rows still decoding, in order, each advanced by its own count
+        live = [j for j in range(2) if need[j] > 0]
+        judged = ["0/0"] * len(live) if step == "." else step.split("=")[1].split(",")
+        assert len(judged) == len(live)
+        for j, jd in zip(live, judged):
+            need[j] -= int(jd.split("/")[0]) + 1
+    assert need == [0, 0]
+    assert spec.rows == {}  # every row forgotten
+
+
 def test_a_token_tree_of_lookup_continuations_verifies_older_matches_too():
     """The oracle with token trees: the continuations of every earlier match
     (newest first), verified together; one branch is plain prompt lookup's."""

@@ -248,38 +248,54 @@ def replay_policy(speculator, context, out, costs: dict, uid: int = 0) -> Tuple[
     (``"."`` a plain step, ``"V5=3/4"`` a verify step of window 5 that
     accepted 3 of 4 drafts). The speculator keeps what it learned: replay a
     workload's outputs through one, as the engine serves them."""
-    n, i, units, schedule = len(out), 1, 0.0, []
-    row = _ReplayRow(uid, list(context) + list(out[:1]), n - 1)
-    in_flight = False
+    return replay_batch(speculator, [context], [out], costs, 1, uid)
 
-    def plain():
-        nonlocal units, i
-        units += 1.0
-        speculator.plain_step([row])
-        speculator.observe("decode", 1, 1.0)
-        schedule.append(".")
-        i += 1
 
-    while i < n:
-        row.context, row.budget = list(context) + list(out[:i]), n - i  # the tokens read so far
-        if in_flight:  # step i computes; the host judges on the tokens before it
-            more = not speculator.may_pay([row], 1)
-            plain()
-            in_flight = more and i < n
-            continue
-        drafts = speculator.drafts([row], 1)
-        if drafts is None:
-            plain()
-            in_flight = i < n
+def replay_batch(speculator, contexts, outs, costs: dict, width: int, uid: int = 0) -> Tuple[float, List[str]]:
+    """:func:`replay_policy` for rows decoding together in a bucket of
+    ``width`` (``costs``: its steps, in its decode steps): a plain step
+    advances every row still decoding by one token, a verify step of the
+    window the speculator chooses for all of them each by what its own
+    output confirms + 1; a row leaves when its output is done. The units
+    against the longest output's plain steps bound what the bench's batch
+    can gain. Rows that left are not replaced by a narrower bucket (the
+    engine re-buckets; its steps then get cheaper than replayed). The
+    schedule's verify steps list each row's ``accepted/drafted``, in order."""
+    rows = [_ReplayRow(uid + j, list(c) + list(o[:1]), len(o) - 1) for j, (c, o) in enumerate(zip(contexts, outs))]
+    at = [1] * len(rows)  # each row's next position in its output
+    units, schedule, in_flight = 0.0, [], False
+    while True:
+        live = [j for j in range(len(rows)) if at[j] < len(outs[j])]
+        if not live:
+            break
+        for j in live:  # the tokens read so far
+            rows[j].context, rows[j].budget = list(contexts[j]) + list(outs[j][: at[j]]), len(outs[j]) - at[j]
+        batch = [rows[j] for j in live]
+        if in_flight:  # a step computes; the host judges on the tokens before it
+            more = not speculator.may_pay(batch, width)
+        else:
+            drafts = speculator.drafts(batch, width)
+        if in_flight or drafts is None:
+            units += 1.0
+            speculator.plain_step(batch)
+            speculator.observe("decode", width, 1.0)
+            schedule.append(".")
+            for j in live:
+                at[j] += 1
+            in_flight = (more if in_flight else True) and any(at[j] < len(outs[j]) for j in live)
             continue
         L = speculator.window
-        accepted = _confirmed(drafts[0], out, i)
-        speculator.update(row, len(drafts[0]), accepted)
         units += cost_of(costs, L)
-        speculator.observe("verify", 1, cost_of(costs, L), L)
-        schedule.append(f"V{L}={accepted}/{len(drafts[0])}")
-        i += accepted + 1
-    speculator.forget(uid)
+        speculator.observe("verify", width, cost_of(costs, L), L)
+        judged = []
+        for j, d in zip(live, drafts):
+            accepted = _confirmed(d, outs[j], at[j])
+            speculator.update(rows[j], len(d), accepted)
+            judged.append(f"{accepted}/{len(d)}")
+            at[j] += accepted + 1
+        schedule.append(f"V{L}={','.join(judged)}")
+    for r in rows:
+        speculator.forget(r.uid)
     return units, schedule
 
 
