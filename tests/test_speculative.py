@@ -700,6 +700,27 @@ def test_a_batch_replay_shares_each_verify_window_and_lets_rows_leave():
     assert spec.rows == {}  # every row forgotten
 
 
+def test_a_batch_oracle_pays_every_window_for_all_its_rows():
+    """``batch_oracle_units``: one schedule for the whole batch, searched; on one
+    row it is the row's own oracle; rows that quote at different times pay
+    for each other's windows, so the batch needs more than its dearest row
+    alone (the per-row bound, ``batch_bound``, is looser)."""
+    from mlx_tracer.bench.speculative import batch_bound, batch_oracle_units, oracle_units
+
+    drafter = PromptLookup()
+    context = [50, 51] + list(range(1, 21)) + [60]
+    early = list(range(1, 21)) + list(range(70, 80))  # quotes the context first, then its own 10 tokens
+    late = list(range(80, 90)) + list(range(1, 21))  # its own 10 tokens first, then the quote
+    costs, windows = {2: 1.2, 5: 1.5, 9: 2.0}, [2, 5, 9]
+    alone = [oracle_units(context, out, drafter, costs, windows) for out in (early, late)]
+    for out, units in zip((early, late), alone):
+        assert batch_oracle_units([context], [out], drafter, costs, windows) == pytest.approx(units)
+    both = batch_oracle_units([context, context], [early, late], drafter, costs, windows)
+    assert both > max(alone) + 1.0  # (18.0 against 15.2 and 16.0)
+    assert len(early) / both < batch_bound([(len(early), alone[0]), (len(late), alone[1])])
+    assert batch_oracle_units([context, context], [early, early], drafter, costs, windows) == pytest.approx(alone[0])
+
+
 def test_a_token_tree_of_lookup_continuations_verifies_older_matches_too():
     """The oracle with token trees: the continuations of every earlier match
     (newest first), verified together; one branch is plain prompt lookup's."""

@@ -16,6 +16,7 @@ notebook.
 
 from __future__ import annotations
 
+import heapq
 import statistics
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
@@ -297,6 +298,40 @@ def replay_batch(speculator, contexts, outs, costs: dict, width: int, uid: int =
     for r in rows:
         speculator.forget(r.uid)
     return units, schedule
+
+
+def batch_oracle_units(contexts, outs, drafter, costs: dict, windows) -> float:
+    """The fewest decode-step units any policy could spend on a batch emitting
+    ``outs`` (after ``contexts``) together: one schedule every row follows,
+    each step either plain (1: every row still decoding advances by one) or a
+    verify step of a window L in ``windows`` (``cost_of(costs, L)``: each row
+    advances by the drafts ``drafter`` proposes it there that its output
+    confirms, + 1), found knowing every outcome by a shortest-path search
+    over the rows' positions. :func:`oracle_units` is its one-row case;
+    rows that finish stay in the bucket's costs (as in :func:`batch_bound`,
+    which this tightens: a window chosen for some rows is paid for all)."""
+    n = tuple(len(o) for o in outs)
+
+    @lru_cache(maxsize=None)
+    def advanced(j, i, L):  # row j's position after a verify step of window L at position i
+        return min(n[j], i + _confirmed(drafter.propose(list(contexts[j]) + list(outs[j][:i]), L - 1), outs[j], i) + 1)
+
+    start = tuple(0 for _ in outs)
+    best, heap = {start: 0.0}, [(0.0, start)]
+    while heap:
+        units, at = heapq.heappop(heap)
+        if at == n:
+            return units
+        if units > best[at]:
+            continue
+        steps = [(1.0, tuple(min(m, i + 1) for m, i in zip(n, at)))]
+        steps += [(cost_of(costs, L), tuple(i if i == m else advanced(j, i, L) for j, (m, i) in enumerate(zip(n, at))))
+                  for L in windows]
+        for cost, there in steps:
+            if units + cost < best.get(there, float("inf")):
+                best[there] = units + cost
+                heapq.heappush(heap, (units + cost, there))
+    return 0.0  # no rows
 
 
 def batch_bound(rows) -> float:
