@@ -6,9 +6,9 @@
 Generates the plain greedy output of each prompt of a workload of
 ``benchmarks/speculative.py`` (``mlx_tracer.bench.speculative.WORKLOADS``;
 ``--workload "edits its prompt"``: eight prompts the bench does not run, to
-judge a policy on text it was not tuned on; speculation emits the same tokens), then replays it against prompt lookup's
-drafts at every position (exact: the drafter sees what the engine would)
-and prints, per prompt:
+judge a policy on text it was not tuned on; speculation emits the same
+tokens), then replays it against prompt lookup's drafts at every position
+(exact: the drafter sees what the engine would) and prints, per prompt:
 
 * **always, k**: verify steps with ``k`` drafts whenever there are drafts
   (the ``always`` policy): steps, tokens per step, the accepted runs;
@@ -174,16 +174,17 @@ def main() -> int:
     if args.bucket > 1:
         rows = [per_prompt[i % len(prompts)] for i in range(args.bucket)]
         batch = [i % len(prompts) for i in range(args.bucket)]
-        exact = batch_oracle_units([contexts[i] for i in batch], [outputs[i] for i in batch], drafter, costs, windows)
+        batch_contexts, batch_outputs = [contexts[i] for i in batch], [outputs[i] for i in batch]
+        exact = batch_oracle_units(batch_contexts, batch_outputs, drafter, costs, windows)
         print(f"a batch of {args.bucket} (prompt i % {len(prompts)} in row i), one window a verify step: "
               f"{max(t for t, _ in rows) / exact:.2f}x plain decode at most (one schedule for all rows, "
               f"searched; each row's own oracle bounds it at {batch_bound(rows):.2f}x)")
         for k in args.ks:  # the engine's policy on that batch, a speculator learning as above (second pass)
             spec = Speculator(PromptLookup(), k)
             for rep in range(2):
-                u, schedule = replay_batch(spec, [contexts[i] for i in batch], [outputs[i] for i in batch], costs,
-                                           args.bucket, uid=rep * args.bucket)
-            steps = max(len(outputs[i]) for i in batch) - 1
+                u, schedule = replay_batch(spec, batch_contexts, batch_outputs, costs, args.bucket,
+                                           uid=rep * args.bucket)
+            steps = max(map(len, batch_outputs)) - 1
             print(f"the engine's policy (auto, k={k}) on that batch at these costs: {steps} plain steps' tokens in "
                   f"{u:.1f} units: {steps / u:.2f}x plain decode; {' '.join(schedule)}")
     if peer_costs:

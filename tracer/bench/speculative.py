@@ -44,7 +44,8 @@ _CODE = "def add(a, b):\n    return a + b\n\ndef mul(a, b):\n    return a * b\n\
 REPLAY_WORKLOADS = {
     **WORKLOADS,
     "edits its prompt": [f"Repeat this text exactly: {_PLANTS}",
-                         f"Fix the spelling in this text and return it in full: {_PLANTS.replace('energy', 'enrgy', 1)}",
+                         "Fix the spelling in this text and return it in full: "
+                         + _PLANTS.replace("energy", "enrgy", 1),
                          f"Rename the function add to plus in this code and return the full code:\n{_CODE}",
                          f"Copy this email word for word: {_EMAIL}",
                          f"Translate this into formal English, keeping the same details: {_EMAIL}",
@@ -272,18 +273,18 @@ def replay_batch(speculator, contexts, outs, costs: dict, width: int, uid: int =
         for j in live:  # the tokens read so far
             rows[j].context, rows[j].budget = list(contexts[j]) + list(outs[j][: at[j]]), len(outs[j]) - at[j]
         batch = [rows[j] for j in live]
-        if in_flight:  # a step computes; the host judges on the tokens before it
-            more = not speculator.may_pay(batch, width)
-        else:
-            drafts = speculator.drafts(batch, width)
-        if in_flight or drafts is None:
+        if in_flight:  # a step computes; the host judges on the tokens before it: pipelined on while no verify pays
+            drafts, pipelined = None, not speculator.may_pay(batch, width)
+        else:  # declined: a plain step, the next dispatched beside it
+            drafts, pipelined = speculator.drafts(batch, width), True
+        if drafts is None:
             units += 1.0
             speculator.plain_step(batch)
             speculator.observe("decode", width, 1.0)
             schedule.append(".")
             for j in live:
                 at[j] += 1
-            in_flight = (more if in_flight else True) and any(at[j] < len(outs[j]) for j in live)
+            in_flight = pipelined and any(at[j] < len(outs[j]) for j in live)
             continue
         L = speculator.window
         units += cost_of(costs, L)

@@ -5,9 +5,10 @@ Per step every row may propose up to its own draft length (adapted to its
 recent acceptance); under the auto policy a drafter that says how long a
 match its drafts follow (prompt lookup) proposes up to ``k``, and the
 pricing below picks the window (a draft length halved by a spurious match
-capped the window of a long quote that followed it at 3). A verify step of window ``L`` (each row's last token and
-up to ``L - 1`` drafts) runs only when it is expected to emit more tokens per
-second than a plain decode step:
+capped the window of a long quote that followed it at 3). A verify step of
+window ``L`` (each row's last token and up to ``L - 1`` drafts) runs only
+when it is expected to emit more tokens per second than a plain decode
+step:
 
     expected tokens of a verify step = sum over rows of 1 + a(n)
     (n: the row's drafts that fit the window, a(n): the drafts expected
@@ -161,7 +162,7 @@ class Speculator:
         when the drafter does not say)."""
         if hasattr(self.drafter, "propose_batch"):
             return [list(d)[:n] for d, n in zip(self.drafter.propose_batch(rows, ks), ks)], None
-        if hasattr(self.drafter, "propose_match"):
+        if self._priced_by_match:
             pairs = [self.drafter.propose_match(r.context, n) if n > 0 else ([], 0) for r, n in zip(rows, ks)]
             return [list(d)[:n] for (d, _), n in zip(pairs, ks)], [m for _, m in pairs]
         return [list(self.drafter.propose(r.context, n))[:n] if n > 0 else [] for r, n in zip(rows, ks)], None
