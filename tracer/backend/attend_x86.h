@@ -171,12 +171,65 @@ inline void scores4(const float* q, int R, int D, const void* k, int S, int s, c
     if (++in_row == per) in_row = 0, ++bias_row;
   }
 }
-// The keys a group scores (attend_common.h): four, scores4's.
-constexpr int kGroupKeys = 4;
+// A quad's 4 keys' s8 (8 lanes each) -> for each key its s2 pair, the lanes
+// [k0.s2_0, k0.s2_1, k2.s2_0, k2.s2_1 | k1 .., k3 ..] (s4[i] = s8[i] + s8[i + 4],
+// s2[i] = s4[i] + s4[i + 2]: reduce2's sums).
+inline __m256 reduce_quad_s2(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 x01 = _mm256_add_ps(_mm256_permute2f128_ps(a0, a1, 0x20), _mm256_permute2f128_ps(a0, a1, 0x31));
+  const __m256 x23 = _mm256_add_ps(_mm256_permute2f128_ps(a2, a3, 0x20), _mm256_permute2f128_ps(a2, a3, 0x31));
+  const __m256d d01 = _mm256_castps_pd(x01), d23 = _mm256_castps_pd(x23);
+  return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(d01, d23)), _mm256_castpd_ps(_mm256_unpackhi_pd(d01, d23)));
+}
+// Query row qr's s2 pairs (reduce_quad_s2) with a quad's widened keys.
+template <int CK>
+inline __m256 quad_s2(const float* qr, const __m256 (&klo)[4][CK], const __m256 (&khi)[4][CK], int C) {
+  __m256 lo[4], hi[4];
+  for (int j = 0; j < 4; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
+  for (int c = 0; c < C; ++c) {
+    const __m256 ql = _mm256_loadu_ps(qr + 16 * c), qh = _mm256_loadu_ps(qr + 16 * c + 8);
+    for (int j = 0; j < 4; ++j) {
+      lo[j] = _mm256_fmadd_ps(ql, klo[j][c], lo[j]);
+      hi[j] = _mm256_fmadd_ps(qh, khi[j][c], hi[j]);
+    }
+  }
+  return reduce_quad_s2(_mm256_add_ps(lo[0], hi[0]), _mm256_add_ps(lo[1], hi[1]), _mm256_add_ps(lo[2], hi[2]),
+                        _mm256_add_ps(lo[3], hi[3]));
+}
+// The keys a group scores (attend_common.h): 8, two quads of scores4's sums
+// (the same operations: each key's 16 lanes, s8, s4, s2 and s1 as reduce2
+// adds them), the two quads' s2 pairs finished together (s1 of the 8 keys
+// on one vector) and each row's 8 scores on one vector: bias + sum, or the
+// bias itself where it masks the key (scores4's scalar finish did it a key
+// at a time). The two quads' keys are widened once for all R rows; a quad
+// whose bit in `live` is clear (masked for every row) is not read.
+constexpr int kGroupKeys = 8;
 template <int K, int CC>
-inline void scores_group(const float* q, int R, int D, const void* k, int S, int s, const float* b, int per, unsigned,
-                         float* out) {
-  scores4<K, CC>(q, R, D, k, S, s, b, per, out);
+inline void scores_group(const float* q, int R, int D, const void* k, int S, int s, const float* b, int per,
+                         unsigned live, float* out) {
+  const int C = CC > 0 ? CC : D / 16;
+  constexpr int CK = CC > 0 ? CC : 16;
+  __m256 klo[2][4][CK], khi[2][4][CK];
+  for (int g = 0; g < 2; ++g) {
+    if (!(live >> g & 1u)) continue;
+    for (int j = 0; j < 4; ++j)
+      for (int c = 0; c < C; ++c) load16<K>(k, D, s + 4 * g + j, 16 * c, klo[g][j][c], khi[g][j][c]);
+  }
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // [k0 k2 k4 k6 | k1 k3 k5 k7] -> k0 .. k7
+  const __m256 lowest = _mm256_set1_ps(-std::numeric_limits<float>::max());
+  const __m256 minus_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int r = 0, bias_row = 0, in_row = 0; r < R; ++r) {
+    const float* qr = q + size_t(r) * D;
+    const __m256 y0 = live & 1u ? quad_s2(qr, klo[0], khi[0], C) : _mm256_setzero_ps();
+    const __m256 y1 = live & 2u ? quad_s2(qr, klo[1], khi[1], C) : _mm256_setzero_ps();
+    // s1 = s2_0 + s2_1 of keys [0 2 4 6 | 1 3 5 7]
+    const __m256 s1 = _mm256_add_ps(_mm256_shuffle_ps(y0, y1, _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm256_shuffle_ps(y0, y1, _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m256 dot = _mm256_permutevar8x32_ps(s1, order);
+    const __m256 bv = _mm256_loadu_ps(b + size_t(bias_row) * S);
+    const __m256 masked = _mm256_or_ps(_mm256_cmp_ps(bv, lowest, _CMP_EQ_OQ), _mm256_cmp_ps(bv, minus_inf, _CMP_EQ_OQ));
+    _mm256_storeu_ps(out + size_t(r) * S + s, _mm256_blendv_ps(_mm256_add_ps(bv, dot), bv, masked));
+    if (++in_row == per) in_row = 0, ++bias_row;
+  }
 }
 inline const uint8_t* keys_read(const float* p, int R, int S) {
   const int whole = S / 8 * 8;
@@ -217,11 +270,28 @@ inline void values_rows(const float* p, int S, const void* v, int D, int d0, con
       _mm256_storeu_ps(o + 8, acc[i][c][1]);
     }
 }
-// out [R, D] = p [R, S] @ v [S, D]; G rows at a time in registers.
+// out [R, D] = p [R, S] @ v [S, D]; G rows at a time in registers. Many
+// rows (a verify or prefill window's) take one 16-column slice of 4 rows a
+// pass: 8 accumulators in registers, where a whole row of 64 or 128 columns
+// for 2 rows or 1 (what a decode step's few rows take, reading the values
+// once or twice) held more accumulators than AVX2's 16 registers, spilled each
+// key. Each output's multiply-adds are the same, in key order: the same bits.
+constexpr int kManyRows = 8;
 template <int K, int CC>
 void values_k(const float* p, int R, int S, const void* v, int D, float* out) {
-  constexpr int C = CC > 0 ? CC : 1;  // with CC = 0: one 16-column slice at a time
   const uint8_t* read = keys_read(p, R, S);
+  if (CC > 0 && R >= kManyRows) {
+    for (int sl = 0; sl < D / 16; ++sl) {
+      for (int r0 = 0; r0 < R; r0 += 4) {
+        attend::with_rows<4>(std::min(4, R - r0), [&](auto g) {
+          values_rows<K, 1, decltype(g)::value>(p + size_t(r0) * S, S, v, D, 16 * sl, read, sl == 0 && r0 == 0,
+                                                out + size_t(r0) * D);
+        });
+      }
+    }
+    return;
+  }
+  constexpr int C = CC > 0 ? CC : 1;  // with CC = 0: one 16-column slice at a time
   constexpr int G = CC > 0 ? (CC <= 2 ? 4 : CC <= 4 ? 2 : 1) : 4;
   const int slices = CC > 0 ? 1 : D / 16;
   for (int sl = 0; sl < slices; ++sl) {

@@ -910,18 +910,13 @@ std::string kv_set_isa(const std::string& name) {
 // pool: each pair is computed by one thread with the same calls, so the bits
 // do not depend on the thread count. Scratch is per thread.
 template <class Fn>
-void over_heads(int B, int nk, const Fn& fn) {
-  struct Ctx {
-    const Fn* fn;
-    int nk;
-  } ctx{&fn, nk};
+void over_items(int count, const Fn& fn) {
   tracer_qmm::parallel_for(
-      B * nk,
-      [](const void* c, int i) {
-        const Ctx& t = *static_cast<const Ctx*>(c);
-        (*t.fn)(i / t.nk, i % t.nk);
-      },
-      &ctx);
+      count, [](const void* c, int i) { (*static_cast<const Fn*>(c))(i); }, &fn);
+}
+template <class Fn>
+void over_heads(int B, int nk, const Fn& fn) {
+  over_items(B * nk, [&](int i) { fn(i / nk, i % nk); });
 }
 
 // -------------------------------------- decode attention on vector lanes
@@ -1337,6 +1332,45 @@ void attention_window(const float* q, const KV& k, const KV& v, const bool* mask
                       int D, float* o, bool vector) {
   const int S = k.S, nqD = nk * R * D;
   const float low = mx::numeric_limits<float>::lowest();
+  if (vector) {  // every position's R query heads, each with its decode step's bias: its bits
+    // A (row, key head) block's positions split into `parts` runs: enough
+    // items for every thread to stay busy where the blocks are few (bucket
+    // 1: SmolLM2's 3 key heads on 2 threads left one idle a third of the
+    // time), and runs of at most ~64 query rows in a prefill window, whose
+    // causal mask then hides more of the keys a run does not read. Each
+    // query row's scores, softmax and values are its own, so the bits do
+    // not depend on the split.
+    const int blocks = B * nk, items = (4 * tracer_qmm::pool_threads() + blocks - 1) / blocks;
+    const int parts = std::max(1, std::min(L, std::max(items, (R * L + 63) / 64)));
+    over_items(B * nk * parts, [&](int i) {
+      const int b = i / (nk * parts), h = i / parts % nk, part = i % parts;
+      const int l0 = int(int64_t(L) * part / parts), l1 = int(int64_t(L) * (part + 1) / parts), n = l1 - l0;
+      if (n == 0) return;
+      const bool* mb = mask + size_t(b) * L * S;
+      const float* qh = q + (size_t(b) * nk + h) * R * L * D;  // [R L, D]
+      const size_t RN = size_t(R) * n;
+      thread_local std::vector<float> scratch;
+      scratch.resize(RN * (S + 2 * D) + size_t(n) * S);
+      float* scores = scratch.data();  // [n R, S]
+      float* ql = scores + RN * S;     // [n R, D]: position-major
+      float* ol = ql + RN * D;         // [n R, D]
+      float* bias = ol + RN * D;       // [n, S]: each position's additive mask
+      for (int l = l0; l < l1; ++l) {
+        const bool* ml = mb + size_t(l) * S;
+        float* bl = bias + size_t(l - l0) * S;
+        for (int j = 0; j < S; ++j) bl[j] = ml[j] ? 0.0f : low;
+        for (int r = 0; r < R; ++r) {
+          std::memcpy(ql + (size_t(l - l0) * R + r) * D, qh + (size_t(r) * L + l) * D, sizeof(float) * D);
+        }
+      }
+      attention_vector(ql, k, v, bias, R, b, h, int(RN), D, scores, ol);
+      for (int l = l0; l < l1; ++l) {
+        std::memcpy(o + (size_t(b) * L + l) * nqD + size_t(h) * R * D, ol + size_t(l - l0) * R * D,
+                    sizeof(float) * R * D);
+      }
+    });
+    return;
+  }
   over_heads(B, nk, [&](int b, int h) {
     const bool* mb = mask + size_t(b) * L * S;
     auto masked_softmax = [&](float* scores, int rows) {  // rows of [rows, S], row m: token m % L
@@ -1356,27 +1390,6 @@ void attention_window(const float* q, const KV& k, const KV& v, const bool* mask
     };
     thread_local std::vector<float> scratch, wide_k, wide_v;
     const float* qh = q + (size_t(b) * nk + h) * R * L * D;  // [R L, D]
-    if (vector) {  // every position's R query heads at once, each with its decode step's bias: its bits
-      const size_t RL = size_t(R) * L;
-      scratch.resize(RL * (S + 2 * D) + size_t(L) * S);
-      float* scores = scratch.data();   // [L R, S]
-      float* ql = scores + RL * S;      // [L R, D]: position-major
-      float* ol = ql + RL * D;          // [L R, D]
-      float* bias = ol + RL * D;        // [L, S]: each position's additive mask
-      for (int l = 0; l < L; ++l) {
-        const bool* ml = mb + size_t(l) * S;
-        float* bl = bias + size_t(l) * S;
-        for (int j = 0; j < S; ++j) bl[j] = ml[j] ? 0.0f : low;
-        for (int r = 0; r < R; ++r) {
-          std::memcpy(ql + (size_t(l) * R + r) * D, qh + (size_t(r) * L + l) * D, sizeof(float) * D);
-        }
-      }
-      attention_vector(ql, k, v, bias, R, b, h, int(RL), D, scores, ol);
-      for (int l = 0; l < L; ++l) {
-        std::memcpy(o + (size_t(b) * L + l) * nqD + size_t(h) * R * D, ol + size_t(l) * R * D, sizeof(float) * R * D);
-      }
-      return;
-    }
     if (k.kind == KV::packed) {
       scratch.resize(size_t(R) * L * (S + D));
       float* scores = scratch.data();               // [R L, S]

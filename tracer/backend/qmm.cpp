@@ -813,6 +813,8 @@ void tracer_qmm::parallel_for(int count, void (*fn)(const void* ctx, int i), con
   Pool::the().run(count, fn, ctx, count < 2);
 }
 
+int tracer_qmm::pool_threads() { return Pool::the().threads(); }
+
 // a [N, G] float32 as superblock scales (qmm_api.h's ScaleType::sb), or
 // nothing where some superblock has no step and int8 multipliers whose
 // products give back its values bit for bit (adapters/lean/scales.py states

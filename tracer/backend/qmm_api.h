@@ -120,5 +120,7 @@ bool attend_vector_path();
 // workers pull the indices from one counter; each i runs on one thread, so
 // work that is a function of i alone gives the same bits on any thread).
 void parallel_for(int count, void (*fn)(const void* ctx, int i), const void* ctx);
+// The threads parallel_for runs on (the caller's included).
+int pool_threads();
 
 }  // namespace tracer_qmm
