@@ -142,6 +142,20 @@ inline __m256 reduce2(__m256 s8a, __m256 s8b) {
   const __m256 s2 = _mm256_add_ps(s4, _mm256_permute_ps(s4, 0x4E));
   return _mm256_add_ps(s2, _mm256_permute_ps(s2, 0xB1));
 }
+// Query row qr's s8 (lanes l + l + 8 of its 16) with each of a quad's widened keys.
+template <int CK>
+inline void quad_s8(const float* qr, const __m256 (&klo)[4][CK], const __m256 (&khi)[4][CK], int C, __m256 (&s8)[4]) {
+  __m256 lo[4], hi[4];
+  for (int j = 0; j < 4; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
+  for (int c = 0; c < C; ++c) {
+    const __m256 ql = _mm256_loadu_ps(qr + 16 * c), qh = _mm256_loadu_ps(qr + 16 * c + 8);
+    for (int j = 0; j < 4; ++j) {
+      lo[j] = _mm256_fmadd_ps(ql, klo[j][c], lo[j]);
+      hi[j] = _mm256_fmadd_ps(qh, khi[j][c], hi[j]);
+    }
+  }
+  for (int j = 0; j < 4; ++j) s8[j] = _mm256_add_ps(lo[j], hi[j]);
+}
 // scores for keys [s, s + 4) of all R rows; CC: D / 16 where fixed, else 0 (D / 16 at run time).
 template <int K, int CC>
 inline void scores4(const float* q, int R, int D, const void* k, int S, int s, const float* b, int per, float* out) {
@@ -151,17 +165,8 @@ inline void scores4(const float* q, int R, int D, const void* k, int S, int s, c
   for (int j = 0; j < 4; ++j)
     for (int c = 0; c < C; ++c) load16<K>(k, D, s + j, 16 * c, klo[j][c], khi[j][c]);
   for (int r = 0, bias_row = 0, in_row = 0; r < R; ++r) {
-    const float* qr = q + size_t(r) * D;
-    __m256 lo[4], hi[4], s8[4];
-    for (int j = 0; j < 4; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
-    for (int c = 0; c < C; ++c) {
-      const __m256 ql = _mm256_loadu_ps(qr + 16 * c), qh = _mm256_loadu_ps(qr + 16 * c + 8);
-      for (int j = 0; j < 4; ++j) {
-        lo[j] = _mm256_fmadd_ps(ql, klo[j][c], lo[j]);
-        hi[j] = _mm256_fmadd_ps(qh, khi[j][c], hi[j]);
-      }
-    }
-    for (int j = 0; j < 4; ++j) s8[j] = _mm256_add_ps(lo[j], hi[j]);
+    __m256 s8[4];
+    quad_s8(q + size_t(r) * D, klo, khi, C, s8);
     alignas(32) float t[16];
     _mm256_store_ps(t, reduce2(s8[0], s8[1]));
     _mm256_store_ps(t + 8, reduce2(s8[2], s8[3]));
@@ -183,17 +188,9 @@ inline __m256 reduce_quad_s2(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
 // Query row qr's s2 pairs (reduce_quad_s2) with a quad's widened keys.
 template <int CK>
 inline __m256 quad_s2(const float* qr, const __m256 (&klo)[4][CK], const __m256 (&khi)[4][CK], int C) {
-  __m256 lo[4], hi[4];
-  for (int j = 0; j < 4; ++j) lo[j] = hi[j] = _mm256_setzero_ps();
-  for (int c = 0; c < C; ++c) {
-    const __m256 ql = _mm256_loadu_ps(qr + 16 * c), qh = _mm256_loadu_ps(qr + 16 * c + 8);
-    for (int j = 0; j < 4; ++j) {
-      lo[j] = _mm256_fmadd_ps(ql, klo[j][c], lo[j]);
-      hi[j] = _mm256_fmadd_ps(qh, khi[j][c], hi[j]);
-    }
-  }
-  return reduce_quad_s2(_mm256_add_ps(lo[0], hi[0]), _mm256_add_ps(lo[1], hi[1]), _mm256_add_ps(lo[2], hi[2]),
-                        _mm256_add_ps(lo[3], hi[3]));
+  __m256 s8[4];
+  quad_s8(qr, klo, khi, C, s8);
+  return reduce_quad_s2(s8[0], s8[1], s8[2], s8[3]);
 }
 // The keys a group scores (attend_common.h): 8, two quads of scores4's sums
 // (the same operations: each key's 16 lanes, s8, s4, s2 and s1 as reduce2
