@@ -351,3 +351,41 @@ def test_factored_scores_take_any_query_row(bits):
                            np.asarray(bias, np.float64)).reshape(B, nk, R, D)
     wide = exact64[0, 0, 2]
     assert np.abs(got[0, 0, 2] - wide).max() <= 16 * np.finfo(np.float32).eps * np.abs(wide).max()
+
+
+@pytest.mark.parametrize("B,nk,R,L,S", [(1, 3, 3, 5, 70), (1, 1, 2, 40, 96), (2, 2, 3, 9, 33)])
+def test_a_windows_attention_gives_each_position_its_decode_steps_bits(B, nk, R, L, S, mode):
+    """A verify or prefill window's attention on the vector lanes (layer_mid
+    with a mask [B, 1, 1, L, S]) splits each (row, key head) block's
+    positions into runs over the threads (here 2-8 runs a block); each
+    position's outputs are still the bits of a decode step there (layer_mid
+    with that position's queries and its mask as the bias), on every ISA
+    path: what lets a verify window judge drafts on the plain decode's
+    logits."""
+    from .test_kernels import Packed, linear, norm
+
+    mode("vector")
+    mx.random.seed(B * L + S)
+    D, hid, F = 64, 64, 96
+    o = Packed(linear(nk * R * D, hid, False), 32, 4, mx.float16, "split")
+    gu = Packed(linear(hid, 2 * F, True), 32, 4, mx.float16, "split")
+    post = norm(hid, 2)
+    q = mx.random.normal((B, nk, R, L, D)) / 4
+    h = mx.random.normal((B * L, hid))
+    keys, values = (mx.random.normal((B, nk, S, D)).astype(mx.float16) for _ in range(2))
+    mask = mx.random.uniform(shape=(B, 1, 1, L, S)) > 0.4
+    mask[..., 0] = True  # every query sees a column
+    weights = dict(**o.slot("w_o"), norm=post.weight, **gu.slot("w_gu"), b_gu=gu.bias)
+
+    def run():
+        h2, act = K.layer_mid(dict(q=q, k=keys, v=values, mask=mask, h=h, **weights), eps=1e-5, contract="split")
+        h2, act = h2.reshape(B, L, hid), act.reshape(B, L, F)
+        for pos in range(L):
+            bias = mx.where(mask[..., pos, :], mx.array(0.0), mx.array(LOW, mx.float32))  # [B, 1, 1, S]
+            step = dict(q=mx.contiguous(q[:, :, :, pos]), k=keys, v=values, bias=bias,
+                        h=mx.contiguous(h.reshape(B, L, hid)[:, pos]), **weights)
+            h2_pos, act_pos = K.layer_mid(step, eps=1e-5, contract="split")
+            assert mx.array_equal(h2[:, pos], h2_pos).item() and mx.array_equal(act[:, pos], act_pos).item(), pos
+        return np.asarray(h2).reshape(-1)
+
+    on_every_path(run)
