@@ -906,9 +906,10 @@ std::string kv_set_isa(const std::string& name) {
   return kv_isa();
 }
 
-// Calls fn(b, h) for every (row, key head) pair of an attention, on qmm's
-// pool: each pair is computed by one thread with the same calls, so the bits
-// do not depend on the thread count. Scratch is per thread.
+// Calls fn(i) for every i in [0, count) on qmm's pool, and over_heads fn(b,
+// h) for every (row, key head) pair of an attention: each item is computed
+// by one thread with the same calls, so the bits do not depend on the
+// thread count. Scratch is per thread.
 template <class Fn>
 void over_items(int count, const Fn& fn) {
   tracer_qmm::parallel_for(
@@ -1344,8 +1345,7 @@ void attention_window(const float* q, const KV& k, const KV& v, const bool* mask
     const int parts = std::max(1, std::min(L, std::max(items, (R * L + 63) / 64)));
     over_items(B * nk * parts, [&](int i) {
       const int b = i / (nk * parts), h = i / parts % nk, part = i % parts;
-      const int l0 = int(int64_t(L) * part / parts), l1 = int(int64_t(L) * (part + 1) / parts), n = l1 - l0;
-      if (n == 0) return;
+      const int l0 = int(int64_t(L) * part / parts), l1 = int(int64_t(L) * (part + 1) / parts), n = l1 - l0;  // >= 1: parts <= L
       const bool* mb = mask + size_t(b) * L * S;
       const float* qh = q + (size_t(b) * nk + h) * R * L * D;  // [R L, D]
       const size_t RN = size_t(R) * n;
