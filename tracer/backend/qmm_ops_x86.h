@@ -443,23 +443,49 @@ inline QS quad_sums(const uint8_t* const (&w)[4], size_t at, const int8_t* x, si
 // exactly 4 rows -2 .. -6 % over SmolLM2's shapes, not checked in the
 // module), nor in the fast contract, which `auto` does not pick (8 bits:
 // 4 rows 7 % slower, 5 rows 17 % faster).
+// 4 bits (0.5.37), both contracts, every MT > 1: the same order, a pair of
+// blocks of the 4 rows unpacked (2 registers a row) and each x row's sums of
+// them transposed at once, where fast_step unpacked the whole step's 4 rows
+// (16 registers) beside 10 accumulators at MT = 5 and spilled. Both orders
+// in one process, in turns (a scratch switch; the same bits), medians of 9
+// rounds, SmolLM2's shapes at M = 2-16 (load 0.8-1.6): split, one thread,
+// 0.98-1.14x (5 rows: gate/up 1.05, down 1.14, q/k/v 1.05), two threads
+// 0.94-1.14x (gate/up 1.04-1.14), fast, one thread, 0.99-1.09x;
+// Llama-3.2-1B's gate/up 0.96-1.16x. (0.5.27's measurement above, at 4 bits
+// -5 .. +3 %, was of the code then.)
 #define QMM_QUAD_ROWS 1
-constexpr bool quad_rows_for(int bits, bool split, int mt) { return bits == 8 && split && mt <= 4; }
+constexpr bool quad_rows_for(int bits, bool split, int mt) { return bits == 4 || (bits == 8 && split && mt <= 4); }
+// Each of MT x rows' sums of one pair of blocks of the 4 rows (dot(i, x
+// row's place): row i's), transposed together and scaled into half h of its
+// accumulator.
+template <int MT, class Dot>
+[[gnu::always_inline]] inline void pair_into(int h, const int8_t* x, size_t ldq, const FQ& sq, const float* xd,
+                                             size_t ldd, FQ (&acc)[MT], Dot dot) {
+#pragma GCC unroll 8
+  for (int m = 0; m < MT; ++m) {
+    const int8_t* xm = x + m * ldq;
+    const __m256i sums = transpose_sum(dot(0, xm), dot(1, xm), dot(2, xm), dot(3, xm));
+    const __m256 d = _mm256_mul_ps(sq.v[h], _mm256_loadu_ps(xd + m * ldd + 8 * h));
+    acc[m].v[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d, acc[m].v[h]);
+  }
+}
 template <int BITS, bool SPLIT, int MT>
 inline void quad_rows(const uint8_t* const (&w)[4], size_t at, const int8_t* x, size_t ldq, size_t lo, const FQ& sq,
                       const float* xd, size_t ldd, FQ (&acc)[MT]) {
   static_assert(quad_rows_for(BITS, SPLIT, MT));
 #pragma GCC unroll 2
   for (int h = 0; h < 2; ++h) {
-    __m256i u[4][4];
+    if constexpr (BITS == 4) {  // halves A, B of the pair (unpack_half) times x's int8 bytes (dotx2)
+      WR2 u[4];
 #pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) ws_half(w[i] + at + 64 * h, u[i]);
+      for (int i = 0; i < 4; ++i) u[i] = unpack_half<BITS>(w[i] + at + 8 * BITS * h);
+      pair_into<MT>(h, x + 32 * h, ldq, sq, xd, ldd, acc,
+                    [&](int i, const int8_t* xm) { return dotx2<BITS, SPLIT>(u[i], xm, lo); });
+    } else {  // 16-bit lanes (ws_half) times split16_x's integers
+      __m256i u[4][4];
 #pragma GCC unroll 4
-    for (int m = 0; m < MT; ++m) {
-      const int8_t* xm = x + m * ldq + h * lo;
-      const __m256i sums = transpose_sum(dot_pair16(u[0], xm), dot_pair16(u[1], xm), dot_pair16(u[2], xm), dot_pair16(u[3], xm));
-      const __m256 d = _mm256_mul_ps(sq.v[h], _mm256_loadu_ps(xd + m * ldd + 8 * h));
-      acc[m].v[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d, acc[m].v[h]);
+      for (int i = 0; i < 4; ++i) ws_half(w[i] + at + 64 * h, u[i]);
+      pair_into<MT>(h, x + h * lo, ldq, sq, xd, ldd, acc, [&](int i, const int8_t* xm) { return dot_pair16(u[i], xm); });
     }
   }
 }
