@@ -428,8 +428,9 @@ inline QS quad_sums(const uint8_t* const (&w)[4], size_t at, const int8_t* x, si
   return r;
 }
 // Several x rows' full step of a quad (qmm_fast.h's QMM_QUAD_ROWS), where
-// quad_rows_for(BITS, SPLIT, MT): the split contract's 8-bit weights (the
-// output head of GGUF's Q4_1 files, Q8_0) at 2-4 x rows. A pair of blocks of
+// quad_rows_for(BITS, SPLIT, MT); in 0.5.27 the split contract's 8-bit
+// weights (the output head of GGUF's Q4_1 files, Q8_0) at 2-4 x rows, since
+// 0.5.37 every tile of 2-5 rows but the fast contract's 8 bits. A pair of blocks of
 // the 4 rows in 16-bit lanes (ws_half: 4 registers a row) once, then for
 // each x row its 4 rows' sums of the pair, transposed and scaled into that
 // half of its accumulator (blocks 0-1: v[0], 2-3: v[1]) — fast_step's
@@ -443,18 +444,21 @@ inline QS quad_sums(const uint8_t* const (&w)[4], size_t at, const int8_t* x, si
 // exactly 4 rows -2 .. -6 % over SmolLM2's shapes, not checked in the
 // module), nor in the fast contract, which `auto` does not pick (8 bits:
 // 4 rows 7 % slower, 5 rows 17 % faster).
-// 4 bits (0.5.37), both contracts, every MT > 1: the same order, a pair of
-// blocks of the 4 rows unpacked (2 registers a row) and each x row's sums of
-// them transposed at once, where fast_step unpacked the whole step's 4 rows
-// (16 registers) beside 10 accumulators at MT = 5 and spilled. Both orders
-// in one process, in turns (a scratch switch; the same bits), medians of 9
-// rounds, SmolLM2's shapes at M = 2-16 (load 0.8-1.6): split, one thread,
-// 0.98-1.14x (5 rows: gate/up 1.05, down 1.14, q/k/v 1.05), two threads
-// 0.94-1.14x (gate/up 1.04-1.14), fast, one thread, 0.99-1.09x;
-// Llama-3.2-1B's gate/up 0.96-1.16x. (0.5.27's measurement above, at 4 bits
-// -5 .. +3 %, was of the code then.)
+// 0.5.37: every tile of 2-5 x rows of 4-, 5- and 6-bit weights (both
+// contracts: a pair of blocks' halves A and B, 2 registers a row, times x's
+// int8 bytes) and of 8-bit ones under the split contract (5 rows too), where
+// fast_step unpacked the whole step's 4 rows (16 registers at 4 bits, 32 at
+// 8) beside up to 10 accumulators and spilled. Both orders in one process,
+// in turns (a scratch switch; the same bits), medians of 9 rounds of 8
+// calls, SmolLM2's shapes (load 0.8-1.6), old / new time a call: 4 bits,
+// split, one thread, M = 2-16: 0.98-1.14x (5 rows: gate/up 1.05, down 1.14,
+// q/k/v 1.05), two threads 0.94-1.14x, fast 0.99-1.09x, Llama-3.2-1B's
+// gate/up 0.96-1.16x; 8 bits, split, 5 rows: the head (49152 x 576) 1.27x
+// on one thread, 1.15x on two, gate/up, down, q/k/v 1.05-1.20x; 5 bits
+// 0.96-1.13x (2 rows 1.11-1.13x), 6 bits at 5 rows 0.98-1.08x. (0.5.27's
+// figures above were of the code then.)
 #define QMM_QUAD_ROWS 1
-constexpr bool quad_rows_for(int bits, bool split, int mt) { return bits == 4 || (bits == 8 && split && mt <= 4); }
+constexpr bool quad_rows_for(int bits, bool split, int) { return bits != 8 || split; }
 // Each of MT x rows' sums of one pair of blocks of the 4 rows (dot(i, x
 // row's place): row i's), transposed together and scaled into half h of its
 // accumulator.
@@ -475,7 +479,7 @@ inline void quad_rows(const uint8_t* const (&w)[4], size_t at, const int8_t* x, 
   static_assert(quad_rows_for(BITS, SPLIT, MT));
 #pragma GCC unroll 2
   for (int h = 0; h < 2; ++h) {
-    if constexpr (BITS == 4) {  // halves A, B of the pair (unpack_half) times x's int8 bytes (dotx2)
+    if constexpr (BITS != 8) {  // halves A, B of the pair (unpack_half, 4-6 bits) times x's int8 bytes (dotx2)
       WR2 u[4];
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) u[i] = unpack_half<BITS>(w[i] + at + 8 * BITS * h);
