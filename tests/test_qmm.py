@@ -323,6 +323,32 @@ def test_the_fast_and_split_contracts_compute_their_stated_arithmetic_bit_for_bi
             assert np.array_equal(got, want), (isa, contract, Kd, M, np.abs(got - want).max())
 
 
+@pytest.mark.parametrize("isa", PATHS, indirect=True)
+@pytest.mark.parametrize("contract", ["fast", "split"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_x_blocks_of_zeros_subnormals_and_extremes_are_quantized_as_stated(isa, contract, bits):
+    # AVX2 quantizes a 32-block of x on vectors (qmm_ops_x86.h's x_block), the portable path and a
+    # block with an infinity or NaN a value at a time: the same bytes, so the reference's bits
+    Kd = 256  # 8 blocks a row
+    w, s, b = quantized(37, Kd, 32, bits, mx.float16, seed=bits)
+    rows = np.random.default_rng(bits).standard_normal((6, Kd)).astype(np.float32)
+    rows[0, :32] = 0.0  # a block of zeros (max |x| = 0: its scale 0)
+    rows[0, 32:64] = -0.0
+    rows[1, :32] *= np.float32(1e-39)  # subnormals beside a tiny normal maximum
+    rows[1, 5] = np.float32(-2e-30)
+    rows[1, 32:64] = np.float32(3e30) * np.sign(rows[1, 32:64])  # large magnitudes (the outputs still finite)
+    rows[2, 64:96] = 0.0
+    rows[2, 70] = np.float32(-1e-30)  # alone in a block of zeros: it becomes -127
+    rows[3] *= np.float32(1e6)
+    rows[4, 96:128] = np.linspace(-1.0, 1.0, 32, dtype=np.float32)  # ties at x * inv = k + 0.5
+    rows[5, 128:160] = np.float32(np.nan)
+    x = mx.array(rows)
+    got = np.array(K.qmm(x, w, s, b, 32, bits, contract=contract))
+    want = int8_reference(x[:5], w, s, b, 32, bits, split=contract == "split")
+    assert np.isfinite(got[:5]).all() and np.array_equal(got[:5], want), (isa, contract, bits)
+    assert np.isnan(got[5]).all()
+
+
 @pytest.mark.parametrize("contract", ["fast", "factored", "split"])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_fast_factored_and_split_contracts_give_the_same_bits_on_every_isa_path(contract, bits):

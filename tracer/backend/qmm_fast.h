@@ -421,9 +421,8 @@ void quantize_x_rows(const QmmJob& j, int8_t* xq, float* xd, float* xg) {
   const int B = j.K / kBlock, Bp = fast_blocks(j.K), Gp = fast_groups(j.K / j.group), per = j.group / kBlock;
   const size_t ldq = size_t(Bp) * kBlock;
   constexpr float kRound = 12582912.0f;
-  // The integers qi of x row m's block blk into xq row `row`.
-  const auto put = [&](size_t row, int blk, const int32_t* qi) {
-    int8_t* q = xq + row * ldq + blk / kStep * (kStep * kBlock) + blk % kStep * 16;
+  // A block's integers qi into its place q in an xq row.
+  const auto put = [&](int8_t* q, const int32_t* qi) {
     for (int i = 0; i < kBlock / 2; ++i) {
       if (j.bits != 8) {  // 4, 5 and 6 bits: the even-numbered weights, then the odd ones
         q[i] = int8_t(qi[2 * i]), q[64 + i] = int8_t(qi[2 * i + 1]);
@@ -436,6 +435,27 @@ void quantize_x_rows(const QmmJob& j, int8_t* xq, float* xd, float* xg) {
     float* xgm = xg + size_t(m) * Gp * kStep;
     for (int blk = 0; blk < B; ++blk) {
       const float* x = j.x + size_t(m) * j.ldx + blk * kBlock;
+      const auto place = [&](size_t row) { return xq + row * ldq + blk / kStep * (kStep * kBlock) + blk % kStep * 16; };
+      // the block's d and sum (xd's and xg's), from the ISA's vector code where it has one
+      const auto scaled = [&](float d, int sum) {
+        float* dm = xd + size_t(m) * Bp * kStep + blk / kStep * 16 + blk % kStep * kStep;
+        for (int i = 0; i < kStep; ++i) dm[i] = d;
+        const int g = blk / per;
+        float* gm = xgm + g / kStep * 16 + g % kStep * kStep;
+        const float v = (blk % per == 0 ? 0.0f : gm[0]) + d * float(sum);
+        for (int i = 0; i < kStep; ++i) gm[i] = v;
+      };
+#ifdef QMM_X_BLOCK
+      {
+        float d;
+        int sum;
+        if (x_block(x, j.bits != 8, place(j.split ? 2 * size_t(m) : size_t(m)),
+                    j.split ? place(2 * size_t(m) + 1) : nullptr, d, sum)) {
+          scaled(d, sum);
+          continue;
+        }
+      }
+#endif
       uint32_t abits = 0;  // max |x| as bits: non-negative floats order as their bits
       for (int i = 0; i < kBlock; ++i) abits = std::max(abits, std::bit_cast<uint32_t>(x[i]) & 0x7fffffffu);
       const float amax = std::bit_cast<float>(abits), inv = amax > 0.0f ? 127.0f / amax : 0.0f;
@@ -447,7 +467,7 @@ void quantize_x_rows(const QmmJob& j, int8_t* xq, float* xd, float* xg) {
         qi[i] = finite ? int32_t((x[i] * inv + kRound) - kRound) : 0;  // |x * inv| <= 127 (and a rounding)
         sum += qi[i];
       }
-      put(j.split ? 2 * size_t(m) : size_t(m), blk, qi);
+      put(place(j.split ? 2 * size_t(m) : size_t(m)), qi);
       if (j.split) {
         const float inv2 = inv * 128.0f;  // exact: a power of two
         int32_t ri[kBlock];
@@ -457,15 +477,10 @@ void quantize_x_rows(const QmmJob& j, int8_t* xq, float* xd, float* xg) {
           ri[i] = finite ? int32_t((r * inv2 + kRound) - kRound) : 0;  // |r * inv2| <= 64 (and roundings)
           sum2 += ri[i];
         }
-        put(2 * size_t(m) + 1, blk, ri);
+        put(place(2 * size_t(m) + 1), ri);
         d *= 0x1p-7f, sum = 128 * sum + sum2;
       }
-      float* dm = xd + size_t(m) * Bp * kStep + blk / kStep * 16 + blk % kStep * kStep;
-      for (int i = 0; i < kStep; ++i) dm[i] = d;
-      const int g = blk / per;
-      float* gm = xgm + g / kStep * 16 + g % kStep * kStep;
-      const float v = (blk % per == 0 ? 0.0f : gm[0]) + d * float(sum);
-      for (int i = 0; i < kStep; ++i) gm[i] = v;
+      scaled(d, sum);
     }
   }
 }

@@ -493,12 +493,83 @@ inline void quad_rows(const uint8_t* const (&w)[4], size_t at, const int8_t* x, 
     }
   }
 }
+// quantize_x_rows' block of 32 on vectors (QMM_X_BLOCK, 0.5.37): the same
+// operations a value — the max of |x|'s bits, (x * inv + 1.5 * 2^23) -
+// 1.5 * 2^23 unfused, the remainder's one fused multiply-add — so the same
+// bytes, sums and scales as the plain loops, which a finite block no longer
+// takes (they ran a value at a time: ~1 ms of a bucket-1 verify window of 5,
+// on the caller alone while the pool's worker waited). Its int8 part to q,
+// the split contract's remainder to r (where not null), each in the place's
+// order (even_odd: the even-numbered weights at q[0..15], the odd ones at
+// q[64..79]; else weights 0-15, then 16-31); d and sum as the loops leave
+// them. A block with an infinity or NaN (the loops' NaN), or whose 127 /
+// max |x| overflows (max |x| < 3.7e-37: the loops' conversions of
+// infinities), returns false: the loops take it, as before.
+#define QMM_X_BLOCK 1
+// 8 int32 lanes each of a, b, c, d (within int8) as 32 bytes in that order.
+inline __m256i bytes32(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i v = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+  return _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // dwords a0-3 b0-3 c0-3 d0-3 a4-7 ...
+}
+inline int hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+// 32 integers (4 vectors, weights 8 i .. 8 i + 7 in vector i) into a block's place; their sum.
+inline int place32(const __m256i (&v)[4], bool even_odd, int8_t* q) {
+  __m256i b = bytes32(v[0], v[1], v[2], v[3]);
+  if (even_odd) {  // each 128-bit lane's even bytes, then its odd ones; then the lanes' evens together
+    const __m256i eo = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                        0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    b = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(b, eo), _MM_SHUFFLE(3, 1, 2, 0));
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm256_castsi256_si128(b));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 64), _mm256_extracti128_si256(b, 1));
+  return hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3])));
+}
+inline bool x_block(const float* x, bool even_odd, int8_t* q, int8_t* r, float& d, int& sum) {
+  __m256 v[4];
+  __m256i a = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    a = _mm256_max_epu32(a, _mm256_and_si256(_mm256_castps_si256(v[i]), _mm256_set1_epi32(0x7fffffff)));
+  }
+  __m128i h = _mm_max_epu32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  h = _mm_max_epu32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(1, 0, 3, 2)));
+  h = _mm_max_epu32(h, _mm_shuffle_epi32(h, _MM_SHUFFLE(2, 3, 0, 1)));
+  const uint32_t abits = uint32_t(_mm_cvtsi128_si32(h));
+  if (abits >= 0x7f800000u) return false;
+  const float amax = std::bit_cast<float>(abits), inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+  if (!(inv <= std::numeric_limits<float>::max())) return false;  // max |x| < 127 / FLT_MAX: as the loops do
+  d = amax / 127.0f;
+  const __m256 round = _mm256_set1_ps(12582912.0f);
+  const auto ints = [&](__m256 y, float k, __m256& f) {  // (y * k + round) - round, and as int32
+    f = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(y, _mm256_set1_ps(k)), round), round);
+    return _mm256_cvtps_epi32(f);
+  };
+  __m256 qf[4];
+  __m256i qi[4];
+  for (int i = 0; i < 4; ++i) qi[i] = ints(v[i], inv, qf[i]);
+  sum = place32(qi, even_odd, q);
+  if (r != nullptr) {
+    __m256i ri[4];
+    for (int i = 0; i < 4; ++i) {
+      __m256 unused;
+      ri[i] = ints(_mm256_fnmadd_ps(_mm256_set1_ps(d), qf[i], v[i]), inv * 128.0f, unused);
+    }
+    sum = 128 * sum + place32(ri, even_odd, r);
+    d *= 0x1p-7f;
+  }
+  return true;
+}
 #include "qmm_isa.h"
 #include "qmm_fast.h"
 #undef QMM_HALF_TAIL
 #undef QMM_SPLIT16
 #undef QMM_QUAD_SUMS
 #undef QMM_QUAD_ROWS
+#undef QMM_X_BLOCK
 // The split contract's x (quantize_x_rows' two int8 rows an x row) relaid
 // in place for dot_s where the weights have 8 bits (4 bits: read as
 // written): each step's 256 bytes (its 128 weights' int8 part and
