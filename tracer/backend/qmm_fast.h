@@ -407,7 +407,9 @@ inline bool pipelines(int K, int bits) {
 // The fast contract's x (qmm.cpp's quantize_x): plain loops the compiler
 // vectorizes for this ISA, of exact operations only (max, a multiply, rounding
 // by adding and subtracting 1.5 * 2^23; the split contract's remainder one
-// fused multiply-add), so every ISA gives the same bytes.
+// fused multiply-add), so every ISA gives the same bytes; an ISA that
+// defines QMM_X_BLOCK (AVX2) takes a block with the same operations on its
+// vectors (x_block(x, even_odd, q, r, d, sum); false: the loops take it).
 // xq [M, Bp * 32]: per step of 4 blocks, half A of each block, then half B;
 // xd [M, Bp * 4]: block b's d at 16 (b / 4) + 4 (b % 4) + 0..3 (the lanes of
 // FQ's block b % 4); xg [M, Gp * 4] likewise per group: the sum over its
