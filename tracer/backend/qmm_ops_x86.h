@@ -544,20 +544,16 @@ inline bool x_block(const float* x, bool even_odd, int8_t* q, int8_t* r, float& 
   if (!(inv <= std::numeric_limits<float>::max())) return false;  // max |x| < 127 / FLT_MAX: as the loops do
   d = amax / 127.0f;
   const __m256 round = _mm256_set1_ps(12582912.0f);
-  const auto ints = [&](__m256 y, float k, __m256& f) {  // (y * k + round) - round, and as int32
-    f = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(y, _mm256_set1_ps(k)), round), round);
-    return _mm256_cvtps_epi32(f);
+  const auto rounded = [&](__m256 y, float k) {  // (y * k + round) - round: an integer
+    return _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(y, _mm256_set1_ps(k)), round), round);
   };
   __m256 qf[4];
   __m256i qi[4];
-  for (int i = 0; i < 4; ++i) qi[i] = ints(v[i], inv, qf[i]);
+  for (int i = 0; i < 4; ++i) qf[i] = rounded(v[i], inv), qi[i] = _mm256_cvtps_epi32(qf[i]);
   sum = place32(qi, even_odd, q);
   if (r != nullptr) {
     __m256i ri[4];
-    for (int i = 0; i < 4; ++i) {
-      __m256 unused;
-      ri[i] = ints(_mm256_fnmadd_ps(_mm256_set1_ps(d), qf[i], v[i]), inv * 128.0f, unused);
-    }
+    for (int i = 0; i < 4; ++i) ri[i] = _mm256_cvtps_epi32(rounded(_mm256_fnmadd_ps(_mm256_set1_ps(d), qf[i], v[i]), inv * 128.0f));
     sum = 128 * sum + place32(ri, even_odd, r);
     d *= 0x1p-7f;
   }
