@@ -313,8 +313,9 @@ def test_the_fast_and_split_contracts_compute_their_stated_arithmetic_bit_for_bi
     # 352 = 11 blocks of 32, 160 = 5, 320 = 10: a last step of 3, 1 or 2 blocks (its float16 scales and
     # biases gathered in part); 8352 = 65 steps and 1 block: one x row's tiles read a row in segments of
     # 64 steps (qmm_fast.h's kSeg), the last one short, or (AVX2: rows of >= 1 KB; VNNI: any) a quad's rows
-    # side by side; 2048 at groups 64 and 128: their scales widened, not read in place, side by side
-    for Kd in (384, 352, 160, 320, 8352) if group == 32 else (384, 2048):
+    # side by side; 2048 at groups 64 and 128: their scales widened, not read in place, side by side; 576 at
+    # group 64: a last step of 2 blocks (AVX2's tiles of 2-5 rows: a full step's first pair) beside widened scales
+    for Kd in (384, 352, 160, 320, 8352) if group == 32 else (384, 2048) + ((576,) if group == 64 else ()):
         w, s, b = quantized(37, Kd, group, bits, mx.float16, seed=bits + group)
         x = mx.random.normal((5, Kd), key=mx.random.key(group)) * mx.array([1.0, 1e-3, 40.0, 1.0, 0.5])[:, None]
         for M in (1, 5):

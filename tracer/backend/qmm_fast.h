@@ -70,7 +70,10 @@ struct Unpacked<8, true> {
 // An ISA may also run several x rows' full steps its own way (QMM_QUAD_ROWS:
 // quad_rows_for(bits, split, mt), quad_rows<BITS, SPLIT, MT>(rows, at, x, ldq,
 // lo, quad's scales, xd, ldd, acc[MT]): fast_step's MT > 1 branch, the same
-// integers and the same float operations into each accumulator lane).
+// integers and the same float operations into each accumulator lane; and a
+// row's last step of exactly 2 blocks as its first pair, quad_pair<BITS,
+// SPLIT, MT>(0, ...), where fast_half_step's loads and gathers checked
+// each block).
 #ifndef QMM_QUAD_SUMS
 // One x row's full step of a quad's 4 rows (packed at w[i] + at): their 16
 // blocks' sums (reduce_quad's order). An ISA may define its own (QMM_QUAD_SUMS).
@@ -161,6 +164,18 @@ inline void fast_step(const uint8_t* const (&w)[Q][kStep], const T* const (&s)[Q
   constexpr int bb = kBlock * BITS / 8;  // bytes a block
   const size_t at = size_t(k) * kStep * bb;
   const int kt = kStep * k;
+#ifdef QMM_QUAD_ROWS
+  if constexpr (kTail && MT > 1 && quad_rows_for(BITS, SPLIT, MT)) {
+    if (nb == kStep / 2) {  // blocks 0 and 1 alone: the ISA's first pair of a full step, the same operations
+#pragma GCC unroll 4
+      for (int q = 0; q < Q; ++q) {
+        quad_pair<BITS, SPLIT, MT>(0, w[q], at, xq + kt * kBlock, ldq, lo, quad_params(s[q], kt, nb), xd + kt * kStep,
+                                   ldd, acc[q]);
+      }
+      return;
+    }
+  }
+#endif
 #ifdef QMM_HALF_TAIL
   if constexpr (kTail && half_tail(BITS, MT)) {
     if (nb <= kStep / 2) return fast_half_step<Q, MT, BITS, SPLIT, T>(w, s, k, nb, xq, ldq, lo, xd, ldd, acc);

@@ -457,6 +457,16 @@ inline QS quad_sums(const uint8_t* const (&w)[4], size_t at, const int8_t* x, si
 // on one thread, 1.15x on two, gate/up, down, q/k/v 1.05-1.20x; 5 bits
 // 0.96-1.13x (2 rows 1.11-1.13x), 6 bits at 5 rows 0.98-1.08x. (0.5.27's
 // figures above were of the code then.)
+// 0.5.38: a row's last step of exactly 2 blocks (K = 576: SmolLM2's q/k/v,
+// o, gate/up and head) runs as a full step's first pair (quad_pair), whose
+// loads read just those blocks, not fast_half_step's (each 16 bytes and
+// scale behind a check of its block): the same operations, the same bits.
+// A standalone driver of the AVX2 unit (fast_rows on one thread, the two
+// ways in alternating rounds, medians, load ~1), old / new us a call:
+// 3072 x 576 at 5 rows 366 / 336 and 246 / 239, 8 rows 623 / 566, 13 rows
+// 1208 / 1121; 960 x 576 at 5 rows 82 / 74; 576 x 576 at 5 rows 49 / 44;
+// the 8-bit head 49152 x 576 at 5 rows 6369 / 5718 and 8350 / 7495; 5 bits
+// at 2 rows 95 / 75, 6 bits at 4 rows 149 / 130.
 #define QMM_QUAD_ROWS 1
 constexpr bool quad_rows_for(int bits, bool split, int) { return bits != 8 || split; }
 // Each of MT x rows' sums of one pair of blocks of the 4 rows (dot(i, x
@@ -473,25 +483,30 @@ template <int MT, class Dot>
     acc[m].v[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d, acc[m].v[h]);
   }
 }
+// Pair h (blocks 2 h, 2 h + 1) of a quad's step at `at` into half h of MT
+// x rows' accumulators; its loads read those two blocks' bytes alone.
+template <int BITS, bool SPLIT, int MT>
+[[gnu::always_inline]] inline void quad_pair(int h, const uint8_t* const (&w)[4], size_t at, const int8_t* x, size_t ldq,
+                                             size_t lo, const FQ& sq, const float* xd, size_t ldd, FQ (&acc)[MT]) {
+  static_assert(quad_rows_for(BITS, SPLIT, MT));
+  if constexpr (BITS != 8) {  // halves A, B of the pair (unpack_half, 4-6 bits) times x's int8 bytes (dotx2)
+    WR2 u[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) u[i] = unpack_half<BITS>(w[i] + at + 8 * BITS * h);
+    pair_into<MT>(h, x + 32 * h, ldq, sq, xd, ldd, acc,
+                  [&](int i, const int8_t* xm) { return dotx2<BITS, SPLIT>(u[i], xm, lo); });
+  } else {  // 16-bit lanes (ws_half) times split16_x's integers
+    __m256i u[4][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) ws_half(w[i] + at + 64 * h, u[i]);
+    pair_into<MT>(h, x + h * lo, ldq, sq, xd, ldd, acc, [&](int i, const int8_t* xm) { return dot_pair16(u[i], xm); });
+  }
+}
 template <int BITS, bool SPLIT, int MT>
 inline void quad_rows(const uint8_t* const (&w)[4], size_t at, const int8_t* x, size_t ldq, size_t lo, const FQ& sq,
                       const float* xd, size_t ldd, FQ (&acc)[MT]) {
-  static_assert(quad_rows_for(BITS, SPLIT, MT));
 #pragma GCC unroll 2
-  for (int h = 0; h < 2; ++h) {
-    if constexpr (BITS != 8) {  // halves A, B of the pair (unpack_half, 4-6 bits) times x's int8 bytes (dotx2)
-      WR2 u[4];
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) u[i] = unpack_half<BITS>(w[i] + at + 8 * BITS * h);
-      pair_into<MT>(h, x + 32 * h, ldq, sq, xd, ldd, acc,
-                    [&](int i, const int8_t* xm) { return dotx2<BITS, SPLIT>(u[i], xm, lo); });
-    } else {  // 16-bit lanes (ws_half) times split16_x's integers
-      __m256i u[4][4];
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) ws_half(w[i] + at + 64 * h, u[i]);
-      pair_into<MT>(h, x + h * lo, ldq, sq, xd, ldd, acc, [&](int i, const int8_t* xm) { return dot_pair16(u[i], xm); });
-    }
-  }
+  for (int h = 0; h < 2; ++h) quad_pair<BITS, SPLIT, MT>(h, w, at, x, ldq, lo, sq, xd, ldd, acc);
 }
 // quantize_x_rows' block of 32 on vectors (QMM_X_BLOCK, 0.5.37): the same
 // operations a value — the max of |x|'s bits, (x * inv + 1.5 * 2^23) -
