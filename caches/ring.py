@@ -122,6 +122,12 @@ class RingCache(StaticKVCache):
     def _advanced(self, plan: StepPlan):
         self.head = (self.head + 1) % self.max_size
 
+    def _verify_twin(self, other) -> bool:
+        return super()._verify_twin(other) and self.max_size == other.max_size
+
+    def _took_verify(self, other):
+        self.head = other.head  # a window's commit sets it from the time, the window and W alone
+
     def finalize(self):
         """Rows are realigned at every window step; this ends the prepared prompt."""
         self.rows.pending = None

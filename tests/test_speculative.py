@@ -6,6 +6,7 @@ distribution, and clear errors for bad settings."""
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import mlx.core as mx
 import numpy as np
@@ -305,6 +306,39 @@ def test_a_verify_step_leaves_a_wrapped_ring_as_plain_decoding_would():
             assert ks.shape == kp.shape and ks.shape[2] == SLIDE  # wrapped: a full window of the newest tokens
             assert np.allclose(np.array(ks), np.array(kp), atol=1e-5) and np.allclose(np.array(vs), np.array(vp), atol=1e-5)
     assert {"none", "part"} <= outcomes and compared > 5
+
+
+@pytest.mark.parametrize("family", ["llama_mixed", "ring_only"])
+def test_a_verify_steps_books_advance_once_a_family_as_each_cache_alone_would(monkeypatch, family):
+    """A verify step advances each family's row books once and hands the result
+    to the family's other caches (StaticKVCache.advance_verify_all): every
+    cache's book (offsets, left padding, time; a ring's head) equals what its
+    own advance_verify leaves, over continuous batching (rows joining and
+    leaving, buckets 1-4) with drafts refused, partly and fully kept."""
+    from mlx_tracer.caches.batch import StaticKVCache
+
+    real = StaticKVCache.advance_verify_all
+    took = []
+
+    def checked(caches, plans, valid):
+        alone = []
+        for c, plan in zip(caches, plans):
+            twin = copy.copy(c)  # the same buffers; its own book
+            twin.rows = c.rows.copy()
+            twin.advance_verify(plan, np.asarray(valid)[: c.n])
+            alone.append(twin)
+        real(caches, plans, valid)
+        took.append(sum(c.rows.offsets is caches[0].rows.offsets for c in caches[1:]))
+        for c, twin in zip(caches, alone):
+            got, want = c.rows, twin.rows
+            assert got.time == want.time and got.offsets.tolist() == want.offsets.tolist()
+            assert got.left_padding.tolist() == want.left_padding.tolist()
+            assert getattr(c, "head", None) == getattr(twin, "head", None)
+
+    monkeypatch.setattr(StaticKVCache, "advance_verify_all", staticmethod(checked))
+    spec, eng = _run(tiny_model(family), speculative="prompt-lookup", draft_tokens=4)
+    assert eng.stats.verify_steps == len(took) > 0 and 0 < eng.stats.accepted < eng.stats.drafted
+    assert max(took) > 0  # the family's first book served the others
 
 
 def test_drafts_past_a_stop_token_or_the_budget_are_cut_where_plain_decoding_stops():

@@ -299,13 +299,11 @@ class CompiledModel:
         out, new_kv = self._run("verify", "greedy" if sampler is None else "sample", False, caches, tokens, plans, extra,
                                 top=self._top(top))
         result = VerifyResult(**out)
-        for c, (k, v) in zip(caches, new_kv):  # adopted before evaluation, as a decode step's: the window's
-            c.adopt(k, v)                      # writes then find the old buffers unshared and run in place
-        mx.eval(*[a for a in (result.count, result.tokens, result.logprobs, result.keys, result.top_tokens,
-                              result.top_logprobs) if a is not None])
-        valid = np.array(result.count)
-        for c, f in zip(caches, self.layout.family_of):  # commit_verify's bookkeeping half
-            c.advance_verify(plans[f], valid[: c.n])
+        for c, (k, v) in zip(caches, new_kv):  # adopted before evaluation, as a decode step's (the window's
+            c.keys, c.values = k, v            # writes then find the old buffers unshared and run in place),
+        mx.eval(*[a for a in (result.count, result.tokens, result.logprobs, result.keys, result.top_tokens,  # without
+                              result.top_logprobs) if a is not None])  # adopt's checks: the trace returns fit's shapes
+        StaticKVCache.advance_verify_all(caches, [plans[f] for f in self.layout.family_of], np.array(result.count))
         return result
 
     def _check(self, caches, tokens) -> mx.array:
