@@ -379,6 +379,27 @@ def test_context_ratio_script_takes_turns_and_prints_a_ratio_per_bucket():
     assert bad.returncode == 2 and "positive" in bad.stderr
 
 
+def test_the_isa_rates_script_measures_each_operation_and_the_split_contracts_ceiling():
+    """benchmarks/isa_rates.py (a C program built with the system's compiler, one
+    core): a positive rate per operation and pair, and the split contract's
+    cycles per 64 multiply-adds of an x row turned into a rate at the measured clock."""
+    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if " avx2" not in cpu or " fma" not in cpu:
+        pytest.skip("needs an x86-64 CPU with AVX2 and FMA")
+    cmd = [sys.executable, "benchmarks/isa_rates.py", "--reps", "1", "--loops", "2000000"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    clock = float(re.search(r"clock ~([0-9.]+) GHz", out.stdout).group(1))
+    rates = re.findall(r"^  (v[a-z0-9 +]+?)\s+([0-9.]+) a cycle$", out.stdout, re.M)
+    assert [name for name, _ in rates][:5] == ["vpmaddubsw", "vpmaddwd", "vpaddd", "vpunpckldq", "vfmadd231ps"]
+    assert len(rates) == 8 and all(float(r) > 0 for _, r in rates)
+    cycles, rate = re.search(r"([0-9.]+) cycles per 64 multiply-adds of an x row: ([0-9.]+) G", out.stdout).groups()
+    assert clock > 0 and float(rate) == pytest.approx(64 / float(cycles) * clock, rel=0.01)
+    bad = subprocess.run([sys.executable, "benchmarks/isa_rates.py", "--reps", "0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "positive" in bad.stderr
+
+
 def test_the_speculation_ceiling_replays_prompts_the_bench_does_not_run():
     """benchmarks/spec_ceiling.py --workload takes the bench's workloads and one
     it does not run (a policy judged on text it was not tuned on); another name

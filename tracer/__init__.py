@@ -14,7 +14,7 @@ model loaders or the benchmark.
 
 from importlib import import_module as _import_module
 
-__version__ = "0.5.38"
+__version__ = "0.5.39"
 
 # First, before anything imports mlx: bind MLX's CPU matmuls to a fast BLAS.
 from .backend import blas as _blas
