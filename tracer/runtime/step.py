@@ -299,10 +299,12 @@ class CompiledModel:
         out, new_kv = self._run("verify", "greedy" if sampler is None else "sample", False, caches, tokens, plans, extra,
                                 top=self._top(top))
         result = VerifyResult(**out)
-        for c, (k, v) in zip(caches, new_kv):  # adopted before evaluation, as a decode step's (the window's
-            c.keys, c.values = k, v            # writes then find the old buffers unshared and run in place),
-        mx.eval(*[a for a in (result.count, result.tokens, result.logprobs, result.keys, result.top_tokens,  # without
-                              result.top_logprobs) if a is not None])  # adopt's checks: the trace returns fit's shapes
+        # the buffers adopted before evaluation, as a decode step's (the window's writes then find the old ones
+        # unshared and run in place), without adopt's checks: the trace returns the shapes fit handed in
+        for c, (k, v) in zip(caches, new_kv):
+            c.keys, c.values = k, v
+        mx.eval(*[a for a in (result.count, result.tokens, result.logprobs, result.keys, result.top_tokens,
+                              result.top_logprobs) if a is not None])
         StaticKVCache.advance_verify_all(caches, [plans[f] for f in self.layout.family_of], np.array(result.count))
         return result
 
