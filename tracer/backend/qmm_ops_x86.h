@@ -360,7 +360,9 @@ inline FQ fq_fma_sums2(QS2 s, const FQ& d, const FQ& a) {
 // madd (16-bit products, pairs summed in 32 bits: no saturation for weights
 // < 256); per 64 weights and x row 4 multiplies, against 12 for maddubs on
 // each nibble of the weights, twice. (4 bits stay on maddubs: unpacking
-// nibbles to 16-bit lanes costs more than the multiplies it saves, measured.)
+// nibbles to 16-bit lanes costs more than the multiplies it saves, measured;
+// at 4-8 x rows too, where the widening of a quad's pair is shared by all
+// of them: 0.88-0.95x per call and per bucket-4/8 step, docs/design.md.)
 // WS.v[h][c]: blocks 2 h, 2 h + 1 (its 128-bit lanes), lane j weight 8 c + j;
 // x (split16_x) in that order: a step's blocks 0, 1 at x (the int8 part's
 // place, 128 bytes), blocks 2, 3 at x + lo (the remainder's), vector c of
